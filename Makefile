@@ -1,0 +1,44 @@
+# Pygmy: one entry point for people and CI. Everything runs from the virtualenv in .venv.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+ARGS ?=
+QUICK ?=
+
+.PHONY: install run test lint bench experiments compose-up compose-down compose-test clean
+
+$(BIN)/pygmy: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+install: $(BIN)/pygmy
+
+run: install
+	$(BIN)/pygmy up $(ARGS)
+
+test: install
+	$(BIN)/ruff check .
+	$(BIN)/pytest -q
+
+lint: install
+	$(BIN)/ruff check .
+
+bench: install
+	$(BIN)/python -m experiments.bench
+
+experiments: install
+	$(BIN)/python -m experiments.run_all $(if $(QUICK),--quick,)
+
+compose-up: install
+	bash scripts/compose.sh up
+
+compose-down:
+	bash scripts/compose.sh down
+
+compose-test: install
+	bash scripts/compose.sh test
+
+clean:
+	rm -rf $(VENV) data build *.egg-info
