@@ -1,0 +1,113 @@
+"""The catalog service: books by item number and topic; stock and cost change only through the log."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from flask import Flask, Response, jsonify, request
+
+from catalog import books as catalogue
+from catalog.state import CatalogState
+from cluster.config import ClusterConfig
+from cluster.web import fail, int_field, json_body, parse_item
+from replication.service import ReplicaRuntime
+
+log = logging.getLogger(__name__)
+
+MAX_STOCK_DELTA = 1_000_000_000
+MAX_COST = 1_000_000_000.0
+
+
+def _answer(result: dict[str, Any]) -> Response:
+    """A command's result as HTTP: the book on success, its error code otherwise."""
+    if not result["ok"]:
+        fail(result["error"]["code"], result["error"]["message"])
+    return jsonify(result["book"])
+
+
+class Restocker:
+    """Periodic delivery of new stock for sold-out books, proposed by the leader through the log."""
+
+    def __init__(self, runtime: ReplicaRuntime, every: float, amount: int) -> None:
+        self.runtime, self.every, self.amount = runtime, every, amount
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="restocker", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            if self.runtime.node.is_leader():
+                try:
+                    self.runtime.propose({"op": "restock", "amount": self.amount}, timeout=self.every)
+                except Exception as exc:  # the next round tries again; a lost round only delays delivery
+                    log.warning("restock round failed: %s", exc)
+
+
+def create_app(config: ClusterConfig, k: int) -> Flask:
+    state = CatalogState(config.replica_dir(f"catalog-{k}") / "state.db")
+    state.seed(catalogue.load(config.books))
+    rt = ReplicaRuntime("catalog", k, config, state)
+    app = rt.create_app()
+    app.extensions["pygmy_runtime"] = rt
+
+    @app.get("/books/<item>")
+    @rt.guard
+    def get_book(item: str) -> Response:
+        number = parse_item(item)
+        rt.ensure_readable()
+        book = state.book(number)
+        if book is None:
+            fail(404, f"no book with item number {number}")
+        return jsonify(book)
+
+    @app.get("/books")
+    @rt.guard
+    def search() -> Response:
+        topic = request.args.get("topic", "")
+        rt.ensure_readable()
+        return jsonify({"topic": topic, "items": state.search(topic), "applied_index": state.applied_index()})
+
+    @app.post("/books/<item>/decrement")
+    @rt.guard
+    def decrement(item: str) -> Response:
+        number = parse_item(item)
+        body = json_body(required=True)
+        quantity = int_field(body, "quantity", 1, 1000)
+        key = body.get("key")
+        if not isinstance(key, str) or not 0 < len(key) <= 256:
+            fail(400, "key must be a non-empty string")
+        rt.leader_only()
+        return _answer(rt.propose({"op": "decrement", "item": number, "quantity": quantity, "key": key}))
+
+    @app.post("/books/<item>/update")
+    @rt.guard
+    def update(item: str) -> Response:
+        number = parse_item(item)
+        body = json_body(required=True)
+        command: dict[str, Any] = {"op": "update", "item": number}
+        if "stock_delta" in body:
+            command["stock_delta"] = int_field(body, "stock_delta", -MAX_STOCK_DELTA, MAX_STOCK_DELTA)
+        if "cost" in body:
+            cost = body["cost"]
+            if not isinstance(cost, int | float) or isinstance(cost, bool) or not 0 <= cost <= MAX_COST:
+                fail(400, f"cost must be a number from 0 to {MAX_COST:.0f}")
+            command["cost"] = float(cost)
+        if len(command) == 2:
+            fail(400, "give stock_delta, cost, or both")
+        rt.leader_only()
+        return _answer(rt.propose(command))
+
+    rt.start()
+    if config.restock_every > 0 and config.restock_amount > 0:
+        restocker = Restocker(rt, config.restock_every, config.restock_amount)
+        restocker.start()
+        app.extensions["pygmy_restocker"] = restocker
+    return app

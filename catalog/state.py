@@ -1,0 +1,125 @@
+"""The catalog's replicated state: books, and the idempotency keys of the decrements already done.
+
+Every change is a command applied by ``CatalogState.execute`` in log order, so all replicas that
+applied the same prefix hold the same books. Money is kept in integer cents so digests never
+depend on float formatting.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from typing import Any
+
+from catalog.books import topic_key
+from replication.statemachine import SQLiteStateMachine
+
+
+def cents(cost: float) -> int:
+    return int(round(cost * 100))
+
+
+def book_dict(row: sqlite3.Row) -> dict[str, Any]:
+    return {
+        "item_number": row["item_number"], "title": row["title"], "topic": row["topic"],
+        "stock": row["stock"], "cost": row["cost_cents"] / 100, "version": row["version"],
+    }
+
+
+def error(code: int, message: str) -> dict[str, Any]:
+    return {"ok": False, "error": {"code": code, "message": message}}
+
+
+class CatalogState(SQLiteStateMachine):
+    schema = (
+        """CREATE TABLE IF NOT EXISTS books (
+               item_number INTEGER PRIMARY KEY, title TEXT NOT NULL, topic TEXT NOT NULL,
+               topic_key TEXT NOT NULL, stock INTEGER NOT NULL CHECK (stock >= 0),
+               cost_cents INTEGER NOT NULL, version INTEGER NOT NULL DEFAULT 0)""",
+        "CREATE INDEX IF NOT EXISTS books_topic ON books(topic_key, item_number)",
+        "CREATE TABLE IF NOT EXISTS idempotency (key TEXT PRIMARY KEY, result TEXT NOT NULL)",
+    )
+    digest_tables = (("books", "item_number"),)
+
+    def seed(self, books: list[dict[str, Any]]) -> None:
+        """Load the initial catalogue into a brand-new replica (identical on every replica)."""
+        with self._write_lock:
+            conn = self._conn()
+            conn.execute("BEGIN IMMEDIATE")
+            if conn.execute("SELECT COUNT(*) FROM books").fetchone()[0] == 0 and self.applied_index() == 0:
+                conn.executemany(
+                    "INSERT INTO books(item_number, title, topic, topic_key, stock, cost_cents) VALUES (?,?,?,?,?,?)",
+                    [(b["item_number"], b["title"], b["topic"], topic_key(b["topic"]), b["stock"], cents(b["cost"]))
+                     for b in books],
+                )
+            conn.execute("COMMIT")
+
+    # -- reads ------------------------------------------------------------------------------------
+    def book(self, item: int) -> dict[str, Any] | None:
+        rows = self.read("SELECT * FROM books WHERE item_number=?", (item,))
+        return book_dict(rows[0]) if rows else None
+
+    def search(self, topic: str) -> list[dict[str, Any]]:
+        rows = self.read(
+            "SELECT item_number, title FROM books WHERE topic_key=? ORDER BY item_number", (topic_key(topic),)
+        )
+        return [{"item_number": r["item_number"], "title": r["title"]} for r in rows]
+
+    def books(self) -> list[dict[str, Any]]:
+        return [book_dict(r) for r in self.read("SELECT * FROM books ORDER BY item_number")]
+
+    # -- commands ---------------------------------------------------------------------------------
+    def execute(self, conn: sqlite3.Connection, index: int, command: dict[str, Any]) -> Any:
+        op = command["op"]
+        if op == "decrement":
+            return self._decrement(conn, index, command)
+        if op == "update":
+            return self._update(conn, index, command)
+        if op == "restock":
+            return self._restock(conn, index, command)
+        raise ValueError(f"unknown catalog command {op!r}")
+
+    def _row(self, conn: sqlite3.Connection, item: int) -> sqlite3.Row | None:
+        return conn.execute("SELECT * FROM books WHERE item_number=?", (item,)).fetchone()
+
+    def _decrement(self, conn: sqlite3.Connection, index: int, cmd: dict[str, Any]) -> dict[str, Any]:
+        key = cmd["key"]
+        seen = conn.execute("SELECT result FROM idempotency WHERE key=?", (key,)).fetchone()
+        if seen:
+            return json.loads(seen[0])
+        item, quantity = cmd["item"], cmd["quantity"]
+        # One conditional statement decides: concurrent buyers can never take stock below zero.
+        cur = conn.execute(
+            "UPDATE books SET stock = stock - ?, version = ? WHERE item_number = ? AND stock >= ?",
+            (quantity, index, item, quantity),
+        )
+        row = self._row(conn, item)
+        if cur.rowcount == 1:
+            result = {"ok": True, "book": book_dict(row)}
+        elif row is None:
+            result = error(404, f"no book with item number {item}")
+        else:
+            result = error(409, f"out of stock: {row['stock']} left of item {item}, {quantity} wanted")
+        conn.execute("INSERT INTO idempotency(key, result) VALUES (?, ?)", (key, json.dumps(result)))
+        return result
+
+    def _update(self, conn: sqlite3.Connection, index: int, cmd: dict[str, Any]) -> dict[str, Any]:
+        item = cmd["item"]
+        row = self._row(conn, item)
+        if row is None:
+            return error(404, f"no book with item number {item}")
+        delta = cmd.get("stock_delta") or 0
+        if row["stock"] + delta < 0:
+            return error(409, f"stock would go negative: {row['stock']} in stock, delta {delta}")
+        cost = cents(cmd["cost"]) if cmd.get("cost") is not None else row["cost_cents"]
+        conn.execute(
+            "UPDATE books SET stock = stock + ?, cost_cents = ?, version = ? WHERE item_number = ?",
+            (delta, cost, index, item),
+        )
+        return {"ok": True, "book": book_dict(self._row(conn, item))}
+
+    def _restock(self, conn: sqlite3.Connection, index: int, cmd: dict[str, Any]) -> dict[str, Any]:
+        """New stock arrives for every sold-out book (the original Pygmy store's periodic delivery)."""
+        items = [r[0] for r in conn.execute("SELECT item_number FROM books WHERE stock = 0")]
+        conn.execute("UPDATE books SET stock = stock + ?, version = ? WHERE stock = 0", (cmd["amount"], index))
+        return {"ok": True, "items": items}

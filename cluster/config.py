@@ -1,0 +1,142 @@
+"""Cluster settings: names, ports, URLs, data locations and the shared secret.
+
+One ``ClusterConfig`` describes the whole topology. ``pygmy up`` writes it to ``D/run/cluster.json``
+so that ``pygmy start NAME`` restarts a single service with exactly the same settings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+TIERS = ("frontend", "catalog", "order")
+TIER_OFFSET = {"catalog": 100, "order": 200}
+
+
+@dataclass
+class ClusterConfig:
+    port_base: int = 8000
+    bind: str = "127.0.0.1"
+    data_dir: str = "data"
+    catalog_replicas: int = 3
+    order_replicas: int = 3
+    frontends: int = 1
+    frontend_workers: int = 2
+    cache: bool = True
+    cache_size: int = 10_000
+    books: str | None = None
+    restock_every: float = 0.0
+    restock_amount: int = 0
+    #: Explicit peer URLs (containers address peers by service name); empty means derive from ports.
+    catalog_urls: list[str] = field(default_factory=list)
+    order_urls: list[str] = field(default_factory=list)
+    #: Hostname other services use to reach this one (containers: the service name).
+    advertise_host: str | None = None
+    #: Overrides the derived port of the one service ``pygmy serve`` runs (containers: all on 8000).
+    port: int | None = None
+    replica_threads: int = 32
+    #: How long the frontend keeps retrying a buy (same idempotency key) across a failover.
+    buy_deadline: float = 5.0
+
+    # -- naming and addressing ----------------------------------------------------------------
+    def replicas(self, tier: str) -> int:
+        return {"catalog": self.catalog_replicas, "order": self.order_replicas, "frontend": self.frontends}[tier]
+
+    def names(self) -> list[str]:
+        """Every service name, in start order (replicas before the frontends that route to them)."""
+        return [f"{tier}-{k}" for tier in ("catalog", "order", "frontend") for k in range(1, self.replicas(tier) + 1)]
+
+    def local_port(self, tier: str, k: int) -> int:
+        if tier == "frontend":
+            return self.port_base + k - 1
+        return self.port_base + TIER_OFFSET[tier] + k
+
+    def _host(self) -> str:
+        if self.advertise_host:
+            return self.advertise_host
+        return "127.0.0.1" if self.bind in ("0.0.0.0", "::", "") else self.bind
+
+    def urls(self, tier: str) -> list[str]:
+        explicit = {"catalog": self.catalog_urls, "order": self.order_urls}.get(tier)
+        if explicit:
+            return list(explicit)
+        host = "127.0.0.1" if self.bind in ("0.0.0.0", "::", "") else self.bind
+        return [f"http://{host}:{self.local_port(tier, k)}" for k in range(1, self.replicas(tier) + 1)]
+
+    def peers(self, tier: str) -> dict[str, str]:
+        """``{name: url}`` of one replicated tier."""
+        return {f"{tier}-{k}": url for k, url in enumerate(self.urls(tier), start=1)}
+
+    def frontend_url(self, k: int = 1) -> str:
+        return f"http://{self._host()}:{self.local_port('frontend', k)}"
+
+    def listen_port(self, tier: str, k: int) -> int:
+        return self.port if self.port is not None else self.local_port(tier, k)
+
+    # -- files ----------------------------------------------------------------------------------
+    @property
+    def root(self) -> Path:
+        return Path(self.data_dir).resolve()
+
+    def run_dir(self) -> Path:
+        return self.root / "run"
+
+    def log_dir(self) -> Path:
+        return self.root / "logs"
+
+    def replica_dir(self, name: str) -> Path:
+        return self.root / name
+
+    def pid_file(self, name: str) -> Path:
+        return self.run_dir() / f"{name}.pid"
+
+    def cluster_file(self) -> Path:
+        return self.run_dir() / "cluster.json"
+
+    def secret(self, create: bool = False) -> str:
+        """``PYGMY_SECRET`` if set, else ``D/secret`` (created with a random value when asked)."""
+        env = os.environ.get("PYGMY_SECRET")
+        if env:
+            return env
+        path = self.root / "secret"
+        if not path.exists():
+            if not create:
+                raise RuntimeError(f"no cluster secret: set PYGMY_SECRET or run 'pygmy up' to create {path}")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(secrets.token_hex(24))
+            path.chmod(0o600)
+        return path.read_text().strip()
+
+    # -- persistence ------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def save(self) -> None:
+        self.run_dir().mkdir(parents=True, exist_ok=True)
+        tmp = self.cluster_file().with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2))
+        tmp.replace(self.cluster_file())
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ClusterConfig:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    @classmethod
+    def load(cls, data_dir: str) -> ClusterConfig:
+        path = Path(data_dir) / "run" / "cluster.json"
+        if not path.exists():
+            raise RuntimeError(f"{path} not found: start the cluster with 'pygmy up --data-dir {data_dir}' first")
+        return cls.from_dict(json.loads(path.read_text()))
+
+
+def parse_name(name: str) -> tuple[str, int]:
+    """``catalog-2`` -> ``("catalog", 2)``; raises ValueError on anything else."""
+    tier, _, k = name.rpartition("-")
+    if tier not in TIERS or not k.isdigit() or int(k) < 1:
+        raise ValueError(f"unknown service name {name!r} (expected e.g. frontend-1, catalog-2, order-3)")
+    return tier, int(k)

@@ -1,0 +1,80 @@
+"""Run one Pygmy service in the foreground under Gunicorn (``pygmy serve``).
+
+Replicas run ONE worker process (with threads) on purpose: the replication node, its log and its
+leader state must live in a single process. The frontend runs ``--frontend-workers`` processes;
+everything it keeps in memory is written to be correct with several of them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from gunicorn.app.base import BaseApplication
+
+from cluster.config import ClusterConfig
+
+
+class _Gunicorn(BaseApplication):
+    def __init__(self, factory: Callable[[], Any], options: dict[str, Any]) -> None:
+        self.factory, self.options = factory, options
+        super().__init__()
+
+    def load_config(self) -> None:
+        for key, value in self.options.items():
+            self.cfg.set(key, value)
+
+    def load(self) -> Any:
+        return self.factory()
+
+
+def _worker_exit(server: Any, worker: Any) -> None:
+    """Stop the threads the app started (replication node, sweepers) when Gunicorn stops a worker."""
+    app = getattr(worker, "wsgi", None)
+    for ext in ("pygmy_buys", "pygmy_restocker", "pygmy_frontend", "pygmy_runtime"):
+        owner = getattr(app, "extensions", {}).get(ext)
+        if owner is not None:
+            try:
+                owner.stop()
+            except Exception:  # keep stopping the others
+                logging.getLogger(__name__).exception("stopping %s", ext)
+
+
+def factory_for(tier: str, config: ClusterConfig, k: int) -> Callable[[], Any]:
+    def build() -> Any:
+        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {tier}-{k} %(levelname)s %(name)s: %(message)s")
+        if tier == "catalog":
+            from catalog.app import create_app
+        elif tier == "order":
+            from order.app import create_app
+        else:
+            from frontend.app import create_app
+        return create_app(config, k)
+
+    return build
+
+
+def serve(tier: str, config: ClusterConfig, k: int) -> None:
+    workers = config.frontend_workers if tier == "frontend" else 1
+    options = {
+        "bind": f"{config.bind}:{config.listen_port(tier, k)}",
+        "workers": workers,
+        "worker_class": "gthread",
+        "threads": 16 if tier == "frontend" else config.replica_threads,
+        "timeout": 30,
+        "graceful_timeout": 10,
+        "keepalive": 30,
+        "backlog": 1024,
+        # URLs up to 8 KiB and headers up to 16 KiB must reach the app (which answers in JSON).
+        "limit_request_line": 0,
+        "limit_request_field_size": 32768,
+        "limit_request_fields": 100,
+        "preload_app": False,
+        "worker_exit": _worker_exit,
+        "proc_name": f"pygmy-{tier}-{k}",
+        "accesslog": None,
+        "errorlog": "-",
+        "loglevel": "info",
+    }
+    _Gunicorn(factory_for(tier, config, k), options).run()

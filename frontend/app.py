@@ -1,0 +1,130 @@
+"""The frontend: the only tier clients talk to. Validates input, routes reads and writes, caches reads.
+
+Each Gunicorn worker builds its own app (own routers, own leader hints); nothing here assumes a
+single worker.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import requests
+from flask import Flask, Response, jsonify, request
+
+from cluster.config import ClusterConfig
+from cluster.web import create_base_app, fail, int_field, json_body, parse_item, require_secret
+from replication.router import Reply, TierRouter, TierUnavailable
+
+READ_DEADLINE = 3.0
+UPDATE_DEADLINE = 5.0
+MAX_KEY = 200
+MAX_STOCK_DELTA = 1_000_000_000
+MAX_COST = 1_000_000_000.0
+BOOK_FIELDS = ("item_number", "title", "topic", "stock", "cost")
+
+
+def passthrough(reply: Reply, fields: tuple[str, ...] | None = None) -> Response:
+    """A backend answer as ours: success bodies trimmed to the public fields, errors as errors."""
+    if reply.status != 200:
+        err = reply.body.get("error", {})
+        fail(reply.status if 400 <= reply.status < 500 else 502, err.get("message", "backend error"))
+    body = reply.body if fields is None else {k: reply.body[k] for k in fields}
+    return jsonify(body)
+
+
+def create_app(config: ClusterConfig, k: int = 1) -> Flask:
+    name = f"frontend-{k}"
+    secret = config.secret()
+    app = create_base_app(name)
+    catalog = TierRouter("catalog", config.peers("catalog"), secret)
+    orders = TierRouter("order", config.peers("order"), secret)
+    admin = require_secret(secret)
+    probe = ThreadPoolExecutor(max_workers=2, thread_name_prefix="health")
+
+    def call(fn: Any, *args: Any, **kw: Any) -> Reply:
+        try:
+            return fn(*args, **kw)
+        except TierUnavailable as exc:
+            fail(503, f"{exc.tier} tier unavailable, try again ({exc.last})")
+
+    @app.get("/search/<path:topic>")
+    def search(topic: str) -> Response:
+        reply = call(catalog.read, "/books", time.monotonic() + READ_DEADLINE, params={"topic": topic})
+        return jsonify({"topic": topic, "items": reply.body["items"]}) if reply.status == 200 else passthrough(reply)
+
+    @app.get("/lookup/<item>")
+    def lookup(item: str) -> Response:
+        number = parse_item(item)
+        return passthrough(call(catalog.read, f"/books/{number}", time.monotonic() + READ_DEADLINE), BOOK_FIELDS)
+
+    @app.post("/buy/<item>")
+    def buy(item: str) -> Response:
+        number = parse_item(item)
+        key = request.headers.get("Idempotency-Key")
+        if key is not None and not 0 < len(key) <= MAX_KEY:
+            fail(400, f"Idempotency-Key must be 1 to {MAX_KEY} characters")
+        quantity = int_field(json_body(), "quantity", 1, 1000, default=1)
+        # A generated key makes our own retries (across an order-leader failover) exactly-once too.
+        key = f"k:{key}" if key else f"g:{uuid.uuid4().hex}"
+        reply = call(orders.write, "/buy", {"item": number, "quantity": quantity, "key": key},
+                     time.monotonic() + config.buy_deadline)
+        return passthrough(reply, ("order_number", "item_number", "title", "quantity", "cost", "total"))
+
+    @app.get("/orders/<number>")
+    def order(number: str) -> Response:
+        n = parse_item(number, "order number")
+        return passthrough(call(orders.read, f"/orders/{n}", time.monotonic() + READ_DEADLINE))
+
+    @app.post("/update/<item>")
+    @admin
+    def update(item: str) -> Response:
+        number = parse_item(item)
+        body = json_body(required=True)
+        command: dict[str, Any] = {}
+        if "stock_delta" in body:
+            command["stock_delta"] = int_field(body, "stock_delta", -MAX_STOCK_DELTA, MAX_STOCK_DELTA)
+        if "cost" in body:
+            cost = body["cost"]
+            if not isinstance(cost, int | float) or isinstance(cost, bool) or not 0 <= cost <= MAX_COST:
+                fail(400, f"cost must be a number from 0 to {MAX_COST:.0f}")
+            command["cost"] = cost
+        if not command:
+            fail(400, "give stock_delta, cost, or both")
+        reply = call(catalog.write, f"/books/{number}/update", command, time.monotonic() + UPDATE_DEADLINE)
+        return passthrough(reply, BOOK_FIELDS)
+
+    def tier_alive(router: TierRouter) -> bool:
+        for url in router.peers.values():
+            try:
+                if router.session.get(url + "/health", timeout=(0.25, 0.5)).status_code == 200:
+                    return True
+            except requests.RequestException:
+                continue
+        return False
+
+    @app.get("/health")
+    def health() -> Response:
+        ok = all(probe.map(tier_alive, (catalog, orders)))
+        if not ok:
+            fail(503, f"{name} cannot reach a catalog and an order replica")
+        return jsonify({"name": name, "status": "ok"})
+
+    def tier_view(router: TierRouter) -> dict[str, Any]:
+        replicas = router.statuses()
+        leaders = [r for r in replicas if r.get("alive") and r.get("role") == "leader"]
+        leader = max(leaders, key=lambda r: r.get("term", 0))["name"] if leaders else None
+        return {"leader": leader, "replicas": replicas}
+
+    @app.get("/status")
+    def status() -> Response:
+        cat, ordr = probe.map(tier_view, (catalog, orders))
+        return jsonify({
+            "frontend": {"name": name, "cache": {"enabled": False, "capacity": 0, "entries": 0, "hits": 0,
+                                                  "misses": 0, "invalidations": 0, "evictions": 0}},
+            "catalog": cat, "order": ordr,
+        })
+
+    return app

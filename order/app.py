@@ -1,0 +1,158 @@
+"""The order service: runs the buy transaction and keeps the orders.
+
+A buy is three steps, each safe to repeat: (1) record the intent in the order log (this fixes
+the order number and the idempotency key), (2) ask the catalog leader to decrement the stock under
+the same key (the catalog remembers keys, so a repeat returns the first result), (3) record the
+outcome. Whoever leads the order tier finishes intents a dead leader left half-done, so the
+catalog's decrements always equal the confirmed orders.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from flask import Flask, Response, jsonify
+
+from cluster.config import ClusterConfig
+from cluster.web import fail, int_field, json_body, parse_item
+from order.state import CONFIRMED, FAILED, PENDING, OrderState
+from replication.router import TierRouter, TierUnavailable
+from replication.service import ReplicaRuntime
+
+log = logging.getLogger(__name__)
+
+#: How long one buy may wait for the catalog (across a catalog failover) before answering 503.
+CATALOG_DEADLINE = 4.0
+#: A pending intent older than this with no buy in flight here is finished by the background sweep.
+STALE_INTENT = 2.0
+
+
+class BuyProcessor:
+    """Runs buys on the order leader and finishes any intent left pending."""
+
+    def __init__(self, rt: ReplicaRuntime, state: OrderState, catalog: TierRouter) -> None:
+        self.rt, self.state, self.catalog = rt, state, catalog
+        self._in_flight: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._leader_since = float("inf")
+        self._thread = threading.Thread(target=self._sweep_loop, name="intent-sweeper", daemon=True)
+
+    def start(self) -> None:
+        self.rt.node.add_leader_listener(self._on_leader_change)
+        self._thread.start()
+
+    def _on_leader_change(self, is_leader: bool, term: int) -> None:
+        if is_leader:
+            # Intents older than our leadership cannot be in flight here: finish them at once.
+            self._leader_since = time.time()
+            self._wake.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5)
+
+    def buy(self, item: int, quantity: int, key: str) -> dict[str, Any]:
+        order = self.rt.propose({
+            "op": "intent", "key": key, "item": item, "quantity": quantity,
+            "created_at": datetime.now(UTC).isoformat(timespec="milliseconds"),
+        })
+        return self.finish(order)
+
+    def finish(self, order: dict[str, Any]) -> dict[str, Any]:
+        """Drive one intent to its outcome; the catalog's key makes a repeated decrement harmless."""
+        if order["status"] != PENDING:
+            return order
+        key = order["key"]
+        with self._lock:
+            self._in_flight.add(key)
+        try:
+            reply = self.catalog.write(
+                f"/books/{order['item_number']}/decrement",
+                {"quantity": order["quantity"], "key": key},
+                deadline=time.monotonic() + CATALOG_DEADLINE,
+            )
+            if reply.status == 200:
+                return self.rt.propose({"op": "confirm", "key": key, "title": reply.body["title"],
+                                        "cost": reply.body["cost"]})
+            if reply.status in (404, 409):
+                err = reply.body["error"]
+                return self.rt.propose({"op": "fail", "key": key, "code": reply.status, "message": err["message"]})
+            fail(502, f"catalog answered {reply.status}: {reply.body.get('error', {}).get('message', '')}")
+        finally:
+            with self._lock:
+                self._in_flight.discard(key)
+
+    def _sweep_loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(1.0)
+            self._wake.clear()
+            if self._stop.is_set() or not self.rt.node.is_leader():
+                continue
+            for order in self.state.pending():
+                with self._lock:
+                    busy = order["key"] in self._in_flight
+                if busy or self._stop.is_set():
+                    continue
+                created = datetime.fromisoformat(order["created_at"]).timestamp()
+                if created > self._leader_since and time.time() - created < STALE_INTENT:
+                    continue
+                try:
+                    self.finish(order)
+                except Exception as exc:  # retried on the next sweep
+                    log.warning("could not finish order %s yet: %s", order["order_number"], exc)
+
+
+def public_order(order: dict[str, Any]) -> dict[str, Any]:
+    return {k: order[k] for k in ("order_number", "item_number", "title", "quantity", "cost", "total", "created_at")}
+
+
+def create_app(config: ClusterConfig, k: int) -> Flask:
+    state = OrderState(config.replica_dir(f"order-{k}") / "state.db")
+    rt = ReplicaRuntime("order", k, config, state)
+    catalog = TierRouter("catalog", config.peers("catalog"), rt.secret)
+    buys = BuyProcessor(rt, state, catalog)
+    app = rt.create_app()
+    app.extensions["pygmy_runtime"] = rt
+
+    @app.post("/buy")
+    @rt.guard
+    def buy() -> Response:
+        body = json_body(required=True)
+        item = int_field(body, "item", 1, 2**62)
+        quantity = int_field(body, "quantity", 1, 1000)
+        key = body.get("key")
+        if not isinstance(key, str) or not 0 < len(key) <= 256:
+            fail(400, "key must be a non-empty string")
+        rt.leader_only()
+        try:
+            order = buys.buy(item, quantity, key)
+        except TierUnavailable as exc:
+            fail(503, f"catalog unavailable, buy not finished yet (retry with the same key): {exc.last}")
+        if order["item_number"] != item or order["quantity"] != quantity:
+            fail(422, "this idempotency key was already used for a different buy")
+        if order["status"] == FAILED:
+            fail(order["error"]["code"], order["error"]["message"])
+        assert order["status"] == CONFIRMED
+        return jsonify(public_order(order))
+
+    @app.get("/orders/<number>")
+    @rt.guard
+    def get_order(number: str) -> Response:
+        n = parse_item(number, "order number")
+        rt.ensure_readable()
+        order = state.order(n)
+        if order is None or order["status"] != CONFIRMED:
+            fail(404, f"no order with number {n}")
+        return jsonify(public_order(order))
+
+    rt.start()
+    buys.start()
+    app.extensions["pygmy_buys"] = buys
+    return app

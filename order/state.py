@@ -1,0 +1,79 @@
+"""The order service's replicated state: one row per buy, keyed by its idempotency key.
+
+A buy is an intent (``pending``) until the catalog has decremented the stock under the same key,
+then ``confirmed``, or ``failed`` with the catalog's answer. Order numbers come from the log
+order, so every replica numbers the same buys the same way.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Any
+
+from replication.statemachine import SQLiteStateMachine
+
+PENDING, CONFIRMED, FAILED = "pending", "confirmed", "failed"
+
+
+def order_dict(row: sqlite3.Row) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "order_number": row["order_number"], "item_number": row["item_number"], "title": row["title"],
+        "quantity": row["quantity"], "cost": None if row["cost_cents"] is None else row["cost_cents"] / 100,
+        "total": None if row["cost_cents"] is None else row["cost_cents"] * row["quantity"] / 100,
+        "created_at": row["created_at"], "status": row["status"], "key": row["key"],
+    }
+    if row["status"] == FAILED:
+        out["error"] = {"code": row["error_code"], "message": row["error_message"]}
+    return out
+
+
+class OrderState(SQLiteStateMachine):
+    schema = (
+        """CREATE TABLE IF NOT EXISTS orders (
+               order_number INTEGER PRIMARY KEY, key TEXT NOT NULL UNIQUE,
+               item_number INTEGER NOT NULL, quantity INTEGER NOT NULL,
+               title TEXT, cost_cents INTEGER, status TEXT NOT NULL,
+               error_code INTEGER, error_message TEXT, created_at TEXT NOT NULL)""",
+        "CREATE INDEX IF NOT EXISTS orders_status ON orders(status)",
+    )
+    digest_tables = (("orders", "order_number"),)
+
+    # -- reads ------------------------------------------------------------------------------------
+    def order(self, number: int) -> dict[str, Any] | None:
+        rows = self.read("SELECT * FROM orders WHERE order_number=?", (number,))
+        return order_dict(rows[0]) if rows else None
+
+    def by_key(self, key: str) -> dict[str, Any] | None:
+        rows = self.read("SELECT * FROM orders WHERE key=?", (key,))
+        return order_dict(rows[0]) if rows else None
+
+    def pending(self) -> list[dict[str, Any]]:
+        return [order_dict(r) for r in self.read("SELECT * FROM orders WHERE status=? ORDER BY order_number", (PENDING,))]
+
+    def orders(self) -> list[dict[str, Any]]:
+        return [order_dict(r) for r in self.read("SELECT * FROM orders ORDER BY order_number")]
+
+    # -- commands ---------------------------------------------------------------------------------
+    def execute(self, conn: sqlite3.Connection, index: int, command: dict[str, Any]) -> Any:
+        op = command["op"]
+        key = command["key"]
+        if op == "intent":
+            if conn.execute("SELECT 1 FROM orders WHERE key=?", (key,)).fetchone() is None:
+                conn.execute(
+                    "INSERT INTO orders(order_number, key, item_number, quantity, status, created_at) "
+                    "VALUES ((SELECT COALESCE(MAX(order_number), 0) + 1 FROM orders), ?, ?, ?, ?, ?)",
+                    (key, command["item"], command["quantity"], PENDING, command["created_at"]),
+                )
+        elif op == "confirm":
+            conn.execute(
+                "UPDATE orders SET status=?, title=?, cost_cents=? WHERE key=? AND status=?",
+                (CONFIRMED, command["title"], int(round(command["cost"] * 100)), key, PENDING),
+            )
+        elif op == "fail":
+            conn.execute(
+                "UPDATE orders SET status=?, error_code=?, error_message=? WHERE key=? AND status=?",
+                (FAILED, command["code"], command["message"], key, PENDING),
+            )
+        else:
+            raise ValueError(f"unknown order command {op!r}")
+        return order_dict(conn.execute("SELECT * FROM orders WHERE key=?", (key,)).fetchone())

@@ -1,0 +1,175 @@
+"""Talking to a replicated tier from outside it: writes find the leader, reads any ready replica.
+
+Used by the frontend (to catalog and order) and by the order service (to the catalog). The leader
+view is only a hint kept per process: a wrong hint costs one redirect (421 with the leader's name)
+or one failed connection, never a wrong answer, so it is safe with several Gunicorn workers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+from requests.adapters import HTTPAdapter
+
+CONNECT_TIMEOUT = 0.25
+#: Reads and writes to a replica; a paused leader must not eat the whole buy deadline.
+READ_TIMEOUT = 1.0
+STATUS_TIMEOUT = 0.5
+#: Status codes that mean "try another replica": not leader, not ready, no quorum.
+RETRY_ELSEWHERE = {421, 503}
+
+
+class TierUnavailable(Exception):
+    """No replica of the tier gave an answer before the deadline."""
+
+    def __init__(self, tier: str, last: str) -> None:
+        super().__init__(f"{tier} unavailable: {last}")
+        self.tier, self.last = tier, last
+
+
+@dataclass
+class Reply:
+    status: int
+    body: dict[str, Any]
+    replica: str
+
+
+def pooled_session(pool: int = 64) -> requests.Session:
+    s = requests.Session()
+    adapter = HTTPAdapter(pool_connections=8, pool_maxsize=pool, max_retries=0)
+    s.mount("http://", adapter)
+    s.mount("https://", adapter)
+    return s
+
+
+class TierRouter:
+    def __init__(self, tier: str, peers: dict[str, str], secret: str, session: requests.Session | None = None) -> None:
+        self.tier = tier
+        self.peers = dict(peers)
+        self.names = list(peers)
+        self.session = session or pooled_session()
+        self.headers = {"Authorization": f"Bearer {secret}"}
+        self.leader_hint: str | None = None
+        self._rr = itertools.count()
+        self._avoid: dict[str, float] = {}  # replica -> monotonic time until which reads skip it
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(peers)), thread_name_prefix=f"{tier}-status")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.session.close()
+
+    # -- one call ---------------------------------------------------------------------------------
+    def _call(self, name: str, method: str, path: str, timeout: float, **kw: Any) -> Reply:
+        resp = self.session.request(
+            method, self.peers[name] + path, headers={**self.headers, **kw.pop("headers", {})},
+            timeout=(CONNECT_TIMEOUT, timeout), **kw,
+        )
+        try:
+            body = resp.json()
+        except ValueError:
+            body = {"error": {"code": resp.status_code, "message": resp.text[:200]}}
+        return Reply(resp.status_code, body if isinstance(body, dict) else {"value": body}, name)
+
+    def _note_leader(self, reply: Reply) -> str | None:
+        leader = reply.body.get("error", {}).get("leader") if reply.status == 421 else None
+        with self._lock:
+            if leader in self.peers:
+                self.leader_hint = leader
+            elif reply.status == 421:
+                self.leader_hint = None
+        return leader
+
+    # -- writes -----------------------------------------------------------------------------------
+    def write(self, path: str, body: dict[str, Any], deadline: float, headers: dict[str, str] | None = None) -> Reply:
+        """POST to the leader, following redirects and failing over, until ``deadline`` (monotonic)."""
+        last = "no replica tried"
+        attempt = 0
+        while True:
+            order = self._leader_first()
+            for name in order:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TierUnavailable(self.tier, last)
+                try:
+                    reply = self._call(name, "POST", path, min(READ_TIMEOUT, remaining), json=body, headers=headers or {})
+                except requests.RequestException as exc:
+                    last = f"{name}: {type(exc).__name__}"
+                    with self._lock:
+                        if self.leader_hint == name:
+                            self.leader_hint = None
+                    continue
+                if reply.status not in RETRY_ELSEWHERE:
+                    with self._lock:
+                        self.leader_hint = name
+                    return reply
+                last = f"{name}: {reply.status} {reply.body.get('error', {}).get('message', '')}"
+                leader = self._note_leader(reply)
+                if leader and leader != name and leader in self.peers:
+                    break  # go straight to the leader it named
+            attempt += 1
+            # Between sweeps (e.g. an election in progress) back off a little, bounded by the deadline.
+            time.sleep(min(0.02 * attempt, 0.1, max(0.0, deadline - time.monotonic())))
+
+    def _leader_first(self) -> list[str]:
+        with self._lock:
+            hint = self.leader_hint
+        rest = [n for n in self.names if n != hint]
+        return ([hint] if hint else []) + rest
+
+    # -- reads ------------------------------------------------------------------------------------
+    def read(self, path: str, deadline: float, params: dict[str, Any] | None = None) -> Reply:
+        """GET from any ready replica (round robin), skipping ones that recently refused."""
+        last = "no replica tried"
+        attempt = 0
+        while True:
+            for name in self._read_order():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TierUnavailable(self.tier, last)
+                try:
+                    reply = self._call(name, "GET", path, min(READ_TIMEOUT, remaining), params=params)
+                except requests.RequestException as exc:
+                    last = f"{name}: {type(exc).__name__}"
+                    self._avoid_for(name, 1.0)
+                    continue
+                if reply.status not in RETRY_ELSEWHERE:
+                    return reply
+                last = f"{name}: {reply.status}"
+                self._avoid_for(name, 0.5)
+            attempt += 1
+            time.sleep(min(0.02 * attempt, 0.1, max(0.0, deadline - time.monotonic())))
+
+    def _avoid_for(self, name: str, seconds: float) -> None:
+        with self._lock:
+            self._avoid[name] = time.monotonic() + seconds
+
+    def _read_order(self) -> list[str]:
+        now = time.monotonic()
+        start = next(self._rr) % len(self.names)
+        ring = self.names[start:] + self.names[:start]
+        with self._lock:
+            good = [n for n in ring if self._avoid.get(n, 0) <= now]
+            bad = [n for n in ring if n not in good]
+        return good + bad
+
+    # -- cluster view -----------------------------------------------------------------------------
+    def statuses(self) -> list[dict[str, Any]]:
+        """Every replica's own ``/status`` (plus ``alive``), fetched in parallel with a short timeout."""
+
+        def one(name: str) -> dict[str, Any]:
+            try:
+                reply = self._call(name, "GET", "/status", STATUS_TIMEOUT)
+                if reply.status == 200:
+                    return {**reply.body, "alive": True}
+            except requests.RequestException:
+                pass
+            return {"name": name, "url": self.peers[name], "alive": False}
+
+        return list(self._pool.map(one, self.names))

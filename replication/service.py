@@ -1,0 +1,92 @@
+"""What every replica of a replicated tier serves, whatever its business: health, status, leadership.
+
+Catalog and order build their Flask apps on ``ReplicaRuntime``; it owns the replication node and
+turns its exceptions into HTTP answers (421 with the leader's name, 503 while not ready).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from flask import Flask, Response, jsonify, request
+
+from cluster.config import ClusterConfig
+from cluster.web import ApiError, create_base_app, error_response, fail, require_secret
+from replication.solo import NotLeader, ProposalTimeout, SoloNode
+from replication.statemachine import StateMachine
+
+#: Longest a read waits for its replica to apply an index the caller already saw.
+READ_WAIT = 0.5
+
+
+class ReplicaRuntime:
+    def __init__(self, tier: str, k: int, config: ClusterConfig, state_machine: StateMachine) -> None:
+        self.tier, self.k, self.config = tier, k, config
+        self.name = f"{tier}-{k}"
+        self.secret = config.secret()
+        self.sm = state_machine
+        self.peers = config.peers(tier)
+        self.node = SoloNode(
+            name=self.name, peers=self.peers, state_machine=state_machine,
+            data_dir=config.replica_dir(self.name), secret=self.secret,
+        )
+        self.guard = require_secret(self.secret)
+
+    def create_app(self) -> Flask:
+        app = create_base_app(self.name)
+
+        @app.errorhandler(NotLeader)
+        def _not_leader(exc: NotLeader) -> Response:
+            return error_response(421, f"{self.name} is not the {self.tier} leader",
+                                  leader=exc.leader_name, leader_url=exc.leader_url)
+
+        @app.errorhandler(ProposalTimeout)
+        def _timeout(exc: ProposalTimeout) -> Response:
+            return error_response(503, f"{self.name}: write not committed in time (no majority?)")
+
+        @app.get("/health")
+        def health() -> Response:
+            return jsonify({"name": self.name, "status": "ok"})
+
+        @app.get("/status")
+        def status() -> Response:
+            return jsonify(self.node.status())
+
+        if self.node.blueprint is not None:
+            app.register_blueprint(self.node.blueprint)
+        return app
+
+    def start(self) -> None:
+        self.node.start()
+
+    def stop(self) -> None:
+        self.node.stop()
+
+    # -- helpers for the service's handlers --------------------------------------------------------
+    def propose(self, command: dict[str, Any], timeout: float = 5.0) -> Any:
+        return self.node.propose(command, timeout)
+
+    def ensure_readable(self) -> None:
+        """Refuse reads (503, the router tries another replica) unless this replica is up to date.
+
+        ``?min_index=N`` asks for a replica that has applied at least N (a version the caller saw).
+        """
+        raw = request.args.get("min_index", "0")
+        min_index = int(raw) if raw.isdigit() else 0
+        if not self.node.can_serve_reads():
+            fail(503, f"{self.name} is not ready to serve reads")
+        if min_index and not self.node.wait_applied(min_index, READ_WAIT):
+            fail(503, f"{self.name} has not yet applied index {min_index}")
+
+    def leader_only(self) -> None:
+        if not self.node.is_leader():
+            leader = self.node.leader()
+            raise NotLeader(*(leader or (None, None)))
+
+
+def deadline_in(seconds: float) -> float:
+    return time.monotonic() + seconds
+
+
+__all__ = ["ApiError", "ReplicaRuntime", "deadline_in"]
