@@ -1,0 +1,316 @@
+"""Deterministic in-process simulation of a Raft cluster built from ``RaftCore``s.
+
+A fake clock (ticks) and a fake network that drops, delays, duplicates, reorders and partitions
+messages. A crash loses everything not handed to "storage" through ``Ready``; a restart rebuilds
+the core from storage. Safety invariants are checked as the simulation runs (``SafetyError``).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from replication.core import SNAPSHOT, CoreConfig, Entry, HardState, Message, RaftCore, Ready
+
+SIM_CONFIG = CoreConfig(
+    heartbeat_ticks=2,
+    election_ticks_min=10,
+    election_ticks_max=20,
+    max_entries_per_msg=5,
+    max_inflight=4,
+    snapshot_timeout_ticks=30,
+)
+
+
+class SafetyError(AssertionError):
+    pass
+
+
+@dataclass
+class Storage:
+    """What survives a crash: the persisted Raft state and the (durable) state machine."""
+
+    hard_state: HardState = field(default_factory=HardState)
+    snapshot: tuple[int, int] = (0, 0)
+    entries: dict[int, Entry] = field(default_factory=dict)
+    sm_applied: list[tuple[int, int, Any]] = field(default_factory=list)
+    sm_index: int = 0
+
+    def log(self) -> list[Entry]:
+        out = []
+        i = self.snapshot[0] + 1
+        while i in self.entries:
+            out.append(self.entries[i])
+            i += 1
+        return out
+
+
+class SimNode:
+    def __init__(self, name: str, names: list[str], config: CoreConfig, seed: int) -> None:
+        self.name = name
+        self.names = names
+        self.config = config
+        self.seed = seed
+        self.storage = Storage()
+        self.alive = True
+        self.restarts = 0
+        self.core = self._new_core()
+
+    def _new_core(self) -> RaftCore:
+        s = self.storage
+        return RaftCore(
+            self.name,
+            self.names,
+            hard_state=s.hard_state,
+            entries=s.log(),
+            snapshot=s.snapshot,
+            applied=s.sm_index,
+            config=self.config,
+            rng=random.Random(f"{self.seed}-{self.name}-{self.restarts}"),
+        )
+
+    def crash(self) -> None:
+        self.alive = False
+
+    def restart(self) -> None:
+        self.restarts += 1
+        self.alive = True
+        self.core = self._new_core()
+
+
+class Network:
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.drop = 0.0
+        self.dup = 0.0
+        self.max_delay = 0
+        self.groups: list[set[str]] | None = None
+        self.queue: list[tuple[int, int, Message]] = []
+        self.seq = 0
+
+    def connected(self, a: str, b: str) -> bool:
+        if self.groups is None:
+            return True
+        return any(a in g and b in g for g in self.groups)
+
+    def send(self, now: int, m: Message) -> None:
+        copies = 1
+        if self.rng.random() < self.drop:
+            copies = 0
+        elif self.rng.random() < self.dup:
+            copies = 2
+        for _ in range(copies):
+            self.seq += 1
+            delay = 1 + (self.rng.randint(0, self.max_delay) if self.max_delay else 0)
+            self.queue.append((now + delay, self.seq, m))
+
+    def due(self, now: int) -> list[Message]:
+        ready = [item for item in self.queue if item[0] <= now]
+        self.queue = [item for item in self.queue if item[0] > now]
+        self.rng.shuffle(ready)
+        return [m for _, _, m in ready]
+
+
+class Cluster:
+    """N simulated nodes plus invariant checking."""
+
+    def __init__(self, n: int = 3, seed: int = 0, config: CoreConfig = SIM_CONFIG) -> None:
+        self.names = [f"n{i}" for i in range(1, n + 1)]
+        self.rng = random.Random(seed)
+        self.nodes = {name: SimNode(name, self.names, config, seed) for name in self.names}
+        self.net = Network(random.Random(seed + 1))
+        self.now = 0
+        self.leaders: dict[int, str] = {}
+        self.committed: dict[int, tuple[int, str]] = {}
+        self.next_cmd = 0
+        self.proposed: dict[int, str] = {}
+
+    # -- running -------------------------------------------------------------------------------
+    def tick(self, n: int = 1) -> None:
+        for _ in range(n):
+            self.now += 1
+            for node in self.nodes.values():
+                if node.alive:
+                    node.core.tick()
+            for m in self.net.due(self.now):
+                dst = self.nodes[m.dst]
+                if dst.alive and self.net.connected(m.src, m.dst):
+                    dst.core.step(m)
+            for node in self.nodes.values():
+                if node.alive:
+                    self.process(node)
+            self.check()
+
+    def process(self, node: SimNode) -> None:
+        rd = node.core.ready()
+        self.persist(node, rd)
+        for m in rd.messages:
+            if m.type == SNAPSHOT:
+                m.snapshot_index = node.storage.sm_index
+                m.snapshot_term = node.core.term_at(m.snapshot_index) or 0
+                m.payload = json.dumps(node.storage.sm_applied).encode()
+            if self.net.connected(m.src, m.dst):
+                self.net.send(self.now, m)
+        for e in rd.committed_entries:
+            self.apply(node, e)
+        node.core.advance(rd)
+
+    def persist(self, node: SimNode, rd: Ready) -> None:
+        s = node.storage
+        if rd.snapshot is not None:
+            snap = rd.snapshot
+            assert snap.data is not None
+            applied = [tuple(x) for x in json.loads(snap.data)]
+            for index, term, cmd in applied:
+                self.observe_committed(node, index, term, cmd)
+            s.sm_applied = applied
+            s.sm_index = snap.index
+            s.snapshot = (snap.index, snap.term)
+            s.entries = {}
+        if rd.truncate_from is not None:
+            for i in [i for i in s.entries if i >= rd.truncate_from]:
+                del s.entries[i]
+        for e in rd.entries:
+            s.entries[e.index] = e
+        if rd.hard_state is not None:
+            s.hard_state = rd.hard_state
+
+    def apply(self, node: SimNode, e: Entry) -> None:
+        s = node.storage
+        if e.index <= s.sm_index:
+            return
+        if e.index != s.sm_index + 1:
+            raise SafetyError(f"{node.name} applies {e.index} after {s.sm_index}")
+        cmd = json.dumps(e.command, sort_keys=True)
+        self.observe_committed(node, e.index, e.term, cmd)
+        s.sm_applied.append((e.index, e.term, cmd))
+        s.sm_index = e.index
+
+    def observe_committed(self, node: SimNode, index: int, term: int, cmd: str) -> None:
+        seen = self.committed.get(index)
+        if seen is None:
+            self.committed[index] = (term, cmd)
+        elif seen != (term, cmd):
+            raise SafetyError(f"{node.name}: committed entry {index} changed: {seen} -> {(term, cmd)}")
+
+    def compact(self, name: str, keep: int = 3) -> None:
+        node = self.nodes[name]
+        if not node.alive:
+            return
+        res = node.core.compact(node.core.applied - keep)
+        if res is not None:
+            s = node.storage
+            s.snapshot = res
+            for i in [i for i in s.entries if i <= res[0]]:
+                del s.entries[i]
+
+    # -- actions -------------------------------------------------------------------------------
+    def leader(self) -> SimNode | None:
+        live = [n for n in self.nodes.values() if n.alive and n.core.is_leader()]
+        if not live:
+            return None
+        return max(live, key=lambda n: n.core.term)
+
+    def propose(self, count: int = 1) -> list[int]:
+        node = self.leader()
+        out = []
+        if node is None:
+            return out
+        for _ in range(count):
+            self.next_cmd += 1
+            index = node.core.propose({"n": self.next_cmd})
+            if index is not None:
+                out.append(index)
+        self.process(node)
+        return out
+
+    def crash(self, name: str) -> None:
+        self.nodes[name].crash()
+
+    def restart(self, name: str) -> None:
+        node = self.nodes[name]
+        if not node.alive:
+            node.restart()
+
+    def partition(self, *groups: set[str]) -> None:
+        self.net.groups = [set(g) for g in groups]
+
+    def heal(self) -> None:
+        self.net.groups = None
+
+    def wait_for(self, predicate, max_ticks: int) -> bool:
+        for _ in range(max_ticks):
+            if predicate():
+                return True
+            self.tick()
+        return predicate()
+
+    def stable_leader(self) -> SimNode | None:
+        """A leader that every live node follows in its own term."""
+        node = self.leader()
+        if node is None:
+            return None
+        for other in self.nodes.values():
+            if other.alive and (other.core.term != node.core.term or other.core.leader != node.name):
+                return None
+        return node
+
+    def commit_everywhere(self, max_ticks: int = 2000) -> bool:
+        """Liveness: with a healed network, a new proposal commits and is applied on all nodes."""
+
+        def attempt() -> bool:
+            leader = self.stable_leader()
+            if leader is None:
+                return False
+            idx = self.propose(1)
+            return bool(idx) and self.wait_for(
+                lambda: all(n.storage.sm_index >= idx[0] for n in self.nodes.values() if n.alive), 300
+            )
+
+        for _ in range(max_ticks // 50):
+            if attempt():
+                return True
+            self.tick(50)
+        return False
+
+    # -- invariants ----------------------------------------------------------------------------
+    def check(self) -> None:
+        for node in self.nodes.values():
+            if not node.alive:
+                continue
+            core = node.core
+            if core.is_leader():
+                prev = self.leaders.setdefault(core.term, node.name)
+                if prev != node.name:
+                    raise SafetyError(f"two leaders in term {core.term}: {prev} and {node.name}")
+                # Leader completeness: every committed entry it still holds is in its log.
+                for index, (term, _cmd) in self.committed.items():
+                    if index > core.snap_index and core.term_at(index) != term:
+                        raise SafetyError(f"leader {node.name} t{core.term} lacks committed entry {index}")
+            # Committed prefix in the log agrees with what anybody observed as committed.
+            for e in core.entries(core.applied + 1, core.commit):
+                seen = self.committed.get(e.index)
+                if seen is not None and seen != (e.term, json.dumps(e.command, sort_keys=True)):
+                    raise SafetyError(f"{node.name} committed log entry {e.index} disagrees")
+        if self.now % 10 == 0:
+            self.check_log_matching()
+
+    def check_log_matching(self) -> None:
+        """If two logs hold an entry with the same index and term, they agree up to it."""
+        logs = {}
+        for node in self.nodes.values():
+            c = node.core
+            logs[node.name] = {e.index: e for e in c.entries(c.snap_index + 1, c.last_index)}
+        names = list(logs)
+        for i, a in enumerate(names):
+            for b in names[i + 1 :]:
+                la, lb = logs[a], logs[b]
+                common = sorted(set(la) & set(lb), reverse=True)
+                agree = False
+                for idx in common:
+                    if la[idx].term == lb[idx].term:
+                        agree = True
+                    if agree and la[idx] != lb[idx]:
+                        raise SafetyError(f"log matching violated between {a} and {b} at {idx}")
