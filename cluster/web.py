@@ -60,15 +60,20 @@ def create_base_app(name: str) -> Flask:
 
 
 def require_secret(secret: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Guard an internal or admin endpoint with ``Authorization: Bearer <secret>`` (constant time)."""
+    """Guard an internal or admin endpoint with ``Authorization: Bearer <secret>`` (constant time).
+
+    No credentials: 401. Wrong credentials: 403. Either way the request changes nothing.
+    """
     expected = f"Bearer {secret}".encode()
 
     def decorate(view: Callable[..., Any]) -> Callable[..., Any]:
         @wraps(view)
         def guarded(*args: Any, **kwargs: Any) -> Any:
-            given = request.headers.get("Authorization", "").encode("utf-8", "replace")
-            if not hmac.compare_digest(given, expected):
-                fail(401, "missing or wrong cluster secret (Authorization: Bearer <secret>)")
+            given = request.headers.get("Authorization")
+            if not given:
+                fail(401, "this endpoint needs the cluster secret (Authorization: Bearer <secret>)")
+            if not hmac.compare_digest(given.encode("utf-8", "replace"), expected):
+                fail(403, "wrong cluster secret")
             return view(*args, **kwargs)
 
         return guarded

@@ -1,0 +1,137 @@
+"""Every row of the public API table (SPEC section 3), success and error, on a real cluster."""
+
+from __future__ import annotations
+
+import requests
+from harness import Cluster
+
+from client.api import PygmyError
+
+
+def err(resp: requests.Response, code: int) -> dict:
+    assert resp.status_code == code, resp.text
+    assert resp.headers["Content-Type"].startswith("application/json")
+    body = resp.json()
+    assert body["error"]["code"] == code and body["error"]["message"]
+    return body
+
+
+def test_search_topic_forms(cluster: Cluster) -> None:
+    for topic in ("distributed systems", "distributed-systems", "Distributed%20Systems", "DISTRIBUTED-systems"):
+        r = requests.get(f"{cluster.url}/search/{topic}", timeout=5)
+        assert r.status_code == 200
+        body = r.json()
+        assert [i["item_number"] for i in body["items"]] == [1, 2]
+        assert body["items"][1]["title"] == "RPCs for Dummies"
+    grad = requests.get(f"{cluster.url}/search/graduate school", timeout=5).json()
+    assert [i["item_number"] for i in grad["items"]] == [3, 4, 5, 6, 7]
+    assert requests.get(f"{cluster.url}/search/knitting", timeout=5).json() == {"topic": "knitting", "items": []}
+
+
+def test_lookup(cluster: Cluster) -> None:
+    book = requests.get(f"{cluster.url}/lookup/3", timeout=5).json()
+    assert set(book) == {"item_number", "title", "topic", "stock", "cost"}
+    assert book["title"] == "Xen and the Forgotten Art of Virtualization" and book["topic"] == "graduate school"
+    for bad in ("abc", "-1", "0", "1.5", "99999999999999999999999"):
+        err(requests.get(f"{cluster.url}/lookup/{bad}", timeout=5), 400)
+    err(requests.get(f"{cluster.url}/lookup/424242", timeout=5), 404)
+
+
+def test_buy_and_order(cluster: Cluster) -> None:
+    with cluster.client() as c:
+        before = c.lookup(6)["stock"]
+        order = c.buy(6, quantity=2)
+        assert set(order) == {"order_number", "item_number", "title", "quantity", "cost", "total"}
+        assert order["item_number"] == 6 and order["quantity"] == 2 and order["total"] == 2 * order["cost"]
+        assert c.lookup(6)["stock"] == before - 2
+        got = c.order(order["order_number"])
+        assert {k: got[k] for k in order} == order and got["created_at"]
+        default_qty = c.buy(6)
+        assert default_qty["quantity"] == 1 and default_qty["order_number"] > order["order_number"]
+
+
+def test_buy_errors_change_nothing(cluster: Cluster) -> None:
+    url = cluster.url
+    with cluster.client() as c:
+        before = c.lookup(7)["stock"]
+    for body in ({"quantity": 0}, {"quantity": 1001}, {"quantity": 1.0}, {"quantity": True}, {"quantity": "2"},
+                 [1], "x"):
+        err(requests.post(f"{url}/buy/7", json=body, timeout=5), 400)
+    err(requests.post(f"{url}/buy/7", data=b"{not json", timeout=5), 400)
+    err(requests.post(f"{url}/buy/7", headers={"Idempotency-Key": "k" * 201}, timeout=5), 400)
+    err(requests.post(f"{url}/buy/abc", timeout=5), 400)
+    err(requests.post(f"{url}/buy/424242", timeout=5), 404)
+    err(requests.get(f"{url}/buy/7", timeout=5), 405)
+    err(requests.post(f"{url}/buy/7", data=b"x" * (65 * 1024), timeout=5), 413)
+    with cluster.client() as c:
+        assert c.lookup(7)["stock"] == before
+        with_stock = c.lookup(7)["stock"]
+    err(requests.post(f"{url}/buy/7", json={"quantity": 1000}, timeout=5), 409) if with_stock < 1000 else None
+
+
+def test_out_of_stock_is_409(cluster: Cluster) -> None:
+    with cluster.client() as c:
+        stock = c.lookup(4)["stock"]
+        c.update(4, stock_delta=-stock)
+        try:
+            c.buy(4)
+            raise AssertionError("bought a book with no stock")
+        except PygmyError as e:
+            assert e.status == 409
+        assert c.lookup(4)["stock"] == 0
+        c.update(4, stock_delta=stock)
+
+
+def test_orders_errors(cluster: Cluster) -> None:
+    err(requests.get(f"{cluster.url}/orders/xyz", timeout=5), 400)
+    err(requests.get(f"{cluster.url}/orders/987654", timeout=5), 404)
+
+
+def test_update(cluster: Cluster) -> None:
+    auth = {"Authorization": f"Bearer {cluster.secret()}"}
+    url = cluster.url
+    before = requests.get(f"{url}/lookup/1", timeout=5).json()
+    r = requests.post(f"{url}/update/1", json={"stock_delta": 5, "cost": 21.5}, headers=auth, timeout=5)
+    assert r.status_code == 200, r.text
+    assert r.json()["stock"] == before["stock"] + 5 and r.json()["cost"] == 21.5
+    assert requests.get(f"{url}/lookup/1", timeout=5).json()["cost"] == 21.5
+    err(requests.post(f"{url}/update/1", json={"stock_delta": 1}, timeout=5), 401)
+    err(requests.post(f"{url}/update/1", json={"stock_delta": 1}, headers={"Authorization": "Bearer nope"},
+                      timeout=5), 403)
+    for body in ({}, {"stock_delta": 1.5}, {"cost": -1}, {"cost": "3"}, {"stock_delta": True}):
+        err(requests.post(f"{url}/update/1", json=body, headers=auth, timeout=5), 400)
+    err(requests.post(f"{url}/update/424242", json={"cost": 1}, headers=auth, timeout=5), 404)
+    err(requests.post(f"{url}/update/1", json={"stock_delta": -10**8}, headers=auth, timeout=5), 409)
+    after = requests.get(f"{url}/lookup/1", timeout=5).json()
+    assert after["stock"] == before["stock"] + 5
+
+
+def test_health_status_and_unknown_routes(cluster: Cluster) -> None:
+    assert requests.get(f"{cluster.url}/health", timeout=5).status_code == 200
+    st = requests.get(f"{cluster.url}/status", timeout=5).json()
+    assert st["frontend"]["name"] == "frontend-1" and "cache" in st["frontend"]
+    for tier in ("catalog", "order"):
+        assert st[tier]["leader"] == f"{tier}-1" or st[tier]["leader"].startswith(tier)
+        assert len(st[tier]["replicas"]) == 3
+        for r in st[tier]["replicas"]:
+            assert {"name", "url", "role", "term", "leader", "commit_index", "applied_index",
+                    "state_digest", "alive"} <= set(r)
+    err(requests.get(f"{cluster.url}/no/such/route", timeout=5), 404)
+
+
+def test_idempotent_retry(cluster: Cluster) -> None:
+    with cluster.client() as c:
+        before = c.lookup(5)["stock"]
+        first = c.buy(5, quantity=3, key="retry-me")
+        again = c.buy(5, quantity=3, key="retry-me")
+        assert first == again
+        assert c.lookup(5)["stock"] == before - 3
+
+
+def test_internal_endpoints_need_the_secret(cluster: Cluster) -> None:
+    for name, path in (("catalog-1", "/books/1"), ("order-1", "/orders/1")):
+        r = requests.get(cluster.replica_url(name) + path, timeout=5)
+        err(r, 401)
+    r = requests.post(cluster.replica_url("catalog-1") + "/books/1/decrement", json={"quantity": 1, "key": "x"},
+                      timeout=5)
+    err(r, 401)
