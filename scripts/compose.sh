@@ -1,0 +1,267 @@
+#!/usr/bin/env bash
+# Pygmy in containers, offline: set up, build, run and test the docker-compose stack.
+#
+#   bash scripts/compose.sh ci-setup   install what is missing: docker.io + debootstrap (apt), the Compose
+#                                      plugin (built with Go, cached), then start the engine
+#   bash scripts/compose.sh engine     start the Docker engine if installed but not running (root)
+#   bash scripts/compose.sh build      base image (debootstrap, cached) + host-built wheels + image, offline
+#   bash scripts/compose.sh up         build, then `docker compose up -d --wait`  (make compose-up)
+#   bash scripts/compose.sh down [-v]  stop the stack; -v also deletes its volumes (make compose-down)
+#   bash scripts/compose.sh test       build, start a throw-away stack on a free port, smoke test, kill the
+#                                      leaders, check service goes on and they catch up, tear down
+#                                      (make compose-test)
+#
+# Environment: PYGMY_IMAGE (pygmy:latest), PYGMY_BASE_IMAGE (default: python:3.11-slim if present
+# locally, else pygmy-base:bookworm built here with debootstrap), PYGMY_HTTP_PORT (8000 for up),
+# COMPOSE_PROJECT_NAME (pygmy for up/down), PYGMY_CACHE_DIR (~/.cache/pygmy), PYGMY_SECRET.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+COMPOSE_VERSION="v2.29.7"
+CACHE_DIR="${PYGMY_CACHE_DIR:-$HOME/.cache/pygmy}"
+IMAGE="${PYGMY_IMAGE:-pygmy:latest}"
+LOCAL_BASE="pygmy-base:bookworm"
+WHEELS="$ROOT/build/wheels"
+export PYGMY_IMAGE="$IMAGE"
+
+log() { printf '[compose] %s\n' "$*" >&2; }
+die() { printf '[compose] ERROR: %s\n' "$*" >&2; exit 1; }
+is_root() { [[ $(id -u) == 0 ]]; }
+
+host_python() {
+    if [[ -x "$ROOT/.venv/bin/python" ]]; then echo "$ROOT/.venv/bin/python"; else command -v python3; fi
+}
+
+# ---------------------------------------------------------------------------------------------- setup
+apt_install() {
+    local missing=("$@")
+    is_root || die "missing ${missing[*]}; install them as root: apt-get install ${missing[*]}"
+    log "apt-get install ${missing[*]}"
+    apt-get update -qq >/dev/null || die "apt-get update failed"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
+        || die "apt-get install ${missing[*]} failed"
+}
+
+compose_plugin() {
+    local plugin_dir="${DOCKER_CONFIG:-$HOME/.docker}/cli-plugins"
+    local cached="$CACHE_DIR/bin/docker-compose-$COMPOSE_VERSION"
+    if docker compose version >/dev/null 2>&1; then
+        log "compose plugin: $(docker compose version --short 2>/dev/null || echo present)"
+        return
+    fi
+    if [[ ! -x "$cached" ]]; then
+        local go="${GO:-}"
+        [[ -n "$go" ]] || go=$(command -v go || true)
+        [[ -n "$go" ]] || { [[ -x /usr/local/go/bin/go ]] && go=/usr/local/go/bin/go; }
+        [[ -n "$go" ]] || die "no Compose plugin and no Go toolchain to build it (need go in PATH or /usr/local/go)"
+        local gobin
+        gobin=$(mktemp -d)
+        log "building the Compose plugin $COMPOSE_VERSION with go install (a few minutes, cached afterwards)"
+        if ! GOBIN="$gobin" GOFLAGS=-mod=mod CGO_ENABLED=0 "$go" install \
+                -ldflags "-s -w -X github.com/docker/compose/v2/internal.Version=$COMPOSE_VERSION" \
+                "github.com/docker/compose/v2/cmd@$COMPOSE_VERSION" >"$CACHE_DIR/go-install.log" 2>&1; then
+            tail -n 20 "$CACHE_DIR/go-install.log" >&2
+            die "go install of docker compose failed (log: $CACHE_DIR/go-install.log)"
+        fi
+        mkdir -p "$CACHE_DIR/bin"
+        mv "$gobin/cmd" "$cached"
+        rm -rf "$gobin"
+    fi
+    mkdir -p "$plugin_dir"
+    cp "$cached" "$plugin_dir/docker-compose"
+    chmod +x "$plugin_dir/docker-compose"
+    docker compose version >/dev/null 2>&1 || die "installed $plugin_dir/docker-compose but 'docker compose' fails"
+    log "compose plugin: installed $plugin_dir/docker-compose ($COMPOSE_VERSION)"
+}
+
+ci_setup() {
+    mkdir -p "$CACHE_DIR"
+    local missing=()
+    command -v dockerd >/dev/null || missing+=(docker.io)
+    command -v docker >/dev/null || missing+=(docker.io)
+    command -v debootstrap >/dev/null || missing+=(debootstrap)
+    if ((${#missing[@]})); then
+        # shellcheck disable=SC2207
+        missing=($(printf '%s\n' "${missing[@]}" | sort -u))
+        apt_install "${missing[@]}"
+    else
+        log "docker and debootstrap already installed"
+    fi
+    compose_plugin
+    engine
+}
+
+# --------------------------------------------------------------------------------------------- engine
+engine() {
+    command -v docker >/dev/null || die "docker is not installed (run: bash scripts/compose.sh ci-setup)"
+    if docker info >/dev/null 2>&1; then
+        return
+    fi
+    command -v dockerd >/dev/null || die "the Docker engine is not running and dockerd is not installed (run: bash scripts/compose.sh ci-setup)"
+    is_root || die "the Docker engine is not running; start it (e.g. sudo systemctl start docker) or run this as root"
+    mkdir -p "$CACHE_DIR"
+    local logf="$CACHE_DIR/dockerd.log"
+    log "starting the Docker engine (dockerd, log: $logf)"
+    # setsid: the engine outlives this script and is not in its process group.
+    setsid nohup dockerd >"$logf" 2>&1 </dev/null &
+    local i
+    for i in $(seq 1 60); do
+        if [[ -S /var/run/docker.sock ]] && docker info >/dev/null 2>&1; then
+            log "Docker engine ready after ${i}s"
+            return
+        fi
+        sleep 1
+    done
+    tail -n 20 "$logf" >&2
+    die "the Docker engine did not come up within 60s (log: $logf)"
+}
+
+require_compose() {
+    docker compose version >/dev/null 2>&1 || die "'docker compose' is not available (run: bash scripts/compose.sh ci-setup)"
+}
+
+# ---------------------------------------------------------------------------------------------- build
+base_image() {
+    if [[ -n "${PYGMY_BASE_IMAGE:-}" ]]; then
+        echo "$PYGMY_BASE_IMAGE"
+    elif docker image inspect python:3.11-slim >/dev/null 2>&1; then
+        echo python:3.11-slim
+    else
+        bash "$ROOT/scripts/build-base-image.sh" >&2 || die "could not build the base image $LOCAL_BASE"
+        echo "$LOCAL_BASE"
+    fi
+}
+
+# Wheels for the image, built on the host (which reaches PyPI; the image build has no network).
+# Dependencies are fetched for CPython 3.11 on Linux whatever the host's Python, and cached in
+# $CACHE_DIR/wheels, so a later build needs no network at all unless pyproject.toml changed.
+wheels() {
+    local py arch
+    py=$(host_python)
+    arch=$(uname -m)
+    local cache="$CACHE_DIR/wheels"
+    mkdir -p "$cache" "$WHEELS"
+    rm -f "$WHEELS"/*.whl
+    # A stale build/lib could put deleted modules into the wheel.
+    rm -rf "$ROOT/build/lib" "$ROOT"/build/bdist.*
+    local pipq=("$py" -m pip --disable-pip-version-check -q)
+    local offline=(--no-index --find-links "$cache")
+    if ! "${pipq[@]}" wheel --no-deps "${offline[@]}" -w "$WHEELS" "$ROOT" >/dev/null 2>&1; then
+        log "building the pygmy wheel (fetching build requirements from PyPI)"
+        "${pipq[@]}" download --only-binary=:all: -d "$cache" 'setuptools>=68' wheel >/dev/null \
+            || die "could not download setuptools/wheel from PyPI"
+        "${pipq[@]}" wheel --no-deps --find-links "$cache" -w "$WHEELS" "$ROOT" >/dev/null \
+            || die "could not build the pygmy wheel (pip wheel . failed)"
+    fi
+    local whl
+    whl=$(ls "$WHEELS"/pygmy-*.whl 2>/dev/null | head -n1)
+    [[ -n "$whl" ]] || die "no pygmy wheel in $WHEELS"
+    local target=(--only-binary=:all: --implementation cp --python-version 3.11 --abi cp311 --abi abi3 --abi none
+                  --platform "manylinux2014_$arch" --platform "manylinux_2_17_$arch"
+                  --platform "manylinux_2_28_$arch" --platform "linux_$arch" --platform any)
+    if ! "${pipq[@]}" download "${offline[@]}" "${target[@]}" -d "$cache" "$whl" >/dev/null 2>&1; then
+        log "fetching dependency wheels from PyPI into $cache"
+        "${pipq[@]}" download --find-links "$cache" "${target[@]}" -d "$cache" "$whl" >/dev/null \
+            || die "could not download the dependency wheels (pip download failed)"
+    fi
+    # Copy into the build context only what the image needs (not setuptools/wheel, not old versions).
+    "${pipq[@]}" download "${offline[@]}" "${target[@]}" -d "$WHEELS" "$whl" >/dev/null \
+        || die "could not collect the wheels into $WHEELS"
+    rm -f "$cache"/pygmy-*.whl
+    log "wheels: $(ls "$WHEELS" | wc -l) in build/wheels"
+}
+
+build() {
+    engine
+    local base
+    base=$(base_image)
+    wheels
+    local net=(--network none)
+    # Without the buildx plugin, use the classic builder (it also honours --network none for RUN).
+    if ! docker buildx version >/dev/null 2>&1; then export DOCKER_BUILDKIT=0; fi
+    log "docker build $IMAGE (BASE_IMAGE=$base, no network)"
+    local logf="$CACHE_DIR/docker-build.log"
+    mkdir -p "$CACHE_DIR"
+    if ! docker build "${net[@]}" --build-arg "BASE_IMAGE=$base" -t "$IMAGE" "$ROOT" >"$logf" 2>&1; then
+        tail -n 30 "$logf" >&2
+        die "docker build failed (log: $logf)"
+    fi
+    log "built $IMAGE"
+}
+
+# --------------------------------------------------------------------------------------------- up/down
+compose() { docker compose -f "$ROOT/docker-compose.yml" -f "$ROOT/docker-compose.override.yml" "$@"; }
+
+up() {
+    require_compose
+    build
+    export COMPOSE_PROJECT_NAME="${COMPOSE_PROJECT_NAME:-pygmy}"
+    log "docker compose up (project $COMPOSE_PROJECT_NAME)"
+    compose up -d --wait --wait-timeout "${PYGMY_WAIT_TIMEOUT:-180}" --no-build \
+        || { compose ps -a >&2 || true; compose logs --tail 30 >&2 || true; die "the stack did not become healthy"; }
+    log "ready http://127.0.0.1:${PYGMY_HTTP_PORT:-8000}  (stop: make compose-down)"
+}
+
+down() {
+    require_compose
+    if ! docker info >/dev/null 2>&1; then
+        log "the Docker engine is not running: nothing to stop"
+        return
+    fi
+    export COMPOSE_PROJECT_NAME="${COMPOSE_PROJECT_NAME:-pygmy}"
+    compose down --remove-orphans "$@"
+}
+
+# ------------------------------------------------------------------------------------------------ test
+free_port() {
+    "$(host_python)" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+test_stack() {
+    require_compose
+    local start=$SECONDS
+    build
+    local project="pygmy-test-$$-$RANDOM"
+    local port="${PYGMY_TEST_PORT:-$(free_port)}"
+    export COMPOSE_PROJECT_NAME="$project" PYGMY_HTTP_PORT="$port"
+    export PYGMY_SECRET="${PYGMY_SECRET:-test-secret-$RANDOM$RANDOM}"
+    # shellcheck disable=SC2317
+    cleanup() {
+        local rc=$?
+        if ((rc != 0)); then
+            log "test failed: container state and recent logs follow"
+            compose ps -a >&2 || true
+            compose logs --no-color --tail 40 >&2 || true
+        fi
+        log "tearing down $project"
+        compose down -v --remove-orphans --timeout 5 >/dev/null 2>&1 || true
+        exit "$rc"
+    }
+    trap cleanup EXIT
+    trap 'exit 130' INT TERM
+    log "starting stack $project on 127.0.0.1:$port"
+    compose up -d --wait --wait-timeout "${PYGMY_WAIT_TIMEOUT:-180}" --no-build \
+        || die "the stack did not become healthy"
+    log "stack healthy after $((SECONDS - start))s; running the smoke and failover test"
+    "$(host_python)" "$ROOT/scripts/compose_test.py" --url "http://127.0.0.1:$port" \
+        --compose "docker compose -f $ROOT/docker-compose.yml -f $ROOT/docker-compose.override.yml"
+    log "compose test passed in $((SECONDS - start))s"
+}
+
+# ------------------------------------------------------------------------------------------------ main
+usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
+
+cmd="${1:-}"
+[[ $# -gt 0 ]] && shift
+case "$cmd" in
+    ci-setup) ci_setup ;;
+    engine) engine ;;
+    build) require_compose; build ;;
+    up) up ;;
+    down) down "$@" ;;
+    test) test_stack ;;
+    -h | --help | help) usage ;;
+    *) usage >&2; die "unknown command '${cmd}'" ;;
+esac
