@@ -1,0 +1,240 @@
+"""End-to-end test of the docker-compose stack, through the frontend's published port only.
+
+Run by ``bash scripts/compose.sh test`` (``make compose-test``) once the stack is healthy:
+
+1. smoke: search, lookup, buy (and an idempotent retry), order, the lookup shows the new stock;
+2. failover: find the catalog and order leaders in the frontend's ``GET /status``, SIGKILL both
+   containers with ``docker compose kill``, and check that lookups and buys go on (new leaders, every
+   buy acknowledged exactly once, retried with its Idempotency-Key through at most one failover window);
+3. recovery: ``docker compose start`` them again and check that they catch up: every replica of a tier
+   alive with the same ``applied_index`` and ``state_digest``; stock and orders add up.
+
+Standard library only, so it runs with any Python 3.11 on the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from typing import Any
+
+URL = "http://127.0.0.1:8000"
+CHECKS: list[str] = []
+
+
+def log(msg: str) -> None:
+    print(f"[compose-test] {msg}", flush=True)
+
+
+def fail(msg: str) -> None:
+    log(f"FAIL: {msg}")
+    sys.exit(1)
+
+
+def check(cond: bool, msg: str) -> None:
+    if not cond:
+        fail(msg)
+    CHECKS.append(msg)
+
+
+def call(method: str, path: str, body: dict[str, Any] | None = None, headers: dict[str, str] | None = None,
+         timeout: float = 5.0) -> tuple[int, Any]:
+    """(status, JSON body); status 0 for a transport error (connection refused, timeout)."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(URL + path, data=data, method=method, headers=dict(headers or {}))
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    except (OSError, urllib.error.URLError) as exc:
+        return 0, {"error": {"code": 0, "message": f"{type(exc).__name__}: {exc}"}}
+    try:
+        return status, json.loads(raw or b"null")
+    except ValueError:
+        return status, {"error": {"code": status, "message": f"not JSON: {raw[:200]!r}"}}
+
+
+def status() -> dict[str, Any]:
+    code, body = call("GET", "/status")
+    return body if code == 200 and isinstance(body, dict) else {}
+
+
+def leaders(st: dict[str, Any]) -> tuple[str | None, str | None]:
+    return (st.get("catalog") or {}).get("leader"), (st.get("order") or {}).get("leader")
+
+
+def wait_ready(timeout: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        code, _ = call("GET", "/health", timeout=2)
+        st = status() if code == 200 else {}
+        if all(leaders(st)):
+            return st
+        time.sleep(0.5)
+    fail(f"the cluster had no /health 200 with a catalog and an order leader within {timeout:.0f}s "
+         f"(last status: {json.dumps(status())[:600]})")
+    return {}
+
+
+def buy(item: int, key: str, window: float) -> tuple[dict[str, Any], int]:
+    """Buy one copy, retrying with the same Idempotency-Key on 5xx/transport errors for up to ``window`` s."""
+    deadline = time.monotonic() + window
+    tries = 0
+    while True:
+        tries += 1
+        code, body = call("POST", f"/buy/{item}", {"quantity": 1}, {"Idempotency-Key": key})
+        if code == 200:
+            return body, tries
+        if (code != 0 and code < 500) or time.monotonic() >= deadline:
+            fail(f"buy {item} (key {key}) failed after {tries} tries: {code} {body}")
+        time.sleep(0.2)
+
+
+def smoke() -> tuple[int, list[dict[str, Any]]]:
+    code, body = call("GET", "/search/distributed%20systems")
+    check(code == 200 and {1, 2} <= {i["item_number"] for i in body.get("items", [])},
+          f"search 'distributed systems' lists items 1 and 2 (got {code} {body})")
+    code, body2 = call("GET", "/search/distributed-systems")
+    check(code == 200 and body2.get("items") == body.get("items"), "search 'distributed-systems' is the same topic")
+    code, book = call("GET", "/lookup/1")
+    check(code == 200 and {"item_number", "title", "topic", "stock", "cost"} <= set(book),
+          f"lookup 1 answers a book (got {code} {book})")
+    stock0 = book["stock"]
+    code, body = call("GET", "/lookup/999999")
+    check(code == 404 and body.get("error", {}).get("code") == 404, f"lookup of an unknown item is a JSON 404 ({code} {body})")
+    key = f"compose-smoke-{uuid.uuid4()}"
+    order, _ = buy(1, key, 10)
+    check(order.get("item_number") == 1 and order.get("quantity") == 1, f"buy 1 answers an order ({order})")
+    again, _ = buy(1, key, 10)
+    check(again.get("order_number") == order["order_number"], "a retried buy with the same Idempotency-Key returns the same order")
+    code, got = call("GET", f"/orders/{order['order_number']}")
+    check(code == 200 and got.get("item_number") == 1 and got.get("quantity") == 1,
+          f"GET /orders/{order['order_number']} returns the order ({code} {got})")
+    code, book = call("GET", "/lookup/1")
+    check(code == 200 and book.get("stock") == stock0 - 1, f"lookup after the buy shows stock {stock0 - 1} ({code} {book})")
+    log(f"smoke ok: search, lookup, buy #{order['order_number']} (idempotent retry), order, stock {stock0} -> {stock0 - 1}")
+    return stock0, [order]
+
+
+def failover(compose: list[str], orders: list[dict[str, Any]], args: argparse.Namespace) -> tuple[str, str]:
+    cl, ol = leaders(status())
+    check(bool(cl and ol), f"the frontend's /status names both leaders ({cl}, {ol})")
+    log(f"killing the leaders {cl} and {ol} (docker compose kill)")
+    subprocess.run([*compose, "kill", cl, ol], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t_kill = time.monotonic()
+    lookups_ok = lookups_failed = 0
+    last_lookup_failure = None
+    buys = []
+    max_tries = 0
+    end = t_kill + args.failover_duration
+    i = 0
+    while time.monotonic() < end or len(buys) < args.buys:
+        if time.monotonic() - t_kill > args.failover_duration + args.window * args.buys:
+            break
+        item = 1 + i % 7
+        code, body = call("GET", f"/lookup/{item}")
+        if code == 200:
+            lookups_ok += 1
+        else:
+            lookups_failed += 1
+            last_lookup_failure = (time.monotonic() - t_kill, code, body)
+        code, _ = call("GET", "/search/graduate%20school")
+        if code != 200:
+            lookups_failed += 1
+            last_lookup_failure = (time.monotonic() - t_kill, code, "search")
+        if len(buys) < args.buys:
+            order, tries = buy(1, f"compose-failover-{uuid.uuid4()}", args.window)
+            buys.append(order)
+            max_tries = max(max_tries, tries)
+        i += 1
+        time.sleep(0.1)
+    outage = last_lookup_failure[0] if last_lookup_failure else 0.0
+    log(f"while {cl} and {ol} were down: {lookups_ok} lookups/searches ok, {lookups_failed} failed "
+        f"(last failure {outage:.1f}s after the kill: {last_lookup_failure}); {len(buys)} buys acknowledged "
+        f"(most tries for one: {max_tries})")
+    check(lookups_ok > 0, "lookups and searches go on with a leader down")
+    check(outage <= args.max_read_outage,
+          f"lookups and searches fail for at most {args.max_read_outage}s after the kill (last failure at {outage:.1f}s)")
+    check(len(buys) >= args.buys, f"{args.buys} buys acknowledged with both leaders down")
+    numbers = [o["order_number"] for o in orders + buys]
+    check(len(set(numbers)) == len(numbers), f"no order number acknowledged twice ({numbers})")
+    ncl, nol = leaders(status())
+    check(bool(ncl and nol and ncl != cl and nol != ol), f"new leaders elected ({cl} -> {ncl}, {ol} -> {nol})")
+    orders.extend(buys)
+    return cl, ol
+
+
+def tier_in_sync(st: dict[str, Any], tier: str) -> tuple[bool, str]:
+    reps = (st.get(tier) or {}).get("replicas") or []
+    view = [(r.get("name"), r.get("alive"), r.get("role"), r.get("applied_index"), r.get("state_digest")) for r in reps]
+    ok = (len(reps) >= 3 and all(r.get("alive") for r in reps)
+          and len({(r.get("applied_index"), r.get("state_digest")) for r in reps}) == 1
+          and all(r.get("applied_index") is not None for r in reps))
+    return ok, str(view)
+
+
+def recovery(compose: list[str], killed: tuple[str, str], stock0: int, orders: list[dict[str, Any]],
+             args: argparse.Namespace) -> None:
+    log(f"starting {killed[0]} and {killed[1]} again (docker compose start)")
+    subprocess.run([*compose, "start", *killed], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + args.catchup_timeout
+    views: dict[str, str] = {}
+    while True:
+        st = status()
+        synced = {}
+        for tier in ("catalog", "order"):
+            synced[tier], views[tier] = tier_in_sync(st, tier)
+        if all(synced.values()):
+            break
+        if time.monotonic() > deadline:
+            fail(f"the restarted replicas did not catch up within {args.catchup_timeout}s: {views}")
+        time.sleep(1)
+    check(True, "restarted replicas caught up (same applied_index and state_digest in each tier)")
+    log(f"caught up: catalog {views['catalog']}")
+    log(f"caught up: order {views['order']}")
+    code, book = call("GET", "/lookup/1")
+    bought = sum(o["quantity"] for o in orders if o["item_number"] == 1)
+    check(code == 200 and book.get("stock") == stock0 - bought,
+          f"stock of item 1 is {stock0} - {bought} bought = {stock0 - bought} ({code} {book})")
+    for o in orders:
+        code, got = call("GET", f"/orders/{o['order_number']}")
+        check(code == 200 and got.get("item_number") == o["item_number"], f"order {o['order_number']} is kept ({code} {got})")
+    log(f"all {len(orders)} acknowledged orders are there; stock {stock0} -> {stock0 - bought}")
+
+
+def main() -> int:
+    global URL
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--url", default=URL)
+    p.add_argument("--compose", default="docker compose", help="the docker compose command for this stack")
+    p.add_argument("--ready-timeout", type=float, default=120)
+    p.add_argument("--buys", type=int, default=5, help="buys to acknowledge with the leaders down")
+    p.add_argument("--window", type=float, default=15, help="seconds one buy may keep retrying (failover window)")
+    p.add_argument("--failover-duration", type=float, default=6, help="seconds of lookups with the leaders down")
+    p.add_argument("--max-read-outage", type=float, default=3, help="lookups may fail for at most this long")
+    p.add_argument("--catchup-timeout", type=float, default=90)
+    args = p.parse_args()
+    URL = args.url.rstrip("/")
+    compose = shlex.split(args.compose)
+    t0 = time.monotonic()
+    st = wait_ready(args.ready_timeout)
+    log(f"ready: catalog leader {leaders(st)[0]}, order leader {leaders(st)[1]}")
+    stock0, orders = smoke()
+    killed = failover(compose, orders, args)
+    recovery(compose, killed, stock0, orders, args)
+    log(f"all {len(CHECKS)} checks passed in {time.monotonic() - t0:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
