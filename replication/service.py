@@ -70,10 +70,13 @@ class ReplicaRuntime:
     def ensure_readable(self) -> None:
         """Refuse reads (503, the router tries another replica) unless this replica is up to date.
 
-        ``?min_index=N`` asks for a replica that has applied at least N (a version the caller saw).
+        ``?min_index=N`` asks for a replica that has applied at least N (a version the caller saw);
+        ``?leader=1`` asks for the leader itself (a caller that knows no floor: linearizable read).
         """
         raw = request.args.get("min_index", "0")
         min_index = int(raw) if raw.isdigit() else 0
+        if request.args.get("leader"):
+            self.leader_only()
         if not self.node.can_serve_reads():
             fail(503, f"{self.name} is not ready to serve reads")
         if min_index and not self.node.wait_applied(min_index, READ_WAIT):

@@ -45,6 +45,9 @@ class SoloNode:
     def leader(self) -> tuple[str, str] | None:
         return self.leader_name, self.peers[self.leader_name]
 
+    def term(self) -> int:
+        return 1
+
     def can_serve_reads(self) -> bool:
         return self.is_leader()
 

@@ -124,6 +124,8 @@ class Cluster:
         self.now = 0
         self.leaders: dict[int, str] = {}
         self.committed: dict[int, tuple[int, str]] = {}
+        #: Lowest term in which some node observed the entry committed (>= the real commit term).
+        self.commit_term: dict[int, int] = {}
         self.next_cmd = 0
         self.proposed: dict[int, str] = {}
 
@@ -190,6 +192,7 @@ class Cluster:
 
     def observe_committed(self, node: SimNode, index: int, term: int, cmd: str) -> None:
         seen = self.committed.get(index)
+        self.commit_term[index] = min(self.commit_term.get(index, node.core.term), node.core.term)
         if seen is None:
             self.committed[index] = (term, cmd)
         elif seen != (term, cmd):
@@ -285,9 +288,10 @@ class Cluster:
                 prev = self.leaders.setdefault(core.term, node.name)
                 if prev != node.name:
                     raise SafetyError(f"two leaders in term {core.term}: {prev} and {node.name}")
-                # Leader completeness: every committed entry it still holds is in its log.
+                # Leader completeness: a leader of a later term holds every committed entry.
                 for index, (term, _cmd) in self.committed.items():
-                    if index > core.snap_index and core.term_at(index) != term:
+                    later = core.term > self.commit_term[index]
+                    if later and index > core.snap_index and core.term_at(index) != term:
                         raise SafetyError(f"leader {node.name} t{core.term} lacks committed entry {index}")
             # Committed prefix in the log agrees with what anybody observed as committed.
             for e in core.entries(core.applied + 1, core.commit):
