@@ -9,6 +9,7 @@ from typing import Any
 from flask import Flask, Response, jsonify, request
 
 from catalog import books as catalogue
+from catalog.invalidation import Invalidator, change_for
 from catalog.state import CatalogState
 from cluster.config import ClusterConfig
 from cluster.web import fail, int_field, json_body, parse_item
@@ -20,18 +21,15 @@ MAX_STOCK_DELTA = 1_000_000_000
 MAX_COST = 1_000_000_000.0
 
 
-def _answer(result: dict[str, Any]) -> Response:
-    """A command's result as HTTP: the book on success, its error code otherwise."""
-    if not result["ok"]:
-        fail(result["error"]["code"], result["error"]["message"])
-    return jsonify(result["book"])
 
 
 class Restocker:
     """Periodic delivery of new stock for sold-out books, proposed by the leader through the log."""
 
-    def __init__(self, runtime: ReplicaRuntime, every: float, amount: int) -> None:
-        self.runtime, self.every, self.amount = runtime, every, amount
+    def __init__(self, runtime: ReplicaRuntime, state: CatalogState, invalidator: Invalidator,
+                 every: float, amount: int) -> None:
+        self.runtime, self.state, self.invalidator = runtime, state, invalidator
+        self.every, self.amount = every, amount
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="restocker", daemon=True)
 
@@ -46,7 +44,9 @@ class Restocker:
         while not self._stop.wait(self.every):
             if self.runtime.node.is_leader():
                 try:
-                    self.runtime.propose({"op": "restock", "amount": self.amount}, timeout=self.every)
+                    result = self.runtime.propose({"op": "restock", "amount": self.amount}, timeout=self.every)
+                    books = [b for n in result["items"] if (b := self.state.book(n))]
+                    self.invalidator.publish([change_for(b) for b in books])
                 except Exception as exc:  # the next round tries again; a lost round only delays delivery
                     log.warning("restock round failed: %s", exc)
 
@@ -55,8 +55,31 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
     state = CatalogState(config.replica_dir(f"catalog-{k}") / "state.db")
     state.seed(catalogue.load(config.books))
     rt = ReplicaRuntime("catalog", k, config, state)
+    invalidator = Invalidator(rt.secret)
+    rt.node.add_leader_listener(invalidator.on_leader_change)
     app = rt.create_app()
     app.extensions["pygmy_runtime"] = rt
+    app.extensions["pygmy_invalidator"] = invalidator
+
+    def answer(result: dict[str, Any]) -> Response:
+        """A command's result as HTTP, acknowledged only once every leased frontend cache forgot it."""
+        if not result["ok"]:
+            invalidator.publish([])  # a new leader still owes its lease wait, even for refusals
+            fail(result["error"]["code"], result["error"]["message"])
+        invalidator.publish([change_for(result["book"])])
+        return jsonify(result["book"])
+
+    @app.post("/subscribe")
+    @rt.guard
+    def subscribe() -> Response:
+        body = json_body(required=True)
+        sub_id, url = body.get("id"), body.get("url")
+        if not isinstance(sub_id, str) or not isinstance(url, str) or not url.startswith("http"):
+            fail(400, "id and url (http://host:port) are required")
+        rt.leader_only()
+        continued = invalidator.subscribe(sub_id, url)
+        return jsonify({"leader": rt.name, "term": rt.node.term(), "commit_index": state.applied_index(),
+                        "lease": invalidator.lease, "continued": continued})
 
     @app.get("/books/<item>")
     @rt.guard
@@ -85,7 +108,7 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         if not isinstance(key, str) or not 0 < len(key) <= 256:
             fail(400, "key must be a non-empty string")
         rt.leader_only()
-        return _answer(rt.propose({"op": "decrement", "item": number, "quantity": quantity, "key": key}))
+        return answer(rt.propose({"op": "decrement", "item": number, "quantity": quantity, "key": key}))
 
     @app.post("/books/<item>/update")
     @rt.guard
@@ -103,11 +126,11 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         if len(command) == 2:
             fail(400, "give stock_delta, cost, or both")
         rt.leader_only()
-        return _answer(rt.propose(command))
+        return answer(rt.propose(command))
 
     rt.start()
     if config.restock_every > 0 and config.restock_amount > 0:
-        restocker = Restocker(rt, config.restock_every, config.restock_amount)
+        restocker = Restocker(rt, state, invalidator, config.restock_every, config.restock_amount)
         restocker.start()
         app.extensions["pygmy_restocker"] = restocker
     return app

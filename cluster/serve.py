@@ -32,7 +32,7 @@ class _Gunicorn(BaseApplication):
 def _worker_exit(server: Any, worker: Any) -> None:
     """Stop the threads the app started (replication node, sweepers) when Gunicorn stops a worker."""
     app = getattr(worker, "wsgi", None)
-    for ext in ("pygmy_buys", "pygmy_restocker", "pygmy_frontend", "pygmy_runtime"):
+    for ext in ("pygmy_buys", "pygmy_restocker", "pygmy_subscription", "pygmy_invalidator", "pygmy_runtime"):
         owner = getattr(app, "extensions", {}).get(ext)
         if owner is not None:
             try:

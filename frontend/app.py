@@ -6,6 +6,7 @@ single worker.
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -14,8 +15,11 @@ from typing import Any
 import requests
 from flask import Flask, Response, jsonify, request
 
+from catalog.books import topic_key
 from cluster.config import ClusterConfig
 from cluster.web import create_base_app, fail, int_field, json_body, parse_item, require_secret
+from frontend.cache import ReadCache
+from frontend.subscription import Subscription
 from replication.router import Reply, TierRouter, TierUnavailable
 
 READ_DEADLINE = 3.0
@@ -43,6 +47,10 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
     orders = TierRouter("order", config.peers("order"), secret)
     admin = require_secret(secret)
     probe = ThreadPoolExecutor(max_workers=2, thread_name_prefix="health")
+    cache = ReadCache(config.cache_size, enabled=config.cache)
+    # Always subscribe, cache or not: the invalidation floors are what make follower reads fresh.
+    subscription = Subscription(cache, catalog, secret, config.bind, config.advertise_host, name)
+    app.extensions["pygmy_subscription"] = subscription
 
     def call(fn: Any, *args: Any, **kw: Any) -> Reply:
         try:
@@ -50,15 +58,32 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
         except TierUnavailable as exc:
             fail(503, f"{exc.tier} tier unavailable, try again ({exc.last})")
 
+    def catalog_read(path: str, floor: int, params: dict[str, Any] | None = None) -> Reply:
+        """Any replica that has applied ``floor`` while our lease holds; otherwise only the leader."""
+        extra = {"min_index": floor} if subscription.valid() else {"leader": 1}
+        reply = call(catalog.read, path, time.monotonic() + READ_DEADLINE, params={**(params or {}), **extra})
+        if reply.status != 200:
+            passthrough(reply)  # raises: errors go to every waiting caller and are never cached
+        return reply
+
     @app.get("/search/<path:topic>")
     def search(topic: str) -> Response:
-        reply = call(catalog.read, "/books", time.monotonic() + READ_DEADLINE, params={"topic": topic})
-        return jsonify({"topic": topic, "items": reply.body["items"]}) if reply.status == 200 else passthrough(reply)
+        def fetch(floor: int) -> tuple[int, Any]:
+            reply = catalog_read("/books", floor, {"topic": topic})
+            return reply.body["applied_index"], reply.body["items"]
+
+        items = cache.get_or_fetch(f"topic:{topic_key(topic)}", fetch, usable=subscription.valid())
+        return jsonify({"topic": topic, "items": items})
 
     @app.get("/lookup/<item>")
     def lookup(item: str) -> Response:
         number = parse_item(item)
-        return passthrough(call(catalog.read, f"/books/{number}", time.monotonic() + READ_DEADLINE), BOOK_FIELDS)
+
+        def fetch(floor: int) -> tuple[int, Any]:
+            body = catalog_read(f"/books/{number}", floor).body
+            return body["version"], {k: body[k] for k in BOOK_FIELDS}
+
+        return jsonify(cache.get_or_fetch(f"book:{number}", fetch, usable=subscription.valid()))
 
     @app.post("/buy/<item>")
     def buy(item: str) -> Response:
@@ -122,9 +147,11 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
     def status() -> Response:
         cat, ordr = probe.map(tier_view, (catalog, orders))
         return jsonify({
-            "frontend": {"name": name, "cache": {"enabled": False, "capacity": 0, "entries": 0, "hits": 0,
-                                                  "misses": 0, "invalidations": 0, "evictions": 0}},
+            "frontend": {"name": name, "worker": os.getpid(), "cache": cache.snapshot(),
+                         "lease": {"valid": subscription.valid(), "holder": subscription.holder(),
+                                   "pushes": subscription.pushes}},
             "catalog": cat, "order": ordr,
         })
 
+    subscription.start()
     return app

@@ -1,0 +1,109 @@
+"""The catalog leader's side of cache invalidation: leases for frontend workers, pushes before acks.
+
+Every committed change to a book is pushed to every frontend worker holding an unexpired lease
+before the change is acknowledged. A worker that does not answer is not waited on forever: we wait
+until its lease has run out (it stops using its cache by then, by its own clock) and drop it.
+
+A new leader knows none of the leases its predecessor granted, so it acknowledges no change until
+one lease period after it took over; by then every old lease has expired or been renewed with us.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Any
+
+import requests
+
+from catalog.books import topic_key
+from replication.router import pooled_session
+
+log = logging.getLogger(__name__)
+
+LEASE = 0.4
+PUSH_TIMEOUT = 0.3
+
+
+def change_for(book: dict[str, Any]) -> dict[str, Any]:
+    """The cache keys a change to ``book`` makes stale, and the log index of that change."""
+    return {"keys": [f"book:{book['item_number']}", f"topic:{topic_key(book['topic'])}"],
+            "version": book["version"]}
+
+
+class Invalidator:
+    def __init__(self, secret: str, lease: float = LEASE) -> None:
+        self.lease = lease
+        self._subs: dict[str, tuple[str, float]] = {}  # id -> (url, expiry on our monotonic clock)
+        self._lock = threading.Lock()
+        self._ready_at = 0.0
+        self._session = pooled_session(64)
+        self._headers = {"Authorization": f"Bearer {secret}"}
+        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="invalidate")
+        self.pushed = 0
+        self.waited_out = 0
+
+    def stop(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._session.close()
+
+    def on_leader_change(self, is_leader: bool, term: int) -> None:
+        with self._lock:
+            self._subs.clear()
+            if is_leader:
+                self._ready_at = time.monotonic() + self.lease
+
+    def subscribe(self, sub_id: str, url: str) -> bool:
+        """Grant or renew a lease of ``self.lease`` seconds.
+
+        Returns whether it continues an unbroken lease. When it does not (new subscriber, expired,
+        or revoked after a missed push), the worker must flush: it may have missed changes.
+        """
+        now = time.monotonic()
+        with self._lock:
+            old = self._subs.get(sub_id)
+            self._subs[sub_id] = (url, now + self.lease)
+        return old is not None and old[1] > now
+
+    def subscribers(self) -> int:
+        now = time.monotonic()
+        with self._lock:
+            return sum(1 for _, exp in self._subs.values() if exp > now)
+
+    def publish(self, changes: list[dict[str, Any]]) -> None:
+        """Return once every leased frontend worker has dropped these keys or lost its lease."""
+        now = time.monotonic()
+        if now < self._ready_at:
+            time.sleep(self._ready_at - now)
+        if not changes:
+            return
+        now = time.monotonic()
+        with self._lock:
+            targets = {sid: (url, exp) for sid, (url, exp) in self._subs.items() if exp > now}
+        if not targets:
+            return
+        body = {"changes": changes}
+        futures = {self._pool.submit(self._push, url, body): sid for sid, (url, _) in targets.items()}
+        done, _ = wait(futures, timeout=PUSH_TIMEOUT + 0.2)
+        failed = [futures[f] for f in futures if f not in done or not f.result()]
+        self.pushed += 1
+        if failed:
+            self.waited_out += 1
+            log.warning("invalidation not acknowledged by %s; waiting out their lease", ", ".join(failed))
+            with self._lock:
+                # Revoke: the next renewal starts a new lease (the worker flushes). Wait out the
+                # lease as it stands now, renewals during the push included.
+                latest = max(self._subs.pop(sid, targets[sid])[1] for sid in failed)
+            remaining = latest - time.monotonic()
+            if remaining > 0:
+                time.sleep(remaining)
+
+    def _push(self, url: str, body: dict[str, Any]) -> bool:
+        try:
+            r = self._session.post(url + "/invalidate", json=body, headers=self._headers,
+                                   timeout=(0.1, PUSH_TIMEOUT))
+            return r.status_code == 200
+        except requests.RequestException:
+            return False

@@ -1,0 +1,143 @@
+"""A frontend worker's invalidation lease with the catalog leader, and the listener pushes arrive on.
+
+Each Gunicorn worker runs its own listener (a small HTTP server on a free port) and renews its own
+lease, because the catalog must reach every worker's cache, not whichever worker the shared
+listening socket happens to pick. The catalog leader pushes every change to all unexpired leases
+before it acknowledges the change; one it cannot reach it waits out instead (at most one lease).
+So while our lease is valid we have seen every acknowledged change; once it is not, we stop using
+the cache and read from the leader until we hold a lease again.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from frontend.cache import ReadCache
+from replication.router import TierRouter, TierUnavailable
+
+log = logging.getLogger(__name__)
+
+#: How often a worker renews; the lease itself is granted by the catalog (``catalog.invalidation``).
+RENEW_EVERY = 0.1
+#: Safety margin against the two clocks' rates, taken off our own view of the lease.
+MARGIN = 0.05
+
+
+def advertised_host(bind: str, advertise: str | None) -> str:
+    if advertise:
+        return advertise
+    if bind not in ("0.0.0.0", "::", ""):
+        return bind
+    try:  # in a container: our own address on its network
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class Subscription:
+    def __init__(self, cache: ReadCache, catalog: TierRouter, secret: str, bind: str, advertise: str | None,
+                 frontend: str) -> None:
+        self.cache, self.catalog = cache, catalog
+        self.id = f"{frontend}/{os.getpid()}/{uuid.uuid4().hex[:6]}"
+        self._expected = f"Bearer {secret}".encode()
+        self._valid_until = 0.0
+        self._holder: tuple[str, int] | None = None  # (leader, term) that granted our lease
+        self._stop = threading.Event()
+        self._server = ThreadingHTTPServer((bind, 0), self._handler_class())
+        self._server.daemon_threads = True
+        self.url = f"http://{advertised_host(bind, advertise)}:{self._server.server_address[1]}"
+        self._threads = [
+            threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
+                             name="invalidation-listener", daemon=True),
+            threading.Thread(target=self._renew_loop, name="lease-renewal", daemon=True),
+        ]
+        self.pushes = 0
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._server.shutdown()
+        self._server.server_close()
+        for t in self._threads:
+            t.join(timeout=2)
+
+    def valid(self) -> bool:
+        return time.monotonic() < self._valid_until
+
+    def holder(self) -> tuple[str, int] | None:
+        return self._holder
+
+    # -- lease ------------------------------------------------------------------------------------
+    def renew(self) -> bool:
+        sent = time.monotonic()
+        try:
+            reply = self.catalog.write("/subscribe", {"id": self.id, "url": self.url}, deadline=sent + 0.5)
+        except TierUnavailable:
+            return False
+        if reply.status != 200:
+            return False
+        holder = (reply.body["leader"], int(reply.body["term"]))
+        if holder != self._holder or sent >= self._valid_until or not reply.body.get("continued"):
+            # New leader, a gap in our lease, or a push we missed: changes may have been acknowledged
+            # without reaching us. Start over from what the leader had committed when it granted this.
+            self.cache.flush(floor=int(reply.body["commit_index"]))
+            self._holder = holder
+        self._valid_until = sent + float(reply.body["lease"]) - MARGIN
+        return True
+
+    def _renew_loop(self) -> None:
+        while not self._stop.is_set():
+            ok = self.renew()
+            self._stop.wait(RENEW_EVERY if ok else RENEW_EVERY / 2)
+
+    # -- pushes -----------------------------------------------------------------------------------
+    def apply_push(self, body: dict[str, Any]) -> None:
+        for change in body.get("changes", []):
+            for key in change["keys"]:
+                self.cache.invalidate(key, int(change["version"]))
+        self.pushes += 1
+
+    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
+        sub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+                given = (self.headers.get("Authorization") or "").encode("utf-8", "replace")
+                length = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(min(length, 1 << 20))
+                if self.path != "/invalidate":
+                    return self._reply(404, {"error": {"code": 404, "message": "no such resource"}})
+                if not hmac.compare_digest(given, sub._expected):
+                    return self._reply(401, {"error": {"code": 401, "message": "cluster secret required"}})
+                try:
+                    sub.apply_push(json.loads(raw))
+                except (ValueError, KeyError, TypeError):
+                    return self._reply(400, {"error": {"code": 400, "message": "malformed invalidation"}})
+                self._reply(200, {"ok": True})
+
+            def _reply(self, code: int, body: dict[str, Any]) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+                pass
+
+        return Handler
