@@ -221,11 +221,12 @@ free_port() {
 
 test_stack() {
     require_compose
-    local start=$SECONDS
+    TEST_START=$SECONDS
     build
-    local project="pygmy-test-$$-$RANDOM"
-    local port="${PYGMY_TEST_PORT:-$(free_port)}"
-    export COMPOSE_PROJECT_NAME="$project" PYGMY_HTTP_PORT="$port"
+    # Globals, not locals: the EXIT trap runs after this function has returned.
+    TEST_PROJECT="pygmy-test-$$-$RANDOM"
+    TEST_PORT="${PYGMY_TEST_PORT:-$(free_port)}"
+    export COMPOSE_PROJECT_NAME="$TEST_PROJECT" PYGMY_HTTP_PORT="$TEST_PORT"
     export PYGMY_SECRET="${PYGMY_SECRET:-test-secret-$RANDOM$RANDOM}"
     # shellcheck disable=SC2317
     cleanup() {
@@ -235,19 +236,19 @@ test_stack() {
             compose ps -a >&2 || true
             compose logs --no-color --tail 40 >&2 || true
         fi
-        log "tearing down $project"
+        log "tearing down $TEST_PROJECT"
         compose down -v --remove-orphans --timeout 5 >/dev/null 2>&1 || true
         exit "$rc"
     }
     trap cleanup EXIT
     trap 'exit 130' INT TERM
-    log "starting stack $project on 127.0.0.1:$port"
+    log "starting stack $TEST_PROJECT on 127.0.0.1:$TEST_PORT"
     compose up -d --wait --wait-timeout "${PYGMY_WAIT_TIMEOUT:-180}" --no-build \
         || die "the stack did not become healthy"
-    log "stack healthy after $((SECONDS - start))s; running the smoke and failover test"
-    "$(host_python)" "$ROOT/scripts/compose_test.py" --url "http://127.0.0.1:$port" \
+    log "stack healthy after $((SECONDS - TEST_START))s; running the smoke and failover test"
+    "$(host_python)" "$ROOT/scripts/compose_test.py" --url "http://127.0.0.1:$TEST_PORT" \
         --compose "docker compose -f $ROOT/docker-compose.yml -f $ROOT/docker-compose.override.yml"
-    log "compose test passed in $((SECONDS - start))s"
+    log "compose test passed in $((SECONDS - TEST_START))s"
 }
 
 # ------------------------------------------------------------------------------------------------ main
