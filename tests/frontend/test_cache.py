@@ -1,0 +1,105 @@
+"""The read cache on its own, deterministically: bound, errors, single flight, the fill race."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from frontend.cache import ReadCache
+
+
+def test_lru_bound_and_eviction_order() -> None:
+    c = ReadCache(capacity=3)
+    for i in range(3):
+        c.get_or_fetch(f"k{i}", lambda f, i=i: (1, i), usable=True)
+    c.get_or_fetch("k0", lambda f: pytest.fail("k0 should be cached"), usable=True)  # k0 now most recent
+    c.get_or_fetch("k3", lambda f: (1, 3), usable=True)  # evicts k1, the least recently used
+    snap = c.snapshot()
+    assert snap["entries"] == 3 and snap["evictions"] == 1 and snap["hits"] == 1 and snap["misses"] == 4
+    fetched = []
+    c.get_or_fetch("k1", lambda f: fetched.append(1) or (1, 1), usable=True)
+    assert fetched == [1]
+
+
+def test_errors_are_never_cached() -> None:
+    c = ReadCache(capacity=10)
+    calls = []
+
+    def failing(floor: int) -> tuple[int, str]:
+        calls.append(floor)
+        raise LookupError("404")
+
+    for _ in range(2):
+        with pytest.raises(LookupError):
+            c.get_or_fetch("k", failing, usable=True)
+    assert len(calls) == 2 and c.snapshot()["entries"] == 0
+    assert c.get_or_fetch("k", lambda f: None, usable=True) is None  # fetch says "do not cache"
+    assert c.snapshot()["entries"] == 0
+
+
+def test_not_used_without_a_lease() -> None:
+    c = ReadCache(capacity=10)
+    c.get_or_fetch("k", lambda f: (1, "old"), usable=True)
+    assert c.get_or_fetch("k", lambda f: (2, "new"), usable=False) == "new"
+    assert c.get_or_fetch("k", lambda f: (3, "x"), usable=True) == "old"  # unusable reads don't fill
+
+
+def test_single_flight() -> None:
+    c = ReadCache(capacity=10)
+    gate = threading.Event()
+    calls = []
+
+    def slow(floor: int) -> tuple[int, str]:
+        calls.append(1)
+        gate.wait(5)
+        return 1, "v"
+
+    results: list[str] = []
+    threads = [threading.Thread(target=lambda: results.append(c.get_or_fetch("k", slow, usable=True)))
+               for _ in range(20)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    gate.set()
+    for t in threads:
+        t.join()
+    assert calls == [1] and results == ["v"] * 20
+
+
+def test_fill_racing_an_invalidation_is_not_stored() -> None:
+    """Miss -> fetch old value -> invalidation arrives -> fill completes: the old value must not stick."""
+    c = ReadCache(capacity=10)
+
+    def fetch_old_then_invalidated(floor: int) -> tuple[int, str]:
+        assert floor == 0
+        c.invalidate("book:1", 7)  # the change at index 7 is pushed while our read is in flight
+        return 5, "stock=10 (version 5)"
+
+    assert c.get_or_fetch("book:1", fetch_old_then_invalidated, usable=True) == "stock=10 (version 5)"
+    assert c.snapshot()["entries"] == 0
+    floors = []
+    assert c.get_or_fetch("book:1", lambda f: floors.append(f) or (7, "stock=9"), usable=True) == "stock=9"
+    assert floors == [7], "the next read must ask a replica for at least the invalidated version"
+    assert c.get_or_fetch("book:1", lambda f: pytest.fail("cached"), usable=True) == "stock=9"
+
+
+def test_flush_during_fill_drops_it() -> None:
+    c = ReadCache(capacity=10)
+
+    def fetch(floor: int) -> tuple[int, str]:
+        c.flush(floor=3)
+        return 9, "v"
+
+    c.get_or_fetch("k", fetch, usable=True)
+    assert c.snapshot()["entries"] == 0 and c.floor("other") == 3
+
+
+def test_disabled_cache_always_fetches_with_floors() -> None:
+    c = ReadCache(capacity=10, enabled=False)
+    c.invalidate("k", 4)
+    seen = []
+    for _ in range(2):
+        c.get_or_fetch("k", lambda f: seen.append(f) or (4, "v"), usable=True)
+    assert seen == [4, 4] and c.snapshot()["entries"] == 0
