@@ -112,8 +112,13 @@ class SQLiteStateMachine(StateMachine):
 
     def restore(self, index: int, data: bytes) -> None:
         with self._write_lock:
+            # A WAL database serializes with file-format bytes 18-19 = 2, which an in-memory copy
+            # cannot write to ("unable to open database file"): mark it rollback-journal (1).
+            image = bytearray(data)
+            if image[18:20] == b"\x02\x02":
+                image[18:20] = b"\x01\x01"
             source = sqlite3.connect(":memory:")
-            source.deserialize(data)
+            source.deserialize(bytes(image))
             source.execute("UPDATE meta SET value=? WHERE key='applied_index'", (index,))
             source.commit()
             source.backup(self._conn())

@@ -1,0 +1,532 @@
+"""``ReplicaNode``: runs a ``RaftCore`` inside a service process (threads, SQLite, HTTP).
+
+Threads, all owned and joined by ``stop()``:
+
+- the event loop: the only thread touching the core, the log store and (for writes) the state
+  machine. It drains an inbox of peer messages and proposals, ticks every ``tick_ms``, then handles
+  the core's ``Ready``: persist (durably) -> send -> apply -> advance;
+- one sender per peer: coalesces queued messages into one POST ``/raft/messages`` (drops on error:
+  Raft retransmits);
+- one notifier: runs leader listeners, so a listener may itself call ``propose``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import requests
+from flask import Blueprint, Response, jsonify, request
+
+from replication.core import SNAPSHOT, CoreConfig, Entry, Message, RaftCore, Ready
+from replication.log_store import LogStore
+from replication.statemachine import StateMachine
+
+log = logging.getLogger("pygmy.replication")
+
+
+class NotLeader(Exception):
+    """This replica cannot take the write; retry on ``leader_name`` (None while unknown)."""
+
+    def __init__(self, leader: str | None, url: str | None) -> None:
+        super().__init__(f"not the leader (leader: {leader})")
+        self.leader_name, self.leader_url = leader, url
+
+
+class ProposalTimeout(Exception):
+    """The outcome is unknown: the command may still commit later (retry with an idempotency key)."""
+
+
+@dataclass(frozen=True)
+class ReplicationConfig:
+    tick_ms: float = 10.0
+    heartbeat_ticks: int = 5
+    election_ticks_min: int = 30
+    election_ticks_max: int = 60
+    lease_ticks: int | None = None
+    max_entries_per_msg: int = 2048
+    max_inflight: int = 32
+    max_apply_batch: int = 4096
+    pre_vote: bool = True
+    check_quorum: bool = True
+    snapshot_timeout_ticks: int = 300
+    #: Applied entries kept in the log for lagging followers; older ones are compacted away.
+    keep_entries: int = 10_000
+    #: Compact only once this many more entries accumulated (amortises the DELETE).
+    compact_slack: int = 2_000
+    connect_timeout: float = 0.2
+    read_timeout: float = 0.5
+    snapshot_read_timeout: float = 10.0
+    #: Cap on messages per POST (heartbeats and appends are coalesced up to it).
+    max_batch_messages: int = 64
+
+    def core_config(self) -> CoreConfig:
+        return CoreConfig(
+            heartbeat_ticks=self.heartbeat_ticks,
+            election_ticks_min=self.election_ticks_min,
+            election_ticks_max=self.election_ticks_max,
+            lease_ticks=self.lease_ticks,
+            max_entries_per_msg=self.max_entries_per_msg,
+            max_inflight=self.max_inflight,
+            max_apply_batch=self.max_apply_batch,
+            pre_vote=self.pre_vote,
+            check_quorum=self.check_quorum,
+            snapshot_timeout_ticks=self.snapshot_timeout_ticks,
+        )
+
+
+class _Proposal:
+    __slots__ = ("command", "done", "index", "term", "result", "error")
+
+    def __init__(self, command: dict[str, Any]) -> None:
+        self.command = command
+        self.done = threading.Event()
+        self.index = 0
+        self.term = 0
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        self.result, self.error = result, error
+        self.done.set()
+
+
+class _Sender:
+    """Delivers messages to one peer on its own thread, so a slow peer delays nobody else."""
+
+    def __init__(self, node: ReplicaNode, peer: str, url: str) -> None:
+        self.node, self.peer, self.url = node, peer, url.rstrip("/") + "/raft/messages"
+        self.queue: queue.Queue[Message | None] = queue.Queue()
+        self.session = requests.Session()
+        adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=2, max_retries=0)
+        self.session.mount("http://", adapter)
+        self.session.mount("https://", adapter)
+        self.thread = threading.Thread(target=self._run, name=f"raft-send-{node.name}->{peer}", daemon=True)
+
+    def _run(self) -> None:
+        cfg = self.node.config
+        while True:
+            first = self.queue.get()
+            if first is None:
+                break
+            batch = [first]
+            stop = False
+            while len(batch) < cfg.max_batch_messages:
+                try:
+                    m = self.queue.get_nowait()
+                except queue.Empty:
+                    break
+                if m is None:
+                    stop = True
+                    break
+                batch.append(m)
+            snaps = [m for m in batch if m.type == SNAPSHOT]
+            rest = [m for m in batch if m.type != SNAPSHOT]
+            if rest:
+                self._post(rest, cfg.read_timeout)
+            for m in snaps:
+                self._post([m], cfg.snapshot_read_timeout)
+            if stop:
+                break
+        self.session.close()
+
+    def _post(self, msgs: list[Message], read_timeout: float) -> None:
+        try:
+            resp = self.session.post(
+                self.url,
+                json={"messages": [m.to_dict() for m in msgs]},
+                headers={"Authorization": f"Bearer {self.node.secret}"},
+                timeout=(self.node.config.connect_timeout, read_timeout),
+            )
+            if resp.status_code >= 300:
+                log.debug("%s -> %s: HTTP %s", self.node.name, self.peer, resp.status_code)
+        except requests.RequestException as exc:
+            log.debug("%s -> %s: %s", self.node.name, self.peer, exc)
+
+
+class ReplicaNode:
+    """One replica of a Raft group; see the module docstring for its threads."""
+
+    def __init__(
+        self,
+        name: str,
+        peers: Mapping[str, str],
+        state_machine: StateMachine,
+        data_dir: Path | str,
+        secret: str,
+        config: ReplicationConfig | None = None,
+        *,
+        seed: int | None = None,
+    ) -> None:
+        if name not in peers:
+            raise ValueError(f"{name} is not among the peers {list(peers)}")
+        self.name = name
+        self.peers = dict(peers)
+        self.url = self.peers[name]
+        self.sm = state_machine
+        self.secret = secret
+        self.config = config or ReplicationConfig()
+        self.data_dir = Path(data_dir)
+        self.store = LogStore(self.data_dir / "raft.db")
+        persisted = self.store.load()
+        if persisted.installing is not None:
+            idx, term = persisted.installing
+            if self.sm.applied_index() >= idx:
+                # The state machine was restored but the log store not updated: finish the install.
+                self.store.save(snapshot=(idx, term))
+            else:
+                self.store.abort_install()
+            persisted = self.store.load()
+        self._applied = self.sm.applied_index()
+        self.core = RaftCore(
+            name,
+            list(self.peers),
+            hard_state=persisted.hard_state,
+            entries=persisted.entries,
+            snapshot=persisted.snapshot,
+            applied=self._applied,
+            config=self.config.core_config(),
+            rng=seed,
+        )
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._proposals: dict[int, _Proposal] = {}
+        self._apply_cond = threading.Condition()
+        self._apply_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._view: dict[str, Any] = {}
+        self._lease_until = 0.0
+        self._caught_up = False
+        self._was_leader = False
+        self._apply_listeners: list[Callable[[int, Any, Any], None]] = []
+        self._leader_listeners: list[Callable[[bool, int], None]] = []
+        self._notify: queue.Queue[tuple[bool, int] | None] = queue.Queue()
+        self._senders = {p: _Sender(self, p, url) for p, url in self.peers.items() if p != name}
+        self._stopping = threading.Event()
+        self._loop_thread = threading.Thread(target=self._run, name=f"raft-loop-{name}", daemon=True)
+        self._notify_thread = threading.Thread(
+            target=self._run_notifier, name=f"raft-notify-{name}", daemon=True
+        )
+        self._started = False
+        self._refresh_view()
+        self.blueprint = self._make_blueprint()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        for s in self._senders.values():
+            s.thread.start()
+        self._notify_thread.start()
+        self._loop_thread.start()
+
+    def stop(self) -> None:
+        """Stop and join every thread; pending proposals fail with ProposalTimeout."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        if self._started:
+            self._inbox.put(("stop", None))
+            self._loop_thread.join(timeout=10)
+            for s in self._senders.values():
+                s.queue.put(None)
+            for s in self._senders.values():
+                s.thread.join(timeout=10)
+            self._notify.put(None)
+            self._notify_thread.join(timeout=10)
+        while True:  # proposals that arrived after the loop ended
+            try:
+                kind, value = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "propose":
+                value.finish(error=ProposalTimeout(f"{self.name} stopped"))
+        for p in list(self._proposals.values()):
+            p.finish(error=ProposalTimeout(f"{self.name} stopped"))
+        self._proposals.clear()
+        with self._apply_cond:
+            self._apply_cond.notify_all()
+        self.store.close()
+
+    # -- public API ------------------------------------------------------------------------------
+    def propose(self, command: dict[str, Any], timeout: float) -> Any:
+        """Replicate ``command``; returns ``state_machine.apply``'s result once committed and applied
+        here. Raises NotLeader (not written), or ProposalTimeout (outcome unknown)."""
+        if threading.current_thread() is self._loop_thread:
+            raise RuntimeError("propose() called from the replication thread (e.g. an apply listener)")
+        if self._stopping.is_set() or not self._started:
+            raise ProposalTimeout(f"{self.name} is not running")
+        if not self.is_leader():
+            raise NotLeader(*(self.leader() or (None, None)))
+        prop = _Proposal(command)
+        self._inbox.put(("propose", prop))
+        if not prop.done.wait(timeout):
+            self._inbox.put(("forget", prop))
+            raise ProposalTimeout(f"{self.name}: not committed within {timeout:.3g}s")
+        if prop.error is not None:
+            raise prop.error
+        return prop.result
+
+    def wait_applied(self, index: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._apply_cond:
+            while self._applied < index:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stopping.is_set():
+                    return False
+                self._apply_cond.wait(left)
+            return True
+
+    def applied_index(self) -> int:
+        return self._applied
+
+    def is_leader(self) -> bool:
+        return self._view.get("role") == "leader"
+
+    def term(self) -> int:
+        return int(self._view.get("term", 0))
+
+    def leader(self) -> tuple[str, str] | None:
+        name = self._view.get("leader")
+        return None if name is None else (name, self.peers[name])
+
+    def can_serve_reads(self) -> bool:
+        """Whether local reads reflect every acknowledged write (leader) or a caught-up follower."""
+        view = self._view
+        if view.get("role") == "leader":
+            return time.monotonic() < self._lease_until and self._applied >= view["term_start"]
+        return view.get("role") == "follower" and view.get("leader") is not None
+
+    def status(self) -> dict[str, Any]:
+        view = self._view
+        with self._apply_lock:  # applied index and digest of the same state
+            applied = self.sm.applied_index()
+            digest = self.sm.digest()
+        return {
+            "name": self.name,
+            "url": self.url,
+            "role": view["role"],
+            "term": view["term"],
+            "leader": view["leader"],
+            "commit_index": max(view["commit"], applied),
+            "applied_index": applied,
+            "state_digest": digest,
+        }
+
+    def add_leader_listener(self, cb: Callable[[bool, int], None]) -> None:
+        """``cb(is_leader, term)`` on every leadership change, from the node's notifier thread."""
+        self._leader_listeners.append(cb)
+
+    def add_apply_listener(self, cb: Callable[[int, Any, Any], None]) -> None:
+        """``cb(index, command, result)`` after each applied command (not no-ops), on the event-loop
+        thread before the proposer is answered; it must be quick and must not call ``propose``."""
+        self._apply_listeners.append(cb)
+
+    # -- HTTP ------------------------------------------------------------------------------------
+    def _make_blueprint(self) -> Blueprint:
+        bp = Blueprint(f"raft_{self.name}", __name__)
+
+        @bp.post("/raft/messages")
+        def raft_messages() -> tuple[Response, int]:
+            auth = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(auth.encode(), f"Bearer {self.secret}".encode()):
+                return jsonify({"error": {"code": 401, "message": "missing or wrong internal secret"}}), 401
+            request.max_content_length = None  # appends and snapshots may be large
+            body = request.get_json(silent=True)
+            raw = body.get("messages") if isinstance(body, dict) else None
+            if not isinstance(raw, list):
+                return jsonify({"error": {"code": 400, "message": "expected {'messages': [...]}"}}), 400
+            accepted = 0
+            for d in raw:
+                try:
+                    m = Message.from_dict(d)
+                except (KeyError, ValueError, TypeError, AttributeError):
+                    continue
+                if m.src in self.peers and m.src != self.name and m.dst == self.name:
+                    self._inbox.put(("msg", m))
+                    accepted += 1
+            return jsonify({"accepted": accepted}), 200
+
+        return bp
+
+    # -- event loop ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        tick_s = self.config.tick_ms / 1000.0
+        next_tick = time.monotonic() + tick_s
+        max_catch_up = 2 * self.config.election_ticks_max
+        try:
+            while True:
+                timeout = max(0.0, next_tick - time.monotonic())
+                try:
+                    item = self._inbox.get(timeout=timeout)
+                    if not self._handle_input(item):
+                        return
+                    for _ in range(10_000):
+                        if not self._handle_input(self._inbox.get_nowait()):
+                            return
+                except queue.Empty:
+                    pass
+                now = time.monotonic()
+                ticks = 0
+                while now >= next_tick and ticks < max_catch_up:
+                    self.core.tick()
+                    next_tick += tick_s
+                    ticks += 1
+                if now >= next_tick:
+                    next_tick = now + tick_s  # far behind (e.g. a stall): do not storm
+                self._process_ready(next_tick - tick_s)
+        except Exception:
+            log.exception("%s: replication loop crashed", self.name)
+            raise
+
+    def _handle_input(self, item: tuple[str, Any]) -> bool:
+        kind, value = item
+        if kind == "msg":
+            self.core.step(value)
+        elif kind == "propose":
+            prop: _Proposal = value
+            index = self.core.propose(prop.command)
+            if index is None:
+                prop.finish(error=NotLeader(*(self._leader_tuple() or (None, None))))
+            else:
+                prop.index, prop.term = index, self.core.term
+                self._proposals[index] = prop
+        elif kind == "forget":
+            prop = value
+            if self._proposals.get(prop.index) is prop:
+                del self._proposals[prop.index]
+        elif kind == "stop":
+            return False
+        return True
+
+    def _leader_tuple(self) -> tuple[str, str] | None:
+        name = self.core.leader
+        return None if name is None else (name, self.peers[name])
+
+    def _process_ready(self, tick_wall: float) -> None:
+        rd = self.core.ready()
+        if not rd.is_empty():
+            self._persist(rd)
+            self._send(rd.messages)
+            self._apply(rd.committed_entries)
+            self.core.advance(rd)
+            self._maybe_compact()
+        self._refresh_view(tick_wall)
+
+    def _persist(self, rd: Ready) -> None:
+        snap = rd.snapshot
+        if snap is not None:
+            self.store.begin_install(snap.index, snap.term)
+            if snap.data is None:
+                raise RuntimeError("snapshot message without payload")
+            with self._apply_lock:
+                self.sm.restore(snap.index, snap.data)
+            for index, prop in list(self._proposals.items()):
+                if index <= snap.index:
+                    prop.finish(error=ProposalTimeout("replaced by a snapshot; outcome unknown"))
+                    del self._proposals[index]
+            self._set_applied(snap.index)
+        self.store.save(
+            rd.hard_state,
+            rd.entries,
+            rd.truncate_from,
+            None if snap is None else (snap.index, snap.term),
+        )
+        if rd.truncate_from is not None:
+            # Our uncommitted suffix was replaced by another leader's: those commands are lost.
+            for index, prop in list(self._proposals.items()):
+                if index >= rd.truncate_from:
+                    prop.finish(error=NotLeader(*(self._leader_tuple() or (None, None))))
+                    del self._proposals[index]
+
+    def _send(self, msgs: list[Message]) -> None:
+        for m in msgs:
+            if m.type == SNAPSHOT:
+                with self._apply_lock:
+                    m.snapshot_index = self.sm.applied_index()
+                    m.payload = self.sm.snapshot()
+                m.snapshot_term = self.core.term_at(m.snapshot_index) or 0
+            sender = self._senders.get(m.dst)
+            if sender is not None:
+                sender.queue.put(m)
+
+    def _apply(self, entries: list[Entry]) -> None:
+        for e in entries:
+            if e.index <= self._applied:
+                continue
+            error: BaseException | None = None
+            result: Any = None
+            with self._apply_lock:
+                try:
+                    result = self.sm.apply(e.index, e.command)
+                except Exception as exc:  # deterministic command failure: same on every replica
+                    log.exception("%s: applying entry %d failed", self.name, e.index)
+                    error = exc
+            self._set_applied(e.index)
+            if e.command is not None and error is None:
+                for cb in self._apply_listeners:
+                    try:
+                        cb(e.index, e.command, result)
+                    except Exception:
+                        log.exception("%s: apply listener failed", self.name)
+            prop = self._proposals.pop(e.index, None)
+            if prop is not None:
+                if prop.term != e.term:
+                    prop.finish(error=NotLeader(*(self._leader_tuple() or (None, None))))
+                else:
+                    prop.finish(result, error)
+
+    def _set_applied(self, index: int) -> None:
+        with self._apply_cond:
+            self._applied = index
+            self._apply_cond.notify_all()
+
+    def _maybe_compact(self) -> None:
+        cfg = self.config
+        if self.core.applied - self.core.snap_index > cfg.keep_entries + cfg.compact_slack:
+            res = self.core.compact(self.core.applied - cfg.keep_entries)
+            if res is not None:
+                self.store.compact(*res)
+
+    def _refresh_view(self, tick_wall: float | None = None) -> None:
+        core = self.core
+        is_leader = core.is_leader()
+        if not self._caught_up:
+            target = core.first_leader_commit
+            if is_leader or (target is not None and self._applied >= target):
+                self._caught_up = True
+        role = core.public_role
+        if role == "follower" and not self._caught_up:
+            role = "recovering"
+        if is_leader and tick_wall is not None:
+            self._lease_until = tick_wall + core.lease_remaining() * self.config.tick_ms / 1000.0
+        elif not is_leader:
+            self._lease_until = 0.0
+        self._view = {
+            "role": role,
+            "term": core.term,
+            "leader": core.leader,
+            "commit": core.commit,
+            "term_start": core.term_start_index,
+        }
+        if is_leader != self._was_leader:
+            self._was_leader = is_leader
+            self._notify.put((is_leader, core.term))
+
+    def _run_notifier(self) -> None:
+        while True:
+            item = self._notify.get()
+            if item is None:
+                return
+            for cb in list(self._leader_listeners):
+                try:
+                    cb(*item)
+                except Exception:
+                    log.exception("%s: leader listener failed", self.name)

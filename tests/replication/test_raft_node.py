@@ -1,0 +1,199 @@
+"""Three threaded ``ReplicaNode``s in one process talking real HTTP (werkzeug servers on free ports)."""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from flask import Flask
+from werkzeug.serving import make_server
+
+from replication.node import NotLeader, ReplicaNode, ReplicationConfig
+from replication.statemachine import SQLiteStateMachine
+
+logging.getLogger("werkzeug").setLevel(logging.ERROR)
+SECRET = "test-secret"
+CONFIG = ReplicationConfig(keep_entries=50, compact_slack=20)
+
+
+class KV(SQLiteStateMachine):
+    schema = ("CREATE TABLE IF NOT EXISTS kv (k TEXT PRIMARY KEY, v INTEGER NOT NULL)",)
+    digest_tables = (("kv", "k"),)
+
+    def execute(self, conn: sqlite3.Connection, index: int, command: dict[str, Any]) -> Any:
+        row = conn.execute("SELECT v FROM kv WHERE k=?", (command["k"],)).fetchone()
+        value = (row[0] if row else 0) + command.get("add", 0)
+        conn.execute("INSERT OR REPLACE INTO kv(k, v) VALUES (?, ?)", (command["k"], value))
+        return value
+
+
+class Switch:
+    """A WSGI app whose target can be swapped, so a 'restarted' replica keeps its port."""
+
+    def __init__(self) -> None:
+        self.app: Any = None
+
+    def __call__(self, environ, start_response):
+        app = self.app
+        if app is None:
+            start_response("503 Service Unavailable", [("Content-Type", "application/json")])
+            return [b'{"error": {"code": 503, "message": "down"}}']
+        return app(environ, start_response)
+
+
+class Harness:
+    def __init__(self, tmp: Path, n: int = 3) -> None:
+        self.tmp = tmp
+        self.switches: dict[str, Switch] = {}
+        self.servers = []
+        self.peers: dict[str, str] = {}
+        for i in range(1, n + 1):
+            name = f"kv-{i}"
+            sw = Switch()
+            server = make_server("127.0.0.1", 0, sw, threaded=True)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            self.switches[name] = sw
+            self.servers.append(server)
+            self.peers[name] = f"http://127.0.0.1:{server.server_port}"
+        self.nodes: dict[str, ReplicaNode] = {}
+        self.sms: dict[str, KV] = {}
+        for name in self.peers:
+            self.start(name)
+
+    def start(self, name: str) -> ReplicaNode:
+        sm = KV(self.tmp / name / "state.db")
+        node = ReplicaNode(name, self.peers, sm, self.tmp / name, SECRET, CONFIG)
+        app = Flask(name)
+        app.register_blueprint(node.blueprint)
+        node.start()
+        self.nodes[name], self.sms[name] = node, sm
+        self.switches[name].app = app
+        return node
+
+    def stop(self, name: str) -> None:
+        self.switches[name].app = None
+        node = self.nodes.pop(name)
+        node.stop()
+        self.sms.pop(name).close()
+
+    def close(self) -> None:
+        for name in list(self.nodes):
+            self.stop(name)
+        for server in self.servers:
+            server.shutdown()
+            server.server_close()
+
+    def leader(self, timeout: float = 5.0) -> ReplicaNode:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            leaders = [n for n in self.nodes.values() if n.is_leader()]
+            if len(leaders) == 1 and leaders[0].can_serve_reads():
+                return leaders[0]
+            time.sleep(0.01)
+        raise AssertionError("no leader")
+
+    def converge(self, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            st = [n.status() for n in self.nodes.values()]
+            if len({(s["applied_index"], s["state_digest"]) for s in st}) == 1 and st[0]["applied_index"] > 0:
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"replicas did not converge: {[n.status() for n in self.nodes.values()]}")
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    h = Harness(tmp_path)
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+def test_replicate_failover_catch_up_and_snapshot(cluster: Harness) -> None:
+    leader = cluster.leader()
+    for i in range(30):
+        assert leader.propose({"k": "a", "add": 1}, timeout=2) == i + 1
+    cluster.converge()
+    st = leader.status()
+    assert st["role"] == "leader" and st["leader"] == leader.name and st["term"] >= 1
+
+    # A follower refuses writes and names the leader.
+    follower = next(n for n in cluster.nodes.values() if n is not leader)
+    with pytest.raises(NotLeader) as info:
+        follower.propose({"k": "a", "add": 1}, timeout=1)
+    assert info.value.leader_name == leader.name
+    assert info.value.leader_url == cluster.peers[leader.name]
+
+    # Failover: stop the leader; a new one takes writes well within a second or so.
+    old = leader.name
+    cluster.stop(old)
+    t0 = time.monotonic()
+    new = cluster.leader(timeout=5)
+    assert new.propose({"k": "a", "add": 1}, timeout=2) == 31
+    failover = time.monotonic() - t0
+    assert failover < 2.0, failover
+    for _ in range(100):  # enough for the log to be compacted past what the old leader has
+        new.propose({"k": "b", "add": 2}, timeout=2)
+    assert new.core.snap_index > 31
+
+    # The old leader restarts, receives a snapshot (its next entries were compacted) and catches up.
+    back = cluster.start(old)
+    cluster.converge(timeout=10)
+    assert back.status()["role"] == "follower"
+    assert back.core.snap_index > 31
+    assert cluster.sms[old].read("SELECT v FROM kv WHERE k='b'")[0][0] == 200
+
+    # Catch-up from the log (no snapshot) after a short absence.
+    follower = next(n for n in cluster.nodes.values() if not n.is_leader())
+    name = follower.name
+    cluster.stop(name)
+    leader = cluster.leader()
+    for _ in range(10):
+        leader.propose({"k": "c", "add": 1}, timeout=2)
+    snap_before = cluster.nodes[leader.name].core.snap_index
+    back = cluster.start(name)
+    cluster.converge(timeout=10)
+    assert back.core.snap_index <= max(snap_before, back.core.snap_index)
+    assert back.can_serve_reads()
+
+
+def test_internal_endpoint_requires_secret(cluster: Harness) -> None:
+    url = cluster.peers["kv-1"] + "/raft/messages"
+    r = requests.post(url, json={"messages": []}, timeout=2)
+    assert r.status_code == 401 and r.json()["error"]["code"] == 401
+    r = requests.post(url, json={"messages": []}, headers={"Authorization": "Bearer wrong"}, timeout=2)
+    assert r.status_code == 401
+    # A forged message from a non-member is ignored.
+    bogus = {"type": "vote", "src": "intruder", "dst": "kv-1", "term": 99, "index": 10**6, "log_term": 99}
+    r = requests.post(
+        url, json={"messages": [bogus]}, headers={"Authorization": f"Bearer {SECRET}"}, timeout=2
+    )
+    assert r.status_code == 200 and r.json()["accepted"] == 0
+
+
+def test_leader_listener_and_apply_listener(cluster: Harness) -> None:
+    events: list[tuple[bool, int]] = []
+    applied: list[tuple[int, Any, Any]] = []
+    leader = cluster.leader()
+    leader.add_apply_listener(lambda i, c, r: applied.append((i, c, r)))
+    follower = next(n for n in cluster.nodes.values() if n is not leader)
+    follower.add_leader_listener(lambda is_leader, term: events.append((is_leader, term)))
+    leader.propose({"k": "x", "add": 5}, timeout=2)
+    assert applied and applied[-1][1] == {"k": "x", "add": 5} and applied[-1][2] == 5
+    assert leader.wait_applied(applied[-1][0], 1)
+    assert follower.wait_applied(applied[-1][0], 2)
+    cluster.stop(leader.name)
+    new = cluster.leader()
+    if new is follower:
+        deadline = time.monotonic() + 2
+        while not events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert events[-1][0] is True
