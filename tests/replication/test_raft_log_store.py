@@ -1,0 +1,57 @@
+"""``LogStore``: what is saved is what a restart loads."""
+
+from __future__ import annotations
+
+from replication.core import Entry, HardState
+from replication.log_store import LogStore
+
+
+def entries(lo: int, hi: int, term: int = 1) -> list[Entry]:
+    return [Entry(i, term, {"i": i, "s": "x" * 3}) for i in range(lo, hi + 1)]
+
+
+def test_persist_and_reload(tmp_path):
+    store = LogStore(tmp_path / "raft.db")
+    assert store.load().hard_state == HardState() and store.load().entries == []
+    store.save(HardState(3, "n2", 5), entries(1, 10) + [Entry(11, 3, None)])
+    store.close()
+    loaded = LogStore(tmp_path / "raft.db").load()
+    assert loaded.hard_state == HardState(3, "n2", 5)
+    assert loaded.entries == entries(1, 10) + [Entry(11, 3, None)]
+    assert loaded.snapshot == (0, 0) and loaded.installing is None
+
+
+def test_vote_none_round_trips(tmp_path):
+    store = LogStore(tmp_path / "raft.db")
+    store.save(HardState(4, None, 0))
+    assert store.load().hard_state == HardState(4, None, 0)
+
+
+def test_truncate_suffix(tmp_path):
+    store = LogStore(tmp_path / "raft.db")
+    store.save(None, entries(1, 10))
+    store.save(None, entries(6, 7, term=2), truncate_from=6)
+    assert store.load().entries == entries(1, 5) + entries(6, 7, term=2)
+
+
+def test_compact_prefix(tmp_path):
+    store = LogStore(tmp_path / "raft.db")
+    store.save(None, entries(1, 20))
+    store.compact(12, 1)
+    loaded = store.load()
+    assert loaded.snapshot == (12, 1)
+    assert loaded.entries == entries(13, 20)
+
+
+def test_snapshot_install_replaces_log_and_clears_intent(tmp_path):
+    store = LogStore(tmp_path / "raft.db")
+    store.save(None, entries(1, 5))
+    store.begin_install(40, 3)
+    assert store.load().installing == (40, 3)
+    store.save(HardState(3, None, 40), entries(41, 42, term=3), snapshot=(40, 3))
+    loaded = store.load()
+    assert loaded.installing is None and loaded.snapshot == (40, 3)
+    assert loaded.entries == entries(41, 42, term=3)
+    store.begin_install(50, 3)
+    store.abort_install()
+    assert store.load().installing is None
