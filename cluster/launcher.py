@@ -183,6 +183,9 @@ def up(config: ClusterConfig, reset_state: bool = False, out: object = sys.stdou
     config.save()
 
     def on_signal(signum: int, frame: object) -> None:
+        # Ignore further signals first: a second SIGTERM must not cut the orderly stop short.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise _Stop(signum)
 
     signal.signal(signal.SIGINT, on_signal)

@@ -8,7 +8,10 @@ everything it keeps in memory is written to be correct with several of them.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from gunicorn.app.base import BaseApplication
@@ -31,6 +34,9 @@ class _Gunicorn(BaseApplication):
 
 def _worker_exit(server: Any, worker: Any) -> None:
     """Stop the threads the app started (replication node, sweepers) when Gunicorn stops a worker."""
+    from cluster.metrics import worker_exited
+
+    worker_exited(worker.pid)
     app = getattr(worker, "wsgi", None)
     for ext in ("pygmy_buys", "pygmy_restocker", "pygmy_subscription", "pygmy_invalidator", "pygmy_runtime"):
         owner = getattr(app, "extensions", {}).get(ext)
@@ -55,7 +61,15 @@ def factory_for(tier: str, config: ClusterConfig, k: int) -> Callable[[], Any]:
     return build
 
 
+def _prepare_metrics_dir(path: Path) -> None:
+    """A clean prometheus multiprocess directory, set before prometheus_client is first imported."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
+
+
 def serve(tier: str, config: ClusterConfig, k: int) -> None:
+    _prepare_metrics_dir(config.run_dir() / "metrics" / f"{tier}-{k}")
     workers = config.frontend_workers if tier == "frontend" else 1
     options = {
         "bind": f"{config.bind}:{config.listen_port(tier, k)}",

@@ -10,6 +10,8 @@ from typing import Any, NoReturn
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
+from cluster.metrics import instrument
+
 MAX_BODY = 64 * 1024
 
 
@@ -36,6 +38,7 @@ def create_base_app(name: str) -> Flask:
     """A Flask app whose every error, including 404/405/413 and crashes, is a JSON body."""
     app = Flask(name)
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY
+    instrument(app, name)
     app.json.sort_keys = False  # type: ignore[attr-defined]
 
     @app.errorhandler(ApiError)

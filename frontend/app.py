@@ -16,6 +16,7 @@ import requests
 from flask import Flask, Response, jsonify, request
 
 from catalog.books import topic_key
+from cluster import metrics
 from cluster.config import ClusterConfig
 from cluster.web import create_base_app, fail, int_field, json_body, parse_item, require_secret
 from frontend.cache import ReadCache
@@ -47,7 +48,15 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
     orders = TierRouter("order", config.peers("order"), secret)
     admin = require_secret(secret)
     probe = ThreadPoolExecutor(max_workers=2, thread_name_prefix="health")
-    cache = ReadCache(config.cache_size, enabled=config.cache)
+    events = {e: metrics.CACHE_EVENTS.labels(name, e) for e in ("hit", "miss", "invalidation", "eviction", "flush")}
+    entries_gauge = metrics.CACHE_ENTRIES.labels(name)
+
+    def on_cache_event(event: str, entries: int) -> None:
+        if event in events:
+            events[event].inc()
+        entries_gauge.set(entries)
+
+    cache = ReadCache(config.cache_size, enabled=config.cache, on_event=on_cache_event)
     # Always subscribe, cache or not: the invalidation floors are what make follower reads fresh.
     subscription = Subscription(cache, catalog, secret, config.bind, config.advertise_host, name)
     app.extensions["pygmy_subscription"] = subscription
@@ -143,11 +152,22 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
         leader = max(leaders, key=lambda r: r.get("term", 0))["name"] if leaders else None
         return {"leader": leader, "replicas": replicas}
 
+    def cache_status() -> dict[str, Any]:
+        """This frontend's cache across all its worker processes (from the shared metrics files)."""
+        counts = metrics.totals("pygmy_cache_events_total", "event")
+        entries = metrics.totals("pygmy_cache_entries", "service").get(name, cache.snapshot()["entries"])
+        out: dict[str, Any] = {"enabled": cache.enabled, "entries": int(entries),
+                               "capacity": cache.capacity * config.frontend_workers}
+        for event, field in (("hit", "hits"), ("miss", "misses"), ("invalidation", "invalidations"),
+                             ("eviction", "evictions"), ("flush", "flushes")):
+            out[field] = int(counts.get(event, 0))
+        return out
+
     @app.get("/status")
     def status() -> Response:
         cat, ordr = probe.map(tier_view, (catalog, orders))
         return jsonify({
-            "frontend": {"name": name, "worker": os.getpid(), "cache": cache.snapshot(),
+            "frontend": {"name": name, "cache": cache_status(), "worker": os.getpid(),
                          "lease": {"valid": subscription.valid(), "holder": subscription.holder(),
                                    "pushes": subscription.pushes}},
             "catalog": cat, "order": ordr,

@@ -39,7 +39,10 @@ class _Flight:
 
 
 class ReadCache:
-    def __init__(self, capacity: int, enabled: bool = True) -> None:
+    def __init__(self, capacity: int, enabled: bool = True,
+                 on_event: Callable[[str, int], None] | None = None) -> None:
+        """``on_event(event, entries)`` is told of every hit, miss, invalidation, eviction and flush."""
+        self.on_event = on_event or (lambda event, entries: None)
         self.capacity = max(0, capacity)
         self.enabled = enabled and self.capacity > 0
         self.stats = Stats()
@@ -58,6 +61,7 @@ class ReadCache:
                 self._floors[key] = version
             if self._entries.pop(key, None) is not None:
                 self.stats.invalidations += 1
+                self.on_event("invalidation", len(self._entries))
 
     def flush(self, floor: int = 0) -> None:
         """Forget everything (new catalog leader, or the lease ran out); reads need index ``floor``."""
@@ -67,6 +71,7 @@ class ReadCache:
             self._global_floor = max(self._global_floor, floor)
             self._generation += 1
             self.stats.flushes += 1
+            self.on_event("flush", 0)
 
     def floor(self, key: str) -> int:
         """The oldest log index a read of ``key`` may return (what a replica must have applied)."""
@@ -89,8 +94,10 @@ class ReadCache:
             if hit is not None:
                 self._entries.move_to_end(key)
                 self.stats.hits += 1
+                self.on_event("hit", len(self._entries))
                 return hit[1]
             self.stats.misses += 1
+            self.on_event("miss", len(self._entries))
             flight = self._flights.get(key)
             leader = flight is None
             if leader:
@@ -126,6 +133,8 @@ class ReadCache:
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
                 self.stats.evictions += 1
+                self.on_event("eviction", len(self._entries))
+            self.on_event("store", len(self._entries))
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:

@@ -1,0 +1,90 @@
+"""Prometheus metrics shared by every service, in prometheus-client's multiprocess mode.
+
+Gunicorn runs several worker processes; each writes its samples to files in the service's own
+``PROMETHEUS_MULTIPROC_DIR`` (set by ``pygmy serve`` before any worker starts), and ``/metrics`` on
+any worker reads them all. The frontend's ``/status`` reads its cache counters the same way, so
+both report the whole frontend, not the one worker that happened to answer.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable
+
+from flask import Flask, Response, g, request
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
+from prometheus_client.registry import Collector
+
+ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+REQUESTS = Counter("pygmy_http_requests_total", "HTTP requests answered", ["service", "route", "method", "status"])
+LATENCY = Histogram(
+    "pygmy_http_request_seconds", "Time to answer an HTTP request", ["service", "route"],
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+CACHE_EVENTS = Counter("pygmy_cache_events_total", "Frontend cache hits, misses, invalidations, evictions, flushes",
+                       ["service", "event"])
+CACHE_ENTRIES = Gauge("pygmy_cache_entries", "Entries in the frontend caches", ["service"],
+                      multiprocess_mode="livesum")
+
+
+def worker_exited(pid: int) -> None:
+    if os.environ.get(ENV):
+        multiprocess.mark_process_dead(pid)
+
+
+def instrument(app: Flask, service: str, extra: Callable[[], Iterable[Collector]] | None = None) -> None:
+    """Count and time every request, and serve ``/metrics``."""
+
+    @app.before_request
+    def _start() -> None:
+        g.pygmy_started = time.perf_counter()
+
+    @app.after_request
+    def _done(resp: Response) -> Response:
+        started = g.get("pygmy_started")
+        if started is not None:
+            route = request.url_rule.rule if request.url_rule else "unmatched"
+            REQUESTS.labels(service, route, request.method, str(resp.status_code)).inc()
+            LATENCY.labels(service, route).observe(time.perf_counter() - started)
+        return resp
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        registry = registry_for_scrape()
+        for collector in extra() if extra else ():
+            registry.register(collector)
+        return Response(generate_latest(registry), mimetype=CONTENT_TYPE_LATEST)
+
+
+def registry_for_scrape() -> CollectorRegistry:
+    registry = CollectorRegistry()
+    if os.environ.get(ENV):
+        multiprocess.MultiProcessCollector(registry)
+    else:  # single process (tests, tools): the default registry has everything
+        from prometheus_client import REGISTRY
+
+        return REGISTRY
+    return registry
+
+
+def totals(metric: str, label: str) -> dict[str, float]:
+    """Sum one metric's samples across all worker processes, by one label (e.g. cache events)."""
+    out: dict[str, float] = {}
+    for family in registry_for_scrape().collect():
+        for sample in family.samples:
+            if sample.name == metric and label in sample.labels:
+                key = sample.labels[label]
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
