@@ -1,0 +1,155 @@
+"""Drive a whole local Pygmy cluster from Python the way a user does: ``pygmy up``, ``kill``, ``start``.
+
+The tests and the experiments both use it. Everything started here is stopped here:
+``LocalCluster.stop`` sends SIGTERM to ``pygmy up`` (which stops its services), then SIGKILLs any
+process group still named in a pid file. Ports come from ``free_port_base``, never fixed ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from client.api import PygmyClient
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_base(replicas: int = 5, frontends: int = 2) -> int:
+    """A port base B whose frontend, catalog and order ports are all free right now."""
+    for _ in range(200):
+        base = random.randrange(20000, 55000, 10)
+        ports = [base + i for i in range(frontends)]
+        ports += [base + off + k for off in (100, 200) for k in range(1, replicas + 1)]
+        if all(_port_free(p) for p in ports):
+            return base
+    raise RuntimeError("no free port base found")
+
+
+def pygmy(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run the ``pygmy`` command line as a user would."""
+    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+class LocalCluster:
+    def __init__(self, data_dir: Path, port_base: int, args: list[str]) -> None:
+        self.data_dir, self.port_base, self.args = data_dir, port_base, args
+        self.url = f"http://127.0.0.1:{port_base}"
+        self.proc: subprocess.Popen[str] | None = None
+        self._lines: queue.Queue[str] = queue.Queue()
+        self.output: list[str] = []
+
+    # -- life cycle -----------------------------------------------------------------------------
+    def start(self, reset: bool = False, timeout: float = 60) -> LocalCluster:
+        cmd = [sys.executable, "-m", "cluster.cli", "up", "--port-base", str(self.port_base),
+               "--data-dir", str(self.data_dir), *self.args] + (["--reset"] if reset else [])
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        threading.Thread(target=self._pump, args=(self.proc,), daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._lines.get(timeout=0.2)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            if line.startswith("ready "):
+                assert line.split()[1] == self.url
+                return self
+        self.stop()
+        raise RuntimeError(f"cluster did not start: {''.join(self.output)[-2000:]}\n{self.logs_tail()}")
+
+    def _pump(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self.output.append(line)
+            self._lines.put(line)
+
+    def stop(self, timeout: float = 30) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.kill_all()
+
+    def kill_all(self) -> None:
+        """SIGKILL every service group named in a pid file (the whole cluster crashes at once)."""
+        run = self.data_dir / "run"
+        for pid_file in run.glob("*.pid") if run.exists() else []:
+            with contextlib.suppress(ValueError, ProcessLookupError, PermissionError):
+                os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+            pid_file.unlink(missing_ok=True)
+
+    def crash(self) -> None:
+        """SIGKILL ``pygmy up`` and every service: nothing gets to shut down cleanly."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.kill_all()
+
+    # -- fault injection as a user does it ------------------------------------------------------
+    def kill(self, name: str) -> None:
+        r = pygmy("kill", name, "--data-dir", str(self.data_dir))
+        assert r.returncode == 0, r.stderr
+
+    def restart(self, name: str) -> None:
+        r = pygmy("start", name, "--data-dir", str(self.data_dir))
+        assert r.returncode == 0, r.stderr + self.logs_tail(name)
+
+    # -- looking at it from outside --------------------------------------------------------------
+    def client(self, frontend: int = 1, **kw: Any) -> PygmyClient:
+        return PygmyClient(f"http://127.0.0.1:{self.port_base + frontend - 1}", token=self.secret(), **kw)
+
+    def secret(self) -> str:
+        return (self.data_dir / "secret").read_text().strip()
+
+    def config(self) -> dict[str, Any]:
+        return json.loads((self.data_dir / "run" / "cluster.json").read_text())
+
+    def replica_url(self, name: str) -> str:
+        tier, k = name.rsplit("-", 1)
+        return f"http://127.0.0.1:{self.port_base + {'catalog': 100, 'order': 200}[tier] + int(k)}"
+
+    def replica_get(self, name: str, path: str, timeout: float = 2.0) -> requests.Response:
+        return requests.get(self.replica_url(name) + path, timeout=timeout,
+                            headers={"Authorization": f"Bearer {self.secret()}"})
+
+    def logs_tail(self, name: str | None = None, lines: int = 30) -> str:
+        logs = self.data_dir / "logs"
+        files = [logs / f"{name}.log"] if name else sorted(logs.glob("*.log")) if logs.exists() else []
+        out = []
+        for f in files:
+            if f.exists():
+                out.append(f"--- {f.name}\n" + "\n".join(f.read_text(errors="replace").splitlines()[-lines:]))
+        return "\n".join(out)
+
+
+def start_cluster(tmp: Path, *args: str, reset: bool = True) -> LocalCluster:
+    return LocalCluster(tmp / "data", free_port_base(), list(args)).start(reset=reset)
