@@ -68,14 +68,13 @@ def _prepare_metrics_dir(path: Path) -> None:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
 
 
-def serve(tier: str, config: ClusterConfig, k: int) -> None:
-    _prepare_metrics_dir(config.run_dir() / "metrics" / f"{tier}-{k}")
-    workers = config.frontend_workers if tier == "frontend" else 1
-    options = {
-        "bind": f"{config.bind}:{config.listen_port(tier, k)}",
+def gunicorn_options(bind: str, workers: int, threads: int, name: str) -> dict[str, Any]:
+    """The Gunicorn settings every Pygmy service runs with (benchmarks reuse them for baselines)."""
+    return {
+        "bind": bind,
         "workers": workers,
         "worker_class": "gthread",
-        "threads": 16 if tier == "frontend" else config.replica_threads,
+        "threads": threads,
         "timeout": 30,
         "graceful_timeout": 10,
         "keepalive": 30,
@@ -86,9 +85,24 @@ def serve(tier: str, config: ClusterConfig, k: int) -> None:
         "limit_request_fields": 100,
         "preload_app": False,
         "worker_exit": _worker_exit,
-        "proc_name": f"pygmy-{tier}-{k}",
+        "proc_name": f"pygmy-{name}",
         "accesslog": None,
         "errorlog": "-",
         "loglevel": "info",
     }
-    _Gunicorn(factory_for(tier, config, k), options).run()
+
+
+def run_gunicorn(factory: Callable[[], Any], options: dict[str, Any]) -> None:
+    """Serve the WSGI app ``factory()`` builds (in each worker) until Gunicorn is told to stop."""
+    _Gunicorn(factory, options).run()
+
+
+def serve(tier: str, config: ClusterConfig, k: int) -> None:
+    _prepare_metrics_dir(config.run_dir() / "metrics" / f"{tier}-{k}")
+    options = gunicorn_options(
+        f"{config.bind}:{config.listen_port(tier, k)}",
+        workers=config.frontend_workers if tier == "frontend" else 1,
+        threads=16 if tier == "frontend" else config.replica_threads,
+        name=f"{tier}-{k}",
+    )
+    run_gunicorn(factory_for(tier, config, k), options)
