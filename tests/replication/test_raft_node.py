@@ -197,3 +197,19 @@ def test_leader_listener_and_apply_listener(cluster: Harness) -> None:
         while not events and time.monotonic() < deadline:
             time.sleep(0.01)
         assert events[-1][0] is True
+
+
+def test_whole_cluster_restart_keeps_committed_state(cluster: Harness) -> None:
+    leader = cluster.leader()
+    for _ in range(20):
+        leader.propose({"k": "d", "add": 3}, timeout=2)
+    names = list(cluster.nodes)
+    for name in names:
+        cluster.stop(name)
+    for name in names:
+        cluster.start(name)
+    leader = cluster.leader(timeout=5)
+    assert leader.propose({"k": "d", "add": 1}, timeout=2) == 61
+    cluster.converge()
+    for name in names:
+        assert cluster.sms[name].read("SELECT v FROM kv WHERE k='d'")[0][0] == 61
