@@ -338,7 +338,7 @@ class ReplicaNode:
             auth = request.headers.get("Authorization", "")
             if not hmac.compare_digest(auth.encode(), f"Bearer {self.secret}".encode()):
                 return jsonify({"error": {"code": 401, "message": "missing or wrong internal secret"}}), 401
-            request.max_content_length = None  # appends and snapshots may be large
+            request.max_content_length = 1 << 31  # appends and snapshots may be large (app limit aside)
             body = request.get_json(silent=True)
             raw = body.get("messages") if isinstance(body, dict) else None
             if not isinstance(raw, list):

@@ -193,3 +193,31 @@ def test_message_json_round_trip():
     assert Message.from_dict(m.to_dict()) == m
     hb = Message("heartbeat", "a", "b", 3)
     assert hb.to_dict() == {"type": "heartbeat", "src": "a", "dst": "b", "term": 3}
+
+
+def make_leader(core: RaftCore) -> None:
+    """Drive ``core`` through pre-vote and vote with every peer granting."""
+    for _ in range(500):
+        core.tick()
+        if core.role != "follower":
+            break
+    for _ in range(2):
+        for m in core.ready().messages:
+            core.step(Message(m.type + "_resp", m.dst, core.id, m.term, success=True))
+    assert core.is_leader()
+
+
+def test_old_term_entries_commit_only_with_a_current_term_entry():
+    """Raft section 5.4.2 (Figure 8): replicating an old-term entry to a majority does not commit it."""
+    peers = ["a", "b", "c", "d", "e"]
+    core = RaftCore("a", peers, hard_state=HardState(3, None, 1), entries=[Entry(1, 1), Entry(2, 2)], rng=3)
+    make_leader(core)
+    assert core.term == 4 and core.last_index == 3  # the no-op of term 4 at index 3
+    core.ready()
+    for peer in ("b", "c"):
+        core.step(Message("append_resp", peer, "a", 4, index=2, success=True))
+    core.ready()
+    assert core.commit == 1  # index 2 (term 2) is on a majority but must not be committed yet
+    for peer in ("b", "c"):
+        core.step(Message("append_resp", peer, "a", 4, index=3, success=True))
+    assert core.commit == 3

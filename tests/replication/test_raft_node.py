@@ -213,3 +213,20 @@ def test_whole_cluster_restart_keeps_committed_state(cluster: Harness) -> None:
     cluster.converge()
     for name in names:
         assert cluster.sms[name].read("SELECT v FROM kv WHERE k='d'")[0][0] == 61
+
+
+def test_raft_endpoint_ignores_app_body_limit(tmp_path) -> None:
+    sm = KV(tmp_path / "s.db")
+    node = ReplicaNode(
+        "kv-1", {"kv-1": "http://127.0.0.1:9", "kv-2": "http://127.0.0.1:9"}, sm, tmp_path, SECRET
+    )
+    app = Flask("limited")
+    app.config["MAX_CONTENT_LENGTH"] = 1024
+    app.register_blueprint(node.blueprint)
+    big = {"type": "heartbeat", "src": "kv-2", "dst": "kv-1", "term": 1, "payload": "QUFB" * 1000}
+    r = app.test_client().post(
+        "/raft/messages", json={"messages": [big]}, headers={"Authorization": f"Bearer {SECRET}"}
+    )
+    assert r.status_code == 200 and r.get_json()["accepted"] == 1
+    node.stop()
+    sm.close()
