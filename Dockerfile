@@ -7,6 +7,8 @@
 ARG BASE_IMAGE=python:3.11-slim
 
 FROM ${BASE_IMAGE} AS build
+# Lets scripts/compose.sh prune old, untagged build stages.
+LABEL pygmy.build-stage="true"
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
 COPY . .
@@ -21,7 +23,8 @@ RUN python3 -m venv /opt/pygmy \
  && /opt/pygmy/bin/pygmy --help >/dev/null
 
 FROM ${BASE_IMAGE}
-LABEL org.opencontainers.image.title="pygmy" \
+LABEL pygmy.image="true" \
+      org.opencontainers.image.title="pygmy" \
       org.opencontainers.image.description="Pygmy replicated bookstore: frontend, catalog and order services"
 RUN (getent group pygmy >/dev/null || groupadd --system --gid 10001 pygmy) \
  && (id -u pygmy >/dev/null 2>&1 || useradd --system --uid 10001 --gid pygmy --home-dir /data \
@@ -39,7 +42,7 @@ USER pygmy
 WORKDIR /data
 VOLUME ["/data"]
 EXPOSE 8000
-HEALTHCHECK --interval=5s --timeout=4s --start-period=20s --retries=3 \
+HEALTHCHECK --interval=3s --timeout=3s --start-period=20s --retries=3 \
     CMD ["/opt/pygmy/bin/python", "/opt/pygmy/healthcheck.py"]
 ENTRYPOINT ["pygmy"]
 CMD ["serve", "frontend", "--id", "1"]

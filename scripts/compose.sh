@@ -188,6 +188,9 @@ build() {
         tail -n 30 "$logf" >&2
         die "docker build failed (log: $logf)"
     fi
+    # Drop what earlier builds left untagged: replaced images, and (classic builder) old build stages.
+    docker image prune -f --filter label=pygmy.image=true >/dev/null 2>&1 || true
+    docker image prune -f --filter label=pygmy.build-stage=true --filter until=1h >/dev/null 2>&1 || true
     log "built $IMAGE"
 }
 
