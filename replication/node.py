@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,25 @@ class ReplicationConfig:
     snapshot_read_timeout: float = 10.0
     #: Cap on messages per POST (heartbeats and appends are coalesced up to it).
     max_batch_messages: int = 64
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ReplicationConfig:
+        """Defaults overridden by ``PYGMY_RAFT_<FIELD>`` variables (e.g. ``PYGMY_RAFT_TICK_MS=5``),
+        so experiments can tune timing without code changes."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(f"PYGMY_RAFT_{f.name.upper()}")
+            if raw is None:
+                continue
+            default = getattr(cls, f.name)
+            if isinstance(default, bool):
+                values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
+            elif isinstance(default, float):
+                values[f.name] = float(raw)
+            else:
+                values[f.name] = int(raw)
+        return cls(**values)
 
     def core_config(self) -> CoreConfig:
         return CoreConfig(

@@ -230,3 +230,11 @@ def test_raft_endpoint_ignores_app_body_limit(tmp_path) -> None:
     assert r.status_code == 200 and r.get_json()["accepted"] == 1
     node.stop()
     sm.close()
+
+
+def test_config_from_env() -> None:
+    cfg = ReplicationConfig.from_env(
+        {"PYGMY_RAFT_TICK_MS": "5", "PYGMY_RAFT_KEEP_ENTRIES": "7", "PYGMY_RAFT_PRE_VOTE": "0"}
+    )
+    assert cfg.tick_ms == 5.0 and cfg.keep_entries == 7 and cfg.pre_vote is False
+    assert cfg.lease_ticks is None and cfg.core_config().effective_lease_ticks() == 20
