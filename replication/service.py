@@ -13,7 +13,7 @@ from flask import Flask, Response, jsonify, request
 
 from cluster.config import ClusterConfig
 from cluster.web import ApiError, create_base_app, error_response, fail, require_secret
-from replication.solo import NotLeader, ProposalTimeout, SoloNode
+from replication.node import NotLeader, ProposalTimeout, ReplicaNode, ReplicationConfig
 from replication.statemachine import StateMachine
 
 #: Longest a read waits for its replica to apply an index the caller already saw.
@@ -27,9 +27,9 @@ class ReplicaRuntime:
         self.secret = config.secret()
         self.sm = state_machine
         self.peers = config.peers(tier)
-        self.node = SoloNode(
+        self.node = ReplicaNode(
             name=self.name, peers=self.peers, state_machine=state_machine,
-            data_dir=config.replica_dir(self.name), secret=self.secret,
+            data_dir=config.replica_dir(self.name), secret=self.secret, config=ReplicationConfig(),
         )
         self.guard = require_secret(self.secret)
 
@@ -43,7 +43,8 @@ class ReplicaRuntime:
 
         @app.errorhandler(ProposalTimeout)
         def _timeout(exc: ProposalTimeout) -> Response:
-            return error_response(503, f"{self.name}: write not committed in time (no majority?)")
+            return error_response(503, f"{self.name}: write not committed in time (no majority?); "
+                                       "its outcome is unknown: retry with the same idempotency key")
 
         @app.get("/health")
         def health() -> Response:

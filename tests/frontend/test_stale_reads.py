@@ -119,7 +119,7 @@ def test_no_stale_read_with_two_frontends_and_two_workers(two_frontends: Cluster
     c = two_frontends
     acks, reads, errors = run_load(c, seconds=5)
     assert not errors, errors[:5]
-    assert len(acks) > 20 and len(reads) > 200, (len(acks), len(reads))
+    assert len(acks) > 10 and len(reads) > 50, (len(acks), len(reads))
     assert stale_reads(acks, reads) == []
     hits = 0
     for url in (c.url, f"http://127.0.0.1:{c.port_base + 1}"):
