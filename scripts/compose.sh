@@ -196,6 +196,8 @@ build() {
 
 # --------------------------------------------------------------------------------------------- up/down
 compose() { docker compose -f "$ROOT/docker-compose.yml" -f "$ROOT/docker-compose.override.yml" "$@"; }
+# Progress lines only where a person watches; the test prints its own summary (and logs on failure).
+quiet_compose() { docker compose --progress quiet -f "$ROOT/docker-compose.yml" -f "$ROOT/docker-compose.override.yml" "$@"; }
 
 up() {
     require_compose
@@ -246,7 +248,7 @@ test_stack() {
     trap cleanup EXIT
     trap 'exit 130' INT TERM
     log "starting stack $TEST_PROJECT on 127.0.0.1:$TEST_PORT"
-    compose up -d --wait --wait-timeout "${PYGMY_WAIT_TIMEOUT:-180}" --no-build \
+    quiet_compose up -d --wait --wait-timeout "${PYGMY_WAIT_TIMEOUT:-180}" --no-build \
         || die "the stack did not become healthy"
     log "stack healthy after $((SECONDS - TEST_START))s; running the smoke and failover test"
     "$(host_python)" "$ROOT/scripts/compose_test.py" --url "http://127.0.0.1:$TEST_PORT" \
