@@ -1,0 +1,166 @@
+"""The machine baseline every table is divided by: a bare HTTP round trip and an SQLite synced commit.
+
+The bare endpoint is a Flask app with one static JSON answer under exactly the frontend's Gunicorn
+settings (2 workers x 16 threads, ``cluster.serve.gunicorn_options``), measured with the same client
+library, so a ratio to it isolates what Pygmy itself adds. The commit is SQLite in WAL mode with
+``synchronous=FULL``, in the same temporary directory kind the clusters use: the floor for a durable write.
+
+``python -m experiments.baseline --port P [--workers 2]`` serves the bare endpoint;
+``python -m experiments.baseline --measure [--quick]`` measures and saves ``baseline.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from experiments import harness as h
+
+BOOK = {"item_number": 1, "title": "How to get a good grade in 677 in 20 minutes a day",
+        "topic": "distributed systems", "stock": 1000, "cost": 20.0}
+
+
+def create_app() -> Any:
+    from flask import Flask, jsonify
+
+    app = Flask("baseline")
+
+    @app.get("/lookup/<int:n>")
+    def lookup(n: int) -> Any:
+        return jsonify({**BOOK, "item_number": n})
+
+    @app.get("/health")
+    def health() -> Any:
+        return jsonify({"ok": True})
+
+    return app
+
+
+def serve(port: int, workers: int) -> None:
+    from cluster.serve import gunicorn_options, run_gunicorn
+
+    options = gunicorn_options(f"127.0.0.1:{port}", workers=workers, threads=16, name="baseline")
+    options["loglevel"] = "warning"
+    run_gunicorn(create_app, options)
+
+
+@contextlib.contextmanager
+def server(workers: int = 2, timeout: float = 30) -> Iterator[str]:
+    """The bare endpoint as a subprocess on a free port; its URL. Stopped (whole group) afterwards."""
+    from cluster.local import ROOT
+
+    port = h.free_port_base(1, 1)  # checked free (with the ports above it that we leave alone)
+    proc = subprocess.Popen([sys.executable, "-m", "experiments.baseline", "--port", str(port),
+                             "--workers", str(workers)], cwd=ROOT, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"baseline server did not start: {proc.stderr.read() if proc.stderr else ''}")
+            time.sleep(0.1)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def sqlite_commits(n: int) -> list[float]:
+    """Seconds per durable one-row commit (WAL, synchronous=FULL)."""
+    with tempfile.TemporaryDirectory(prefix="pygmy-sqlite-") as d:
+        db = sqlite3.connect(Path(d) / "bench.db", isolation_level=None)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        db.execute("CREATE TABLE t (k INTEGER PRIMARY KEY, v TEXT)")
+        out = []
+        for i in range(n):
+            t = time.perf_counter()
+            db.execute("BEGIN")
+            db.execute("INSERT INTO t (v) VALUES (?)", (f"row {i}",))
+            db.execute("COMMIT")
+            out.append(time.perf_counter() - t)
+        db.close()
+    return out
+
+
+def measure(settings: h.Settings, save: bool = True) -> dict[str, Any]:
+    """Sequential round trips, closed-loop throughput with several client processes, synced commits."""
+    from client.api import PygmyClient
+
+    n = settings.size(2000, 300, 30)
+    clients = settings.size(8, 4, 2)
+    duration = settings.size(10.0, 3.0, 1.0)
+    with server() as url:
+        with PygmyClient(url) as c:
+            for _ in range(20):  # warm the connection and both workers
+                c.lookup(1)
+            rtt = [h.timed(lambda: c.lookup(1))[0] for _ in range(n)]
+        load = h.run_load(url, clients, {"lookup": 1.0}, duration=duration)
+    commits = sqlite_commits(settings.size(500, 100, 20))
+    result = {
+        "http_rtt": h.stats(rtt),
+        "http_closed_loop": {"clients": clients, "duration_s": duration, "ops_per_s": load.throughput(),
+                             **load.stats()},
+        "sqlite_commit": h.stats(commits),
+    }
+    if save:
+        b = result
+        table = {"columns": ["measure", "n", "p50 ms", "p95 ms", "p99 ms", "ops/s"],
+                 "rows": [["bare HTTP round trip (sequential)", b["http_rtt"]["n"], b["http_rtt"]["p50"],
+                           b["http_rtt"]["p95"], b["http_rtt"]["p99"], 1000 / b["http_rtt"]["mean"]],
+                          [f"bare HTTP, {clients} closed-loop clients", b["http_closed_loop"]["n"],
+                           b["http_closed_loop"]["p50"], b["http_closed_loop"]["p95"], b["http_closed_loop"]["p99"],
+                           b["http_closed_loop"]["ops_per_s"]],
+                          ["SQLite commit (WAL, synchronous=FULL)", b["sqlite_commit"]["n"], b["sqlite_commit"]["p50"],
+                           b["sqlite_commit"]["p95"], b["sqlite_commit"]["p99"], 1000 / b["sqlite_commit"]["mean"]]]}
+        h.save(settings, "baseline", {
+            "title": "9. Machine baseline",
+            "description": "A bare Flask endpoint returning one static book under the frontend's Gunicorn settings "
+                           "(2 workers x 16 gthreads), called with the same client library; and a one-row SQLite "
+                           "commit in WAL mode with synchronous=FULL. Every other table divides by these numbers "
+                           "from the same run.",
+            "baseline": result, "table": table, "plots": []})
+    return result
+
+
+def _main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m experiments.baseline")
+    p.add_argument("--port", type=int, help="serve the bare endpoint on this port (foreground)")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--measure", action="store_true", help="measure and save baseline.json")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--results-dir", type=Path, default=h.RESULTS)
+    a = p.parse_args(argv)
+    if a.port:
+        serve(a.port, a.workers)
+        return
+    s = h.Settings(quick=a.quick, results_dir=a.results_dir)
+    b = measure(s)
+    print(f"bare HTTP p50 {b['http_rtt']['p50']:.2f} ms, {b['http_closed_loop']['ops_per_s']:.0f} ops/s with "
+          f"{b['http_closed_loop']['clients']} clients; SQLite synced commit p50 {b['sqlite_commit']['p50']:.2f} ms")
+
+
+if __name__ == "__main__":
+    _main()
