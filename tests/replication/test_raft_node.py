@@ -147,6 +147,9 @@ def test_replicate_failover_catch_up_and_snapshot(cluster: Harness) -> None:
     # The old leader restarts, receives a snapshot (its next entries were compacted) and catches up.
     back = cluster.start(old)
     cluster.converge(timeout=10)
+    deadline = time.monotonic() + 2
+    while back.status()["role"] != "follower" and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert back.status()["role"] == "follower"
     assert back.core.snap_index > 31
     assert cluster.sms[old].read("SELECT v FROM kv WHERE k='b'")[0][0] == 200
@@ -162,6 +165,9 @@ def test_replicate_failover_catch_up_and_snapshot(cluster: Harness) -> None:
     back = cluster.start(name)
     cluster.converge(timeout=10)
     assert back.core.snap_index <= max(snap_before, back.core.snap_index)
+    deadline = time.monotonic() + 2
+    while not back.can_serve_reads() and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert back.can_serve_reads()
 
 
