@@ -40,7 +40,6 @@ ENV PATH=/opt/pygmy/bin:$PATH \
     PYGMY_DATA_DIR=/data
 USER pygmy
 WORKDIR /data
-VOLUME ["/data"]
 EXPOSE 8000
 HEALTHCHECK --interval=3s --timeout=3s --start-period=20s --retries=3 \
     CMD ["/opt/pygmy/bin/python", "/opt/pygmy/healthcheck.py"]
