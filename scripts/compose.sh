@@ -59,7 +59,7 @@ compose_plugin() {
         local gobin
         gobin=$(mktemp -d)
         log "building the Compose plugin $COMPOSE_VERSION with go install (a few minutes, cached afterwards)"
-        if ! GOBIN="$gobin" GOFLAGS=-mod=mod CGO_ENABLED=0 "$go" install \
+        if ! GOBIN="$gobin" CGO_ENABLED=0 "$go" install \
                 -ldflags "-s -w -X github.com/docker/compose/v2/internal.Version=$COMPOSE_VERSION" \
                 "github.com/docker/compose/v2/cmd@$COMPOSE_VERSION" >"$CACHE_DIR/go-install.log" 2>&1; then
             tail -n 20 "$CACHE_DIR/go-install.log" >&2
