@@ -273,6 +273,8 @@ class Job:
 
 
 OPS = ("search", "lookup", "buy", "update")
+#: End of the current run in seconds after start_at, settable while it runs (forked children inherit it).
+_STOP: Any = None
 
 
 def _chooser(job: Job, rng: random.Random) -> Callable[[], int]:
@@ -319,6 +321,8 @@ def _worker(job: Job) -> list[tuple[str, float, float, int]]:
                 start = time.perf_counter() - t0 + offset
                 if job.duration is not None and start >= job.duration:
                     break
+            if _STOP is not None and start >= _STOP.value:
+                break
             op = rng.choices(ops, weights)[0]
             status = 200
             try:
@@ -373,13 +377,16 @@ class Records:
 def run_load(url: str, clients: int, mix: dict[str, float], *, count: int | None = None,
              duration: float | None = None, rate: float | None = None, items: int = 7,
              zipf: float | None = None, token: str | None = None, seed: int = 1,
-             start_delay: float | None = None, on_start: Callable[[float], None] | None = None) -> Records:
+             start_delay: float | None = None,
+             on_start: Callable[[float, Callable[[float], None]], None] | None = None) -> Records:
     """Run ``clients`` client processes against ``url`` and gather every request.
 
     ``rate`` is the total open-loop rate (split evenly, schedules interleaved); without it each
     process runs a closed loop. ``on_start(start_at)`` runs in this process while the load runs
-    (the fault experiments kill replicas from there).
+    (the fault experiments kill replicas from there); calling its second argument ``stop(t)`` ends
+    the run ``t`` seconds after ``start_at`` (before ``duration`` if that comes first).
     """
+    global _STOP
     assert count is not None or duration is not None
     start_at = time.time() + (start_delay if start_delay is not None else 0.5 + 0.02 * clients)
     per = rate / clients if rate else None
@@ -387,11 +394,19 @@ def run_load(url: str, clients: int, mix: dict[str, float], *, count: int | None
                 phase=(k / rate if rate else 0.0), items=items, zipf=zipf, token=token, seed=seed * 1000 + k)
             for k in range(clients)]
     ctx = mp.get_context("fork")
-    with ctx.Pool(clients) as pool:
-        pending = pool.map_async(_worker, jobs, chunksize=1)
-        if on_start is not None:
-            on_start(start_at)
-        results = pending.get()
+    _STOP = ctx.Value("d", float("inf"), lock=False)
+
+    def stop(t: float) -> None:
+        _STOP.value = t
+
+    try:
+        with ctx.Pool(clients) as pool:
+            pending = pool.map_async(_worker, jobs, chunksize=1)
+            if on_start is not None:
+                on_start(start_at, stop)
+            results = pending.get()
+    finally:
+        _STOP = None
     flat = [r for rs in results for r in rs]
     if not flat:
         return Records(np.array([], str), np.array([]), np.array([]), np.array([], int), start_at, 0.0)

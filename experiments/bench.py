@@ -1,0 +1,113 @@
+"""``make bench``: a shorter benchmark that prints medians and ratios to the same-run baseline.
+
+It checks the goals loosely (prints met / not met; nothing here asserts a timing): cached lookups
+reach >= 0.8x the bare endpoint's throughput and <= 1.25x its p50; a buy with 3 replicas stays
+within 5x a bare lookup's p50. Results also go to ``results/bench.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from experiments import failover, recovery
+from experiments import harness as h
+
+
+def _sequential(c: Any, op: str, n: int) -> dict[str, Any]:
+    with c.client() as cl:
+        call = {"lookup": lambda i: cl.lookup(1 + i % 7), "buy": lambda i: cl.buy(1 + i % 7)}[op]
+        for i in range(10):
+            call(i)
+        return h.stats([h.timed(lambda: call(i))[0] for i in range(n)])  # noqa: B023
+
+
+def _invalidation(c: Any, n: int) -> dict[str, Any]:
+    lead = h.leader(c, "catalog")
+    s0, n0 = h.metric_sum_count(c.replica_get(lead, "/metrics").text, "/books/<item>/decrement")
+    buy = _sequential(c, "buy", n)
+    s1, n1 = h.metric_sum_count(c.replica_get(lead, "/metrics").text, "/books/<item>/decrement")
+    return {"decrement_mean_ms": (s1 - s0) / (n1 - n0) * 1000 if n1 > n0 else None, "buy": buy}
+
+
+def run(settings: h.Settings) -> dict[str, Any]:
+    n = settings.size(300, 100, 10)
+    trials = settings.size(10, 10, 1)
+    ks = settings.size([1000, 10_000], [1000, 10_000], [20])
+    variants = not settings.tiny
+    base = h.baseline(settings)
+    bl, rtt = base["http_closed_loop"], base["http_rtt"]["p50"]
+    out: dict[str, Any] = {"baseline": base}
+    with h.cluster(settings) as c:
+        _sequential(c, "lookup", 20)
+        load = h.run_load(c.url, bl["clients"], {"lookup": 1.0}, duration=bl["duration_s"])
+        out["cached_lookup"] = {"sequential": _sequential(c, "lookup", n), "ops_per_s": load.throughput(),
+                                "loaded": load.stats()}
+        out["buy_3"] = _sequential(c, "buy", n)
+        out["invalidation_1fe"] = _invalidation(c, n)
+        windows: dict[str, list[float]] = {}
+        for tier in ("catalog", "order"):
+            for k in h.progress(settings, range(trials), desc=f"kill {tier} leader"):
+                ev = failover.trial(c, f"{tier}-leader", settings.size(4, 4, 2), 1.0, 2.0, seed=k)["event"]
+                windows.setdefault(tier, []).append(ev["buy_window_ms"])
+        out["buy_window_ms"] = windows
+        out["catch_up"] = [recovery.catch_up(c, k, settings.size(8, 4, 2), timeout=120 + k / 100) for k in ks]
+    if variants:
+        with h.cluster(settings, "--no-cache") as c:
+            out["uncached_lookup"] = _sequential(c, "lookup", n)
+        with h.cluster(settings, "--frontends", "2") as c:
+            out["invalidation_2fe"] = _invalidation(c, n)
+        for r in (1, 5):
+            with h.cluster(settings, "--catalog-replicas", str(r), "--order-replicas", str(r)) as c:
+                out[f"buy_{r}"] = _sequential(c, "buy", n)
+
+    cl = out["cached_lookup"]
+    lines = [
+        ("bare endpoint", f"p50 {rtt:.2f} ms sequential; {bl['ops_per_s']:.0f} req/s with {bl['clients']} clients"),
+        ("SQLite synced commit", f"p50 {base['sqlite_commit']['p50']:.2f} ms"),
+        ("cached lookup throughput", f"{cl['ops_per_s']:.0f} req/s = {cl['ops_per_s'] / bl['ops_per_s']:.2f}x bare "
+                                     f"(goal >= 0.8x: {'met' if cl['ops_per_s'] >= 0.8 * bl['ops_per_s'] else 'NOT met'})"),
+        ("cached lookup p50", f"{cl['sequential']['p50']:.2f} ms = {cl['sequential']['p50'] / rtt:.2f}x bare "
+                              f"(goal <= 1.25x: {'met' if cl['sequential']['p50'] <= 1.25 * rtt else 'NOT met'})"),
+    ]
+    if "uncached_lookup" in out:
+        lines.append(("lookup, cache off, p50", f"{out['uncached_lookup']['p50']:.2f} ms = "
+                                                f"{out['uncached_lookup']['p50'] / rtt:.2f}x bare"))
+    for fe in (1, 2):
+        inv = out.get(f"invalidation_{fe}fe")
+        if inv:
+            lines.append((f"catalog decrement incl. invalidation, {fe} frontend(s)",
+                          f"mean {h.fmt(inv['decrement_mean_ms'])} ms per write; buy p50 {inv['buy']['p50']:.2f} ms"))
+    for r in (1, 3, 5):
+        b = out.get(f"buy_{r}")
+        if b:
+            goal = f" (goal <= 5x: {'met' if b['p50'] <= 5 * rtt else 'NOT met'})" if r == 3 else ""
+            lines.append((f"buy p50, {r} replica(s)", f"{b['p50']:.2f} ms = {b['p50'] / rtt:.2f}x bare lookup{goal}"))
+    for tier, w in windows.items():
+        lines.append((f"{tier} leader kill: buy window", f"median {np.median(w):.0f} ms, max {max(w):.0f} ms "
+                                                          f"over {len(w)} trials"))
+    for p in out["catch_up"]:
+        lines.append((f"catch-up, {p['k']:,} missed updates", f"{p['caught_up_s'] * 1000:.0f} ms from `pygmy start` "
+                                                              f"({p['missed']:,} commands)"))
+    width = max(len(k) for k, _ in lines)
+    print("\n".join(f"{k:<{width}}  {v}" for k, v in lines))
+    h.save(settings, "bench", {"title": "Benchmark (make bench)", "description": "Medians and ratios to the same-run "
+           "baseline; see experiments/bench.py.", "results": out,
+           "table": {"columns": ["measure", "value"], "rows": [list(x) for x in lines]}, "plots": []})
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m experiments.bench")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--results-dir", type=Path, default=h.RESULTS)
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+    run(h.Settings(quick=a.quick, results_dir=a.results_dir, progress=not a.no_progress))
+
+
+if __name__ == "__main__":
+    main()
