@@ -39,9 +39,13 @@ apt_install() {
     local missing=("$@")
     is_root || die "missing ${missing[*]}; install them as root: apt-get install ${missing[*]}"
     log "apt-get install ${missing[*]}"
-    apt-get update -qq >/dev/null || die "apt-get update failed"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
-        || die "apt-get install ${missing[*]} failed"
+    mkdir -p "$CACHE_DIR"
+    local logf="$CACHE_DIR/apt.log"
+    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive NEEDRESTART_SUSPEND=1 \
+            apt-get install -y -qq "${missing[@]}"; } >"$logf" 2>&1; then
+        tail -n 20 "$logf" >&2
+        die "apt-get install ${missing[*]} failed (log: $logf)"
+    fi
 }
 
 compose_plugin() {
@@ -91,6 +95,7 @@ ci_setup() {
     fi
     compose_plugin
     engine
+    log "Docker engine $(docker version --format '{{.Server.Version}}' 2>/dev/null) running"
 }
 
 # --------------------------------------------------------------------------------------------- engine
