@@ -60,10 +60,15 @@ def instrument(app: Flask, service: str, extra: Callable[[], Iterable[Collector]
 
     @app.get("/metrics")
     def metrics() -> Response:
-        registry = registry_for_scrape()
-        for collector in extra() if extra else ():
-            registry.register(collector)
-        return Response(generate_latest(registry), mimetype=CONTENT_TYPE_LATEST)
+        text = generate_latest(registry_for_scrape())
+        if extra:
+            # Extra (in-process) collectors get a registry of their own per scrape: registering
+            # them in the shared or default registry would fail on the second scrape.
+            own = CollectorRegistry(auto_describe=False)
+            for collector in extra():
+                own.register(collector)
+            text += generate_latest(own)
+        return Response(text, mimetype=CONTENT_TYPE_LATEST)
 
 
 def registry_for_scrape() -> CollectorRegistry:

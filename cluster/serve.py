@@ -7,6 +7,7 @@ everything it keeps in memory is written to be correct with several of them.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -14,8 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gunicorn import util as gunicorn_util
 from gunicorn.app.base import BaseApplication
 
+from cluster import logs
 from cluster.config import ClusterConfig
 
 
@@ -47,9 +50,20 @@ def _worker_exit(server: Any, worker: Any) -> None:
                 logging.getLogger(__name__).exception("stopping %s", ext)
 
 
+def _json_write_error(sock: Any, status_int: int, reason: str, mesg: str) -> None:
+    """Gunicorn's answer to a request it refuses itself (malformed, over its limits), as our JSON body.
+
+    Gunicorn writes these as HTML pages; the API promises a JSON error for every answer.
+    """
+    body = json.dumps({"error": {"code": status_int, "message": mesg or reason}}).encode()
+    head = (f"HTTP/1.1 {status_int} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1")
+    gunicorn_util.write_nonblock(sock, head + body)
+
+
 def factory_for(tier: str, config: ClusterConfig, k: int) -> Callable[[], Any]:
     def build() -> Any:
-        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {tier}-{k} %(levelname)s %(name)s: %(message)s")
+        logs.setup(f"{tier}-{k}")
         if tier == "catalog":
             from catalog.app import create_app
         elif tier == "order":
@@ -82,18 +96,20 @@ def gunicorn_options(bind: str, workers: int, threads: int, name: str) -> dict[s
         # URLs up to 8 KiB and headers up to 16 KiB must reach the app (which answers in JSON).
         "limit_request_line": 0,
         "limit_request_field_size": 32768,
-        "limit_request_fields": 100,
+        "limit_request_fields": 1000,
         "preload_app": False,
         "worker_exit": _worker_exit,
         "proc_name": f"pygmy-{name}",
         "accesslog": None,
         "errorlog": "-",
         "loglevel": "info",
+        "logconfig_dict": logs.gunicorn_logconfig(name),
     }
 
 
 def run_gunicorn(factory: Callable[[], Any], options: dict[str, Any]) -> None:
     """Serve the WSGI app ``factory()`` builds (in each worker) until Gunicorn is told to stop."""
+    gunicorn_util.write_error = _json_write_error  # workers look it up at call time
     _Gunicorn(factory, options).run()
 
 

@@ -3,16 +3,28 @@
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable
+import logging
+import time
+from collections.abc import Callable, Iterable
 from functools import wraps
 from typing import Any, NoReturn
 
-from flask import Flask, Response, jsonify, request
+from flask import Flask, Response, g, jsonify, request
+from prometheus_client.registry import Collector
 from werkzeug.exceptions import HTTPException
 
+from cluster.logs import HEADER as REQUEST_ID_HEADER
+from cluster.logs import current_request_id
 from cluster.metrics import instrument
 
 MAX_BODY = 64 * 1024
+#: The app's own limits, below Gunicorn's (cluster/serve.py), so the answer is ours and JSON.
+MAX_URL = 8 * 1024
+MAX_HEADERS = 16 * 1024
+
+access_log = logging.getLogger("pygmy.access")
+#: Internal routes hit many times a second; their routine answers are logged at DEBUG only.
+QUIET_PATHS = frozenset({"/raft/messages", "/subscribe"})
 
 
 class ApiError(Exception):
@@ -34,12 +46,47 @@ def fail(code: int, message: str, **extra: Any) -> NoReturn:
     raise ApiError(code, message, **extra)
 
 
-def create_base_app(name: str) -> Flask:
-    """A Flask app whose every error, including 404/405/413 and crashes, is a JSON body."""
+def create_base_app(name: str, extra_metrics: Callable[[], Iterable[Collector]] | None = None) -> Flask:
+    """A Flask app whose every error, including 404/405/413/414/431 and crashes, is a JSON body.
+
+    It also gives every request an id (``X-Request-Id``, echoed back) and writes one access line
+    per request, so a request can be followed across services in the logs.
+    """
     app = Flask(name)
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY
-    instrument(app, name)
+    instrument(app, name, extra_metrics)
     app.json.sort_keys = False  # type: ignore[attr-defined]
+
+    @app.before_request
+    def _limits_and_id() -> None:
+        g.pygmy_access_started = time.perf_counter()
+        current_request_id()
+        target = request.environ.get("RAW_URI") or request.full_path
+        if len(target) > MAX_URL:
+            fail(414, f"URL longer than {MAX_URL // 1024} KiB")
+        size = sum(len(k) + len(v) + 4 for k, v in request.headers.items())
+        if size > MAX_HEADERS:
+            fail(431, f"request headers larger than {MAX_HEADERS // 1024} KiB in all")
+
+    @app.after_request
+    def _echo_and_log(resp: Response) -> Response:
+        rid = current_request_id()
+        if rid:
+            resp.headers[REQUEST_ID_HEADER] = rid
+        started = g.get("pygmy_access_started")
+        duration = None if started is None else round((time.perf_counter() - started) * 1000, 3)
+        path = request.path if len(request.path) <= 512 else request.path[:512] + "..."
+        code = resp.status_code
+        if code in (401, 403):
+            level = logging.WARNING  # refused credentials are worth seeing
+        elif request.path in QUIET_PATHS and (code < 400 or code == 421):
+            level = logging.DEBUG  # lease renewals and raft traffic: many per second, all routine
+        else:
+            level = logging.INFO
+        access_log.log(level, "%s %s %s", request.method, path, code,
+                        extra={"method": request.method, "path": path, "status": resp.status_code,
+                               "duration_ms": duration})
+        return resp
 
     @app.errorhandler(ApiError)
     def _api_error(exc: ApiError) -> Response:
@@ -51,8 +98,14 @@ def create_base_app(name: str) -> Flask:
         messages = {
             404: "no such resource", 405: f"method {request.method} not allowed here",
             413: f"request body larger than {MAX_BODY // 1024} KiB",
+            414: f"URL longer than {MAX_URL // 1024} KiB",
+            431: f"request headers larger than {MAX_HEADERS // 1024} KiB",
         }
-        return error_response(code, messages.get(code, exc.description or exc.name))
+        resp = error_response(code, messages.get(code, exc.description or exc.name))
+        allow = dict(exc.get_headers()).get("Allow")
+        if allow:  # 405 names the methods that would work
+            resp.headers["Allow"] = allow
+        return resp
 
     @app.errorhandler(Exception)
     def _crash(exc: Exception) -> Response:
@@ -60,6 +113,18 @@ def create_base_app(name: str) -> Flask:
         return error_response(500, "internal error")
 
     return app
+
+
+def secret_refusal(given: str | None, expected: bytes) -> tuple[int, str] | None:
+    """Why ``given`` (an Authorization header) is refused, or None; the comparison is constant time.
+
+    No credentials: 401. Wrong credentials: 403. Every guarded endpoint, internal or admin, uses this.
+    """
+    if not given:
+        return 401, "this endpoint needs the cluster secret (Authorization: Bearer <secret>)"
+    if not hmac.compare_digest(given.encode("utf-8", "replace"), expected):
+        return 403, "wrong cluster secret"
+    return None
 
 
 def require_secret(secret: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -72,11 +137,9 @@ def require_secret(secret: str) -> Callable[[Callable[..., Any]], Callable[..., 
     def decorate(view: Callable[..., Any]) -> Callable[..., Any]:
         @wraps(view)
         def guarded(*args: Any, **kwargs: Any) -> Any:
-            given = request.headers.get("Authorization")
-            if not given:
-                fail(401, "this endpoint needs the cluster secret (Authorization: Bearer <secret>)")
-            if not hmac.compare_digest(given.encode("utf-8", "replace"), expected):
-                fail(403, "wrong cluster secret")
+            refused = secret_refusal(request.headers.get("Authorization"), expected)
+            if refused:
+                fail(*refused)
             return view(*args, **kwargs)
 
         return guarded

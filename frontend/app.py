@@ -19,6 +19,7 @@ from catalog.books import topic_key
 from cluster import metrics
 from cluster.config import ClusterConfig
 from cluster.web import create_base_app, fail, int_field, json_body, parse_item, require_secret
+from frontend import openapi
 from frontend.cache import ReadCache
 from frontend.subscription import Subscription
 from replication.router import Reply, TierRouter, TierUnavailable
@@ -172,6 +173,10 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
                                    "pushes": subscription.pushes}},
             "catalog": cat, "order": ordr,
         })
+
+    @app.get("/openapi.json")
+    def openapi_document() -> Response:
+        return jsonify(openapi.spec(request.host_url.rstrip("/")))
 
     subscription.start()
     return app

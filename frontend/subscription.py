@@ -10,7 +10,6 @@ the cache and read from the leader until we hold a lease again.
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import os
@@ -21,6 +20,7 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from cluster.web import secret_refusal
 from frontend.cache import ReadCache
 from replication.router import TierRouter, TierUnavailable
 
@@ -119,13 +119,13 @@ class Subscription:
             disable_nagle_algorithm = True
 
             def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-                given = (self.headers.get("Authorization") or "").encode("utf-8", "replace")
                 length = int(self.headers.get("Content-Length") or 0)
                 raw = self.rfile.read(min(length, 1 << 20))
                 if self.path != "/invalidate":
                     return self._reply(404, {"error": {"code": 404, "message": "no such resource"}})
-                if not hmac.compare_digest(given, sub._expected):
-                    return self._reply(401, {"error": {"code": 401, "message": "cluster secret required"}})
+                refused = secret_refusal(self.headers.get("Authorization"), sub._expected)
+                if refused:
+                    return self._reply(refused[0], {"error": {"code": refused[0], "message": refused[1]}})
                 try:
                     sub.apply_push(json.loads(raw))
                 except (ValueError, KeyError, TypeError):

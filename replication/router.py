@@ -17,6 +17,9 @@ from typing import Any
 import requests
 from requests.adapters import HTTPAdapter
 
+from cluster.logs import HEADER as REQUEST_ID_HEADER
+from cluster.logs import current_request_id
+
 CONNECT_TIMEOUT = 0.25
 #: Reads and writes to a replica; a paused leader must not eat the whole buy deadline.
 READ_TIMEOUT = 1.0
@@ -67,9 +70,12 @@ class TierRouter:
 
     # -- one call ---------------------------------------------------------------------------------
     def _call(self, name: str, method: str, path: str, timeout: float, **kw: Any) -> Reply:
+        headers = {**self.headers, **kw.pop("headers", {})}
+        rid = current_request_id()  # carried on, so one request can be followed across the logs
+        if rid:
+            headers[REQUEST_ID_HEADER] = rid
         resp = self.session.request(
-            method, self.peers[name] + path, headers={**self.headers, **kw.pop("headers", {})},
-            timeout=(CONNECT_TIMEOUT, timeout), **kw,
+            method, self.peers[name] + path, headers=headers, timeout=(CONNECT_TIMEOUT, timeout), **kw,
         )
         try:
             body = resp.json()

@@ -12,7 +12,8 @@ from typing import Any
 from flask import Flask, Response, jsonify, request
 
 from cluster.config import ClusterConfig
-from cluster.web import ApiError, create_base_app, error_response, fail, require_secret
+from cluster.web import ApiError, create_base_app, error_response, fail, require_secret, secret_refusal
+from replication.metrics import ReplicaCollector, ReplicaWatcher
 from replication.node import NotLeader, ProposalTimeout, ReplicaNode, ReplicationConfig
 from replication.statemachine import StateMachine
 
@@ -32,9 +33,19 @@ class ReplicaRuntime:
             data_dir=config.replica_dir(self.name), secret=self.secret, config=ReplicationConfig(),
         )
         self.guard = require_secret(self.secret)
+        self.watcher = ReplicaWatcher(self.node)
 
     def create_app(self) -> Flask:
-        app = create_base_app(self.name)
+        app = create_base_app(self.name, lambda: [ReplicaCollector(self.name, self.node, self.watcher)])
+        expected = f"Bearer {self.secret}".encode()
+
+        @app.before_request
+        def _guard_raft() -> None:
+            """The raft endpoint answers like every other guarded one: 401 without, 403 wrong secret."""
+            if request.path == "/raft/messages":
+                refused = secret_refusal(request.headers.get("Authorization"), expected)
+                if refused:
+                    fail(*refused)
 
         @app.errorhandler(NotLeader)
         def _not_leader(exc: NotLeader) -> Response:
@@ -60,8 +71,10 @@ class ReplicaRuntime:
 
     def start(self) -> None:
         self.node.start()
+        self.watcher.start()
 
     def stop(self) -> None:
+        self.watcher.stop()
         self.node.stop()
 
     # -- helpers for the service's handlers --------------------------------------------------------
@@ -75,7 +88,8 @@ class ReplicaRuntime:
         ``?leader=1`` asks for the leader itself (a caller that knows no floor: linearizable read).
         """
         raw = request.args.get("min_index", "0")
-        min_index = int(raw) if raw.isdigit() else 0
+        # isascii: "²".isdigit() is true but int("²") fails; 18 digits: an index fits SQLite.
+        min_index = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 18 else 0
         if request.args.get("leader"):
             self.leader_only()
         if not self.node.can_serve_reads():
