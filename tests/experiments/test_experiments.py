@@ -1,0 +1,84 @@
+"""Each experiment end to end at tiny size: it runs, writes its results and its plot, and the report renders.
+
+One shared default cluster serves every experiment that does not need its own settings; output goes
+to a tmp dir, never the repo. No timing is asserted anywhere.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from experiments import harness as h
+from experiments import report
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[h.Settings]:
+    out = tmp_path_factory.mktemp("experiments")
+    s = h.Settings(tiny=True, results_dir=out / "results", plots_dir=out / "plots", progress=False)
+    with h.cluster(s) as c:
+        s.shared = c
+        yield s
+
+
+def _check(s: h.Settings, name: str) -> dict:
+    data = json.loads((s.results_dir / f"{name}.json").read_text())
+    assert data["table"]["rows"], name
+    for plot in data["plots"]:
+        assert (s.plots_dir / plot).stat().st_size > 1000, plot
+    assert data["machine"]["cores"] >= 1
+    return data
+
+
+@pytest.mark.parametrize("name", ["sequential", "cache_miss", "invalidation", "concurrency", "scaling",
+                                  "recovery", "failover"])
+def test_experiment_runs_on_shared_cluster(settings: h.Settings, name: str) -> None:
+    importlib.import_module(f"experiments.{name}").run(settings)
+    data = _check(settings, name)
+    assert data["size"] == "tiny"
+
+
+def test_failover_marks_the_kill_and_a_new_leader(settings: h.Settings) -> None:
+    events = json.loads((settings.results_dir / "failover.json").read_text())["events"]
+    ev = events[0]
+    assert ev["victim"] == ev["old_leader"]
+    assert ev["kill"] > 0 and ev["new_leader"] not in (None, ev["victim"])
+    assert ev["errors"]["buy"] == 0 or ev["buy_window_ms"] is not None
+
+
+def test_cache_size_uses_its_own_catalogue(settings: h.Settings) -> None:
+    from experiments import cache_size
+
+    cache_size.run(settings)
+    data = _check(settings, "cache_size")
+    assert [r[0] for r in data["table"]["rows"]] == [10, 1000]
+
+
+def test_report_renders_every_result(settings: h.Settings, tmp_path: Path) -> None:
+    h.baseline(settings)  # measured once per run (already, by the first experiment) and saved
+    out = report.write(settings.results_dir, settings.plots_dir, tmp_path / "REPORT.md")
+    text = out.read_text()
+    assert "# Pygmy performance report" in text and "9. Machine baseline" in text
+    for name in ("sequential", "cache_miss", "invalidation", "concurrency", "scaling", "failover", "recovery"):
+        assert (settings.results_dir / f"{name}.json").exists()
+    assert "![sequential_series.png]" in text
+
+
+def test_stats_come_from_complete_records() -> None:
+    s = h.stats([0.001 * i for i in range(1, 101)])
+    assert s["n"] == 100 and s["p50"] == pytest.approx(50.5) and s["p99"] == pytest.approx(99.01)
+    assert h.stats([])["p50"] is None
+
+
+def test_open_loop_counts_from_the_scheduled_time(settings: h.Settings) -> None:
+    rec = h.run_load(settings.shared.url, 2, {"lookup": 1.0}, duration=1.0, rate=20)
+    assert 10 <= rec.op.size <= 22
+    # scheduled starts are evenly spaced whatever the replies did
+    assert max(abs(d - 0.05) for d in h.np.diff(rec.start)) < 1e-6
