@@ -24,7 +24,7 @@ from frontend.cache import ReadCache
 from frontend.subscription import Subscription
 from replication.router import Reply, TierRouter, TierUnavailable
 
-READ_DEADLINE = 3.0
+READ_DEADLINE = 5.0
 UPDATE_DEADLINE = 5.0
 MAX_KEY = 200
 MAX_STOCK_DELTA = 1_000_000_000

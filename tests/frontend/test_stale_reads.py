@@ -127,3 +127,22 @@ def test_no_stale_read_with_two_frontends_and_two_workers(two_frontends: Cluster
             hits += requests.get(url + "/status", timeout=5, headers={"Connection": "close"}).json()[
                 "frontend"]["cache"]["hits"]
     assert hits > 0, "the cache was never used: this test would not catch a stale cache"
+
+
+def test_no_stale_read_across_a_catalog_leader_kill(two_frontends: Cluster) -> None:
+    c = two_frontends
+
+    def kill_leader() -> None:
+        time.sleep(1.5)
+        old = requests.get(c.url + "/status", timeout=5).json()["catalog"]["leader"]
+        c.kill(old)
+        time.sleep(3.0)
+        new = requests.get(c.url + "/status", timeout=5).json()["catalog"]["leader"]
+        assert new and new != old
+        c.restart(old)
+        time.sleep(1.5)
+
+    acks, reads, errors = run_load(c, seconds=0, during=kill_leader)
+    assert not errors, errors[:5]
+    assert stale_reads(acks, reads) == []
+    assert len(acks) > 10 and len(reads) > 50, (len(acks), len(reads))
