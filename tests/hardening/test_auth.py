@@ -1,0 +1,90 @@
+"""Internal and admin endpoints refuse requests without the cluster secret (401) or with a wrong one
+(403), with the JSON error body, and change nothing; raft messages from outside the membership are ignored."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import requests
+from harness import Cluster
+
+NAMES = [f"{t}-{k}" for t in ("catalog", "order") for k in (1, 2, 3)]
+
+
+def snapshot(c: Cluster) -> dict[str, tuple[int, str]]:
+    """Each replica's term and state digest (business rows only: a real election changes neither much)."""
+    out = {}
+    for name in NAMES:
+        st = c.replica_get(name, "/status").json()
+        out[name] = (st["term"], st["state_digest"])
+    return out
+
+
+def unchanged(before: dict[str, tuple[int, str]], after: dict[str, tuple[int, str]]) -> None:
+    """Same business state everywhere; terms moved by no forged jump (a real election adds one or two)."""
+    for name, (term, digest) in before.items():
+        assert after[name][1] == digest, f"{name}: state changed"
+        assert term <= after[name][0] < term + 50, f"{name}: term {term} -> {after[name][0]}"
+
+
+def leader(c: Cluster, tier: str) -> str:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        st = requests.get(c.url + "/status", timeout=5).json()[tier]
+        if st["leader"]:
+            return str(st["leader"])
+        time.sleep(0.1)
+    raise AssertionError(f"no {tier} leader")
+
+
+def test_guarded_endpoints_refuse_and_change_nothing(hard_cluster: Cluster) -> None:
+    c = hard_cluster
+    cat, order = c.replica_url(leader(c, "catalog")), c.replica_url(leader(c, "order"))
+    cat_f = c.replica_url(next(n for n in NAMES if n.startswith("catalog") and c.replica_url(n) != cat))
+    vote = {"type": "vote", "src": "catalog-9", "dst": "catalog-1", "term": 10**6, "index": 10**9, "log_term": 10**6}
+    calls: list[tuple[str, str, dict[str, Any] | None]] = [
+        ("POST", cat + "/raft/messages", {"messages": [vote]}),
+        ("POST", cat_f + "/raft/messages", {"messages": [vote]}),
+        ("POST", order + "/raft/messages", {"messages": []}),
+        ("POST", cat + "/subscribe", {"id": "intruder", "url": "http://127.0.0.1:9"}),
+        ("GET", cat + "/books/1", None),
+        ("GET", cat + "/books?topic=distributed%20systems", None),
+        ("POST", cat + "/books/1/decrement", {"quantity": 5, "key": "intruder"}),
+        ("POST", cat + "/books/1/update", {"stock_delta": -5, "cost": 0}),
+        ("POST", order + "/buy", {"item": 1, "quantity": 5, "key": "intruder"}),
+        ("GET", order + "/orders/1", None),
+        ("POST", c.url + "/update/1", {"stock_delta": -5, "cost": 0}),
+    ]
+    before = snapshot(c)
+    for method, url, body in calls:
+        for headers, code in (({}, 401), ({"Authorization": "Bearer wrong"}, 403),
+                              ({"Authorization": "Basic Zm9vOmJhcg=="}, 403), ({"Authorization": ""}, 401)):
+            r = requests.request(method, url, json=body, headers=headers, timeout=5)
+            assert r.status_code == code, (method, url, headers, r.status_code, r.text)
+            assert r.headers["Content-Type"].startswith("application/json")
+            assert r.json()["error"]["code"] == code
+    time.sleep(0.3)  # anything wrongly accepted would have been applied by now
+    unchanged(before, snapshot(c))
+    assert requests.get(c.url + "/lookup/1", timeout=5).json()["cost"] > 0
+
+
+def test_raft_messages_from_non_members_are_ignored(hard_cluster: Cluster) -> None:
+    c = hard_cluster
+    auth = {"Authorization": f"Bearer {c.secret()}"}
+    before = snapshot(c)
+    for name in NAMES:
+        tier = name.split("-")[0]
+        forged = [
+            # A vote request with a huge term from a name outside the membership would depose the leader.
+            {"type": "vote", "src": f"{tier}-9", "dst": name, "term": before[name][0] + 100,
+             "index": 10**9, "log_term": before[name][0] + 100},
+            {"type": "append", "src": "intruder", "dst": name, "term": before[name][0] + 100, "index": 10**9,
+             "log_term": 1, "commit": 10**9, "entries": []},
+            # Addressed to someone else, or claiming to come from the receiver itself.
+            {"type": "vote", "src": name, "dst": name, "term": before[name][0] + 100, "index": 0, "log_term": 0},
+        ]
+        r = requests.post(c.replica_url(name) + "/raft/messages", json={"messages": forged}, headers=auth, timeout=5)
+        assert r.status_code == 200 and r.json()["accepted"] == 0, r.text
+    time.sleep(0.3)
+    unchanged(before, snapshot(c))
