@@ -125,6 +125,11 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
             command["cost"] = float(cost)
         if len(command) == 2:
             fail(400, "give stock_delta, cost, or both")
+        key = body.get("key")
+        if key is not None:
+            if not isinstance(key, str) or not 0 < len(key) <= 256:
+                fail(400, "key must be a non-empty string")
+            command["key"] = key
         rt.leader_only()
         return answer(rt.propose(command))
 

@@ -104,19 +104,29 @@ class CatalogState(SQLiteStateMachine):
         return result
 
     def _update(self, conn: sqlite3.Connection, index: int, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Admin change; with a ``key`` a retried update (after a timeout or failover) applies once."""
+        key = cmd.get("key")
+        if key:
+            seen = conn.execute("SELECT result FROM idempotency WHERE key=?", (key,)).fetchone()
+            if seen:
+                return json.loads(seen[0])
         item = cmd["item"]
         row = self._row(conn, item)
-        if row is None:
-            return error(404, f"no book with item number {item}")
         delta = cmd.get("stock_delta") or 0
-        if row["stock"] + delta < 0:
-            return error(409, f"stock would go negative: {row['stock']} in stock, delta {delta}")
-        cost = cents(cmd["cost"]) if cmd.get("cost") is not None else row["cost_cents"]
-        conn.execute(
-            "UPDATE books SET stock = stock + ?, cost_cents = ?, version = ? WHERE item_number = ?",
-            (delta, cost, index, item),
-        )
-        return {"ok": True, "book": book_dict(self._row(conn, item))}
+        if row is None:
+            result = error(404, f"no book with item number {item}")
+        elif row["stock"] + delta < 0:
+            result = error(409, f"stock would go negative: {row['stock']} in stock, delta {delta}")
+        else:
+            cost = cents(cmd["cost"]) if cmd.get("cost") is not None else row["cost_cents"]
+            conn.execute(
+                "UPDATE books SET stock = stock + ?, cost_cents = ?, version = ? WHERE item_number = ?",
+                (delta, cost, index, item),
+            )
+            result = {"ok": True, "book": book_dict(self._row(conn, item))}
+        if key:
+            conn.execute("INSERT INTO idempotency(key, result) VALUES (?, ?)", (key, json.dumps(result)))
+        return result
 
     def _restock(self, conn: sqlite3.Connection, index: int, cmd: dict[str, Any]) -> dict[str, Any]:
         """New stock arrives for every sold-out book (the original Pygmy store's periodic delivery)."""

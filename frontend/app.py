@@ -128,6 +128,11 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
             command["cost"] = cost
         if not command:
             fail(400, "give stock_delta, cost, or both")
+        # Our retries (across a catalog failover) must not apply a stock delta twice.
+        given = request.headers.get("Idempotency-Key")
+        if given is not None and not 0 < len(given) <= MAX_KEY:
+            fail(400, f"Idempotency-Key must be 1 to {MAX_KEY} characters")
+        command["key"] = f"u:{given}" if given else f"ug:{uuid.uuid4().hex}"
         reply = call(catalog.write, f"/books/{number}/update", command, time.monotonic() + UPDATE_DEADLINE)
         return passthrough(reply, BOOK_FIELDS)
 

@@ -135,3 +135,12 @@ def test_internal_endpoints_need_the_secret(cluster: Cluster) -> None:
     r = requests.post(cluster.replica_url("catalog-1") + "/books/1/decrement", json={"quantity": 1, "key": "x"},
                       timeout=5)
     err(r, 401)
+
+
+def test_update_retried_with_a_key_applies_once(cluster: Cluster) -> None:
+    auth = {"Authorization": f"Bearer {cluster.secret()}", "Idempotency-Key": "restock-42"}
+    before = requests.get(f"{cluster.url}/lookup/6", timeout=5).json()["stock"]
+    for _ in range(2):
+        r = requests.post(f"{cluster.url}/update/6", json={"stock_delta": 10}, headers=auth, timeout=5)
+        assert r.status_code == 200 and r.json()["stock"] == before + 10
+    assert requests.get(f"{cluster.url}/lookup/6", timeout=5).json()["stock"] == before + 10
