@@ -1,0 +1,86 @@
+"""SIGTERM to the order leader's process group while buys are in flight: Gunicorn lets requests in
+flight finish, the tier fails over, and every order a client was told about is still there."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import requests
+from harness import Cluster
+
+
+def order_leader(c: Cluster) -> str:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        leader = requests.get(c.url + "/status", timeout=5).json()["order"]["leader"]
+        if leader:
+            return str(leader)
+        time.sleep(0.1)
+    raise AssertionError("no order leader")
+
+
+def test_sigterm_to_order_leader_loses_no_acknowledged_buy(fresh_cluster: Cluster) -> None:
+    c = fresh_cluster
+    leader = order_leader(c)
+    acked: list[int] = []
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def client(i: int) -> None:
+        s = requests.Session()
+        n = 0
+        while not stop.is_set():
+            n += 1
+            try:
+                r = s.post(f"{c.url}/buy/{1 + i % 7}", json={"quantity": 1},
+                           headers={"Idempotency-Key": f"graceful-{i}-{n}"}, timeout=15)
+            except requests.RequestException as exc:
+                errors.append(f"{type(exc).__name__}")
+                continue
+            if r.status_code == 200:
+                acked.append(r.json()["order_number"])
+            else:
+                errors.append(f"{r.status_code} {r.text[:120]}")
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    pgid = int((c.data_dir / "run" / f"{leader}.pid").read_text())
+    before = len(acked)
+    os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + 15  # Gunicorn's graceful_timeout is 10 s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"{leader} did not stop within 15 s of SIGTERM")
+    time.sleep(1.0)
+    stop.set()
+    for t in threads:
+        t.join(timeout=30)
+    assert before > 0 and len(acked) > before, (before, len(acked), errors[:5])
+    # Clients see at most a failover's worth of 503s, never a server error or a lost connection.
+    assert all(e.startswith("503") for e in errors), errors[:10]
+    assert not any("Traceback" in line for line in c.logs_tail(leader, 200).splitlines())
+
+    c.restart(leader)
+    peers = [f"order-{k}" for k in (1, 2, 3)]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        st = [c.replica_get(p, "/status").json() for p in peers]
+        if len({s["applied_index"] for s in st}) == 1 and all(s["role"] in ("leader", "follower") for s in st):
+            break
+        time.sleep(0.2)
+    assert len(set(acked)) == len(acked)
+    for number in acked:
+        assert requests.get(f"{c.url}/orders/{number}", timeout=5).status_code == 200, number
+        for p in peers:
+            r = c.replica_get(p, f"/orders/{number}")
+            assert r.status_code == 200, (p, number, r.text)
