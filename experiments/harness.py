@@ -275,6 +275,9 @@ class Job:
 OPS = ("search", "lookup", "buy", "update")
 #: End of the current run in seconds after start_at, settable while it runs (forked children inherit it).
 _STOP: Any = None
+#: Start barrier: children count themselves ready, then wait for the parent to publish start_at.
+_READY: Any = None
+_START: Any = None
 
 
 def _chooser(job: Job, rng: random.Random) -> Callable[[], int]:
@@ -303,8 +306,15 @@ def _worker(job: Job) -> list[tuple[str, float, float, int]]:
             "buy": lambda: c.buy(item(), key=uuid.uuid4().hex),
             "update": lambda: c.update(item(), stock_delta=1),
         }
-        time.sleep(max(0.0, job.start_at - time.time()))
-        t0, offset = time.perf_counter(), time.time() - job.start_at  # monotonic clock, start_at timebase
+        start_at = job.start_at
+        if _READY is not None and _START is not None:
+            with _READY.get_lock():
+                _READY.value += 1
+            while _START.value == 0:
+                time.sleep(0.002)
+            start_at = _START.value
+        time.sleep(max(0.0, start_at - time.time()))
+        t0, offset = time.perf_counter(), time.time() - start_at  # monotonic clock, start_at timebase
         i = 0
         while True:
             if job.count is not None and i >= job.count:
@@ -386,7 +396,7 @@ def run_load(url: str, clients: int, mix: dict[str, float], *, count: int | None
     (the fault experiments kill replicas from there); calling its second argument ``stop(t)`` ends
     the run ``t`` seconds after ``start_at`` (before ``duration`` if that comes first).
     """
-    global _STOP
+    global _STOP, _READY, _START
     assert count is not None or duration is not None
     start_at = time.time() + (start_delay if start_delay is not None else 0.5 + 0.02 * clients)
     per = rate / clients if rate else None
@@ -395,6 +405,7 @@ def run_load(url: str, clients: int, mix: dict[str, float], *, count: int | None
             for k in range(clients)]
     ctx = mp.get_context("fork")
     _STOP = ctx.Value("d", float("inf"), lock=False)
+    _READY, _START = ctx.Value("i", 0), ctx.Value("d", 0.0, lock=False)
 
     def stop(t: float) -> None:
         _STOP.value = t
@@ -402,11 +413,16 @@ def run_load(url: str, clients: int, mix: dict[str, float], *, count: int | None
     try:
         with ctx.Pool(clients) as pool:
             pending = pool.map_async(_worker, jobs, chunksize=1)
+            deadline = time.monotonic() + 120  # forking many clients on a busy machine can take a while
+            while _READY.value < clients and time.monotonic() < deadline and not pending.ready():
+                time.sleep(0.01)
+            start_at = time.time() + 0.1
+            _START.value = start_at
             if on_start is not None:
                 on_start(start_at, stop)
             results = pending.get()
     finally:
-        _STOP = None
+        _STOP = _READY = _START = None
     flat = [r for rs in results for r in rs]
     if not flat:
         return Records(np.array([], str), np.array([]), np.array([]), np.array([], int), start_at, 0.0)
