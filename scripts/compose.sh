@@ -233,6 +233,8 @@ test_stack() {
     require_compose
     TEST_START=$SECONDS
     build
+    local built=$SECONDS
+    log "build took $((built - TEST_START))s"
     # Globals, not locals: the EXIT trap runs after this function has returned.
     TEST_PROJECT="pygmy-test-$$-$RANDOM"
     TEST_PORT="${PYGMY_TEST_PORT:-$(free_port)}"
@@ -255,10 +257,10 @@ test_stack() {
     log "starting stack $TEST_PROJECT on 127.0.0.1:$TEST_PORT"
     quiet_compose up -d --wait --wait-timeout "${PYGMY_WAIT_TIMEOUT:-180}" --no-build \
         || die "the stack did not become healthy"
-    log "stack healthy after $((SECONDS - TEST_START))s; running the smoke and failover test"
+    log "stack healthy $((SECONDS - built))s after 'up'; running the smoke and failover test"
     "$(host_python)" "$ROOT/scripts/compose_test.py" --url "http://127.0.0.1:$TEST_PORT" \
         --compose "docker compose -f $ROOT/docker-compose.yml -f $ROOT/docker-compose.override.yml"
-    log "compose test passed in $((SECONDS - TEST_START))s"
+    log "compose test passed in $((SECONDS - TEST_START))s in all"
 }
 
 # ------------------------------------------------------------------------------------------------ main
