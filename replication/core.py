@@ -94,7 +94,8 @@ class Message:
     - append_resp: ``index`` = last matching index on success, else the rejected ``index``, with
       ``conflict_index``/``conflict_term`` hints for fast backtracking.
     - heartbeat: ``commit`` = min(follower match, leader commit) (safe to commit without a log check).
-    - heartbeat_resp: ``index`` = the follower's commit index (committed, hence matching the leader).
+    - heartbeat_resp: ``index`` = the follower's commit index (committed, hence matching the leader);
+      ``conflict_index`` = its last index + 1, so a leader notices a follower that lost its log.
     - snapshot: ``snapshot_index``/``snapshot_term``; ``payload`` = state bytes filled by the driver.
     ``leader_commit`` is the leader's real commit (for the follower's "recovering" status) and ``ctx``
     the leader's tick when it sent the request, echoed back so the leader lease counts from send time.
@@ -518,7 +519,8 @@ class RaftCore:
                 self._handle_append(m)
             elif t == HEARTBEAT:
                 self._commit_to(min(m.commit, self.last_index))
-                self._send(Message(HEARTBEAT_RESP, self.id, m.src, self.term, index=self.commit, ctx=m.ctx))
+                self._send(Message(HEARTBEAT_RESP, self.id, m.src, self.term, index=self.commit,
+                                   conflict_index=self.last_index + 1, ctx=m.ctx))
             else:
                 self._handle_snapshot(m)
         elif t == APPEND_RESP:
@@ -646,6 +648,12 @@ class RaftCore:
         pr = self._prs[m.src]
         self._heard(pr, m)
         pr.paused = False
+        if 0 < m.conflict_index <= pr.match and m.ctx > pr.last_progress:
+            # Asked after we saw it hold ``match`` entries, it now has fewer: it lost its disk.
+            # Find the end of its log anew (a snapshot follows if that is behind our compaction).
+            pr.match = m.conflict_index - 1
+            self._to_probe(pr, m.conflict_index)
+            return
         known = min(m.index, self.last_index)
         if known > pr.match:
             pr.match = known

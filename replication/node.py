@@ -254,6 +254,8 @@ class ReplicaNode:
             target=self._run_notifier, name=f"raft-notify-{name}", daemon=True
         )
         self._started = False
+        self.snapshots_sent = 0
+        self.snapshots_installed = 0
         self._refresh_view()
         self.blueprint = self._make_blueprint()
 
@@ -505,6 +507,9 @@ class ReplicaNode:
                 raise RuntimeError("snapshot message without payload")
             with self._apply_lock:
                 self.sm.restore(snap.index, snap.data)
+            self.snapshots_installed += 1
+            log.info("%s: installed a snapshot at index %d (its log was behind the leader's compaction)",
+                     self.name, snap.index)
             for index, prop in list(self._proposals.items()):
                 if index <= snap.index:
                     prop.finish(error=ProposalTimeout("replaced by a snapshot; outcome unknown"))
@@ -530,6 +535,8 @@ class ReplicaNode:
                     m.snapshot_index = self.sm.applied_index()
                     m.payload = self.sm.snapshot()
                 m.snapshot_term = self.core.term_at(m.snapshot_index) or 0
+                self.snapshots_sent += 1
+                log.info("%s: sending a snapshot at index %d to %s", self.name, m.snapshot_index, m.dst)
             if m.type != SNAPSHOT and self._to_open_slot(m):
                 continue
             sender = self._senders.get(m.dst)

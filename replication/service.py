@@ -30,7 +30,7 @@ class ReplicaRuntime:
         self.peers = config.peers(tier)
         self.node = ReplicaNode(
             name=self.name, peers=self.peers, state_machine=state_machine,
-            data_dir=config.replica_dir(self.name), secret=self.secret, config=ReplicationConfig(),
+            data_dir=config.replica_dir(self.name), secret=self.secret, config=ReplicationConfig.from_env(),
         )
         self.guard = require_secret(self.secret)
         self.watcher = ReplicaWatcher(self.node)

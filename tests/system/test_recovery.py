@@ -1,0 +1,71 @@
+"""SPEC 7.6: a restarted replica catches up on what it missed — only that, unless its log is gone."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import requests
+from harness import Cluster, free_port_base
+from test_faults import leader, wait_converged
+
+
+def follower_of(c: Cluster, tier: str) -> str:
+    lead = leader(c, tier)
+    return next(f"{tier}-{k}" for k in (1, 2, 3) if f"{tier}-{k}" != lead)
+
+
+def write_while_down(c: Cluster, victim: str, writes: int) -> None:
+    c.kill(victim)
+    with c.client() as client:
+        for i in range(writes):
+            client.update(1 + i % 7, cost=float(10 + i))
+    st = requests.get(c.url + "/status", timeout=5).json()["catalog"]["replicas"]
+    assert not next(r for r in st if r["name"] == victim)["alive"]
+
+
+def snapshot_lines(c: Cluster, name: str) -> list[str]:
+    return [ln for ln in (c.data_dir / "logs" / f"{name}.log").read_text().splitlines()
+            if "installed a snapshot" in ln]
+
+
+@pytest.fixture
+def small_log_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    # Keep only 60 applied entries (compacting in steps of 20) so the snapshot path is reachable fast.
+    monkeypatch.setenv("PYGMY_RAFT_KEEP_ENTRIES", "60")
+    monkeypatch.setenv("PYGMY_RAFT_COMPACT_SLACK", "20")
+    c = Cluster(tmp_path / "d", free_port_base(), []).start(reset=True)
+    yield c
+    c.stop()
+
+
+def test_catch_up_from_the_log_then_by_snapshot_then_from_nothing(small_log_cluster: Cluster) -> None:
+    c = small_log_cluster
+    # 1. Missed fewer entries than the leader keeps: the log path, no snapshot.
+    victim = follower_of(c, "catalog")
+    write_while_down(c, victim, 30)
+    c.restart(victim)
+    st = wait_converged(c)
+    assert len({r["state_digest"] for r in st["catalog"]["replicas"]}) == 1
+    assert snapshot_lines(c, victim) == []
+
+    # 2. Missed more than the leader keeps: only then a snapshot.
+    victim = follower_of(c, "catalog")
+    write_while_down(c, victim, 150)
+    c.restart(victim)
+    st = wait_converged(c)
+    assert len({r["state_digest"] for r in st["catalog"]["replicas"]}) == 1
+    assert snapshot_lines(c, victim), "a follower behind the compacted log must be sent a snapshot"
+
+    # 3. A replica whose whole data directory is gone is rebuilt from its peers.
+    victim = follower_of(c, "catalog")
+    c.kill(victim)
+    shutil.rmtree(c.data_dir / victim)
+    with c.client() as client:
+        client.update(3, stock_delta=5)
+    c.restart(victim)
+    st = wait_converged(c)
+    assert len({r["state_digest"] for r in st["catalog"]["replicas"]}) == 1
+    with c.client() as client:
+        assert client.lookup(3)["stock"] == 1005
