@@ -86,17 +86,18 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
     def get_book(item: str) -> Response:
         number = parse_item(item)
         rt.ensure_readable()
-        book = state.book(number)
+        applied, book = state.book_at(number)
         if book is None:
             fail(404, f"no book with item number {number}")
-        return jsonify(book)
+        return jsonify({**book, "applied_index": applied})
 
     @app.get("/books")
     @rt.guard
     def search() -> Response:
         topic = request.args.get("topic", "")
         rt.ensure_readable()
-        return jsonify({"topic": topic, "items": state.search(topic), "applied_index": state.applied_index()})
+        applied, items = state.search_at(topic)
+        return jsonify({"topic": topic, "items": items, "applied_index": applied})
 
     @app.post("/books/<item>/decrement")
     @rt.guard

@@ -59,11 +59,17 @@ class CatalogState(SQLiteStateMachine):
         rows = self.read("SELECT * FROM books WHERE item_number=?", (item,))
         return book_dict(rows[0]) if rows else None
 
-    def search(self, topic: str) -> list[dict[str, Any]]:
-        rows = self.read(
+    def book_at(self, item: int) -> tuple[int, dict[str, Any] | None]:
+        """The book and the applied index it was read at."""
+        applied, rows = self.read_at("SELECT * FROM books WHERE item_number=?", (item,))
+        return applied, (book_dict(rows[0]) if rows else None)
+
+    def search_at(self, topic: str) -> tuple[int, list[dict[str, Any]]]:
+        """Books on a topic and the applied index they were read at."""
+        applied, rows = self.read_at(
             "SELECT item_number, title FROM books WHERE topic_key=? ORDER BY item_number", (topic_key(topic),)
         )
-        return [{"item_number": r["item_number"], "title": r["title"]} for r in rows]
+        return applied, [{"item_number": r["item_number"], "title": r["title"]} for r in rows]
 
     def books(self) -> list[dict[str, Any]]:
         return [book_dict(r) for r in self.read("SELECT * FROM books ORDER BY item_number")]

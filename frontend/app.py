@@ -91,7 +91,8 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
 
         def fetch(floor: int) -> tuple[int, Any]:
             body = catalog_read(f"/books/{number}", floor).body
-            return body["version"], {k: body[k] for k in BOOK_FIELDS}
+            # Fresh as of the log position it was read at (not merely its own last change).
+            return body["applied_index"], {k: body[k] for k in BOOK_FIELDS}
 
         return jsonify(cache.get_or_fetch(f"book:{number}", fetch, usable=subscription.valid()))
 

@@ -79,6 +79,20 @@ class SQLiteStateMachine(StateMachine):
     def read(self, sql: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
         return self._conn().execute(sql, params).fetchall()
 
+    def read_at(self, sql: str, params: tuple[Any, ...] = ()) -> tuple[int, list[sqlite3.Row]]:
+        """Rows and the ``applied_index`` they reflect, from one consistent read transaction.
+
+        Caches need the pair: a value is as fresh as the log position it was read at, which is
+        newer than the index of the value's own last change.
+        """
+        conn = self._conn()
+        conn.execute("BEGIN")
+        try:
+            applied = conn.execute("SELECT value FROM meta WHERE key='applied_index'").fetchone()[0]
+            return int(applied), conn.execute(sql, params).fetchall()
+        finally:
+            conn.execute("COMMIT")
+
     # -- StateMachine -------------------------------------------------------------------------
     def applied_index(self) -> int:
         row = self._conn().execute("SELECT value FROM meta WHERE key='applied_index'").fetchone()
