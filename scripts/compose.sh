@@ -10,6 +10,8 @@
 #   bash scripts/compose.sh test       build, start a throw-away stack on a free port, smoke test, kill the
 #                                      leaders, check service goes on and they catch up, tear down
 #                                      (make compose-test)
+#   bash scripts/compose.sh stack-test deploy the same file with `docker stack deploy` on a single-node
+#                                      swarm, smoke-test it, remove it
 #
 # Environment: PYGMY_IMAGE (pygmy:latest), PYGMY_BASE_IMAGE (default: python:3.11-slim if present
 # locally, else pygmy-base:bookworm built here with debootstrap), PYGMY_HTTP_PORT (8000 for up),
@@ -263,8 +265,52 @@ test_stack() {
     log "compose test passed in $((SECONDS - TEST_START))s in all"
 }
 
+# Swarm: deploy docker-compose.yml with `docker stack deploy` on this node (a single-node swarm is made
+# for the test and left again if this node was in none), smoke-test it, remove it.
+stack_test() {
+    local start=$SECONDS
+    build
+    STACK_NAME="pygmy-stack-$$-$RANDOM"
+    STACK_PORT="${PYGMY_TEST_PORT:-$(free_port)}"
+    STACK_INIT=0
+    if [[ $(docker info --format '{{.Swarm.LocalNodeState}}') != active ]]; then
+        log "docker swarm init (single node, for this test)"
+        docker swarm init --advertise-addr 127.0.0.1 >/dev/null || die "docker swarm init failed"
+        STACK_INIT=1
+    fi
+    # shellcheck disable=SC2317
+    stack_cleanup() {
+        local rc=$?
+        if ((rc != 0)); then
+            docker stack ps "$STACK_NAME" --no-trunc >&2 || true
+        fi
+        log "removing stack $STACK_NAME"
+        docker stack rm "$STACK_NAME" >/dev/null 2>&1 || true
+        local i
+        for i in $(seq 1 60); do
+            [[ -z $(docker ps -aq -f "label=com.docker.stack.namespace=$STACK_NAME") ]] && break
+            sleep 1
+        done
+        sleep 2  # the stack's network goes after its containers
+        docker volume ls -q -f "label=com.docker.stack.namespace=$STACK_NAME" | xargs -r docker volume rm >/dev/null 2>&1 || true
+        if ((STACK_INIT)); then
+            docker swarm leave --force >/dev/null 2>&1 || true
+            docker network rm docker_gwbridge >/dev/null 2>&1 || true
+        fi
+        exit "$rc"
+    }
+    trap stack_cleanup EXIT
+    trap 'exit 130' INT TERM
+    log "docker stack deploy $STACK_NAME on 127.0.0.1:$STACK_PORT"
+    PYGMY_HTTP_PORT="$STACK_PORT" PYGMY_SECRET="${PYGMY_SECRET:-test-secret-$RANDOM$RANDOM}" \
+        docker stack deploy --resolve-image never -c "$ROOT/docker-compose.yml" "$STACK_NAME" >/dev/null 2>&1 \
+        || die "docker stack deploy failed"
+    "$(host_python)" "$ROOT/scripts/compose_test.py" --url "http://127.0.0.1:$STACK_PORT" --smoke-only --ready-timeout 180
+    log "stack test passed in $((SECONDS - start))s"
+}
+
 # ------------------------------------------------------------------------------------------------ main
-usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
 cmd="${1:-}"
 [[ $# -gt 0 ]] && shift
@@ -275,6 +321,7 @@ case "$cmd" in
     up) up ;;
     down) down "$@" ;;
     test) test_stack ;;
+    stack-test) stack_test ;;
     -h | --help | help) usage ;;
     *) usage >&2; die "unknown command '${cmd}'" ;;
 esac
