@@ -12,7 +12,6 @@ Threads, all owned and joined by ``stop()``:
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import queue
@@ -26,6 +25,7 @@ from typing import Any
 import requests
 from flask import Blueprint, Response, jsonify, request
 
+from cluster.web import secret_refusal
 from replication.core import SNAPSHOT, CoreConfig, Entry, Message, RaftCore, Ready
 from replication.log_store import LogStore
 from replication.statemachine import StateMachine
@@ -377,9 +377,9 @@ class ReplicaNode:
 
         @bp.post("/raft/messages")
         def raft_messages() -> tuple[Response, int]:
-            auth = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(auth.encode(), f"Bearer {self.secret}".encode()):
-                return jsonify({"error": {"code": 401, "message": "missing or wrong internal secret"}}), 401
+            refused = secret_refusal(request.headers.get("Authorization"), f"Bearer {self.secret}".encode())
+            if refused is not None:
+                return jsonify({"error": {"code": refused[0], "message": refused[1]}}), refused[0]
             request.max_content_length = 1 << 31  # appends and snapshots may be large (app limit aside)
             body = request.get_json(silent=True)
             raw = body.get("messages") if isinstance(body, dict) else None

@@ -176,7 +176,7 @@ def test_internal_endpoint_requires_secret(cluster: Harness) -> None:
     r = requests.post(url, json={"messages": []}, timeout=2)
     assert r.status_code == 401 and r.json()["error"]["code"] == 401
     r = requests.post(url, json={"messages": []}, headers={"Authorization": "Bearer wrong"}, timeout=2)
-    assert r.status_code == 401
+    assert r.status_code == 403
     # A forged message from a non-member is ignored.
     bogus = {"type": "vote", "src": "intruder", "dst": "kv-1", "term": 99, "index": 10**6, "log_term": 99}
     r = requests.post(
