@@ -26,7 +26,8 @@ lint: install
 	$(BIN)/ruff check .
 
 bench: install
-	$(BIN)/python -m experiments.bench
+	$(BIN)/python -m experiments.bench $(if $(QUICK),--quick,)
+	$(BIN)/python -m experiments.soak $(if $(QUICK),--clients 20 --duration 20,)
 
 experiments: install
 	$(BIN)/python -m experiments.run_all $(if $(QUICK),--quick,)
