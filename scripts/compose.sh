@@ -23,6 +23,7 @@ cd "$ROOT"
 
 COMPOSE_VERSION="v2.29.7"
 CACHE_DIR="${PYGMY_CACHE_DIR:-$HOME/.cache/pygmy}"
+USER_IMAGE="${PYGMY_IMAGE:-}"
 IMAGE="${PYGMY_IMAGE:-pygmy:latest}"
 LOCAL_BASE="pygmy-base:bookworm"
 WHEELS="$ROOT/build/wheels"
@@ -234,11 +235,17 @@ free_port() {
 test_stack() {
     require_compose
     TEST_START=$SECONDS
+    # Globals, not locals: the EXIT trap runs after this function has returned.
+    TEST_PROJECT="pygmy-test-$$-$RANDOM"
+    # Its own image tag (unless PYGMY_IMAGE is set), so that tests from two checkouts at once do not run
+    # each other's code; removed again at the end.
+    if [[ -z "$USER_IMAGE" ]]; then
+        IMAGE="pygmy:$TEST_PROJECT"
+        export PYGMY_IMAGE="$IMAGE"
+    fi
     build
     local built=$SECONDS
     log "build took $((built - TEST_START))s"
-    # Globals, not locals: the EXIT trap runs after this function has returned.
-    TEST_PROJECT="pygmy-test-$$-$RANDOM"
     TEST_PORT="${PYGMY_TEST_PORT:-$(free_port)}"
     export COMPOSE_PROJECT_NAME="$TEST_PROJECT" PYGMY_HTTP_PORT="$TEST_PORT"
     export PYGMY_SECRET="${PYGMY_SECRET:-test-secret-$RANDOM$RANDOM}"
@@ -252,6 +259,7 @@ test_stack() {
         fi
         log "tearing down $TEST_PROJECT"
         compose down -v --remove-orphans --timeout 5 >/dev/null 2>&1 || true
+        [[ -n "$USER_IMAGE" ]] || docker image rm "$IMAGE" >/dev/null 2>&1 || true
         exit "$rc"
     }
     trap cleanup EXIT
