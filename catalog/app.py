@@ -55,8 +55,7 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
     state = CatalogState(config.replica_dir(f"catalog-{k}") / "state.db")
     state.seed(catalogue.load(config.books))
     rt = ReplicaRuntime("catalog", k, config, state)
-    invalidator = Invalidator(rt.secret)
-    rt.node.add_leader_listener(invalidator.on_leader_change)
+    invalidator = Invalidator(rt.node, rt.secret)
     app = rt.create_app()
     app.extensions["pygmy_runtime"] = rt
     app.extensions["pygmy_invalidator"] = invalidator
@@ -77,6 +76,10 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         if not isinstance(sub_id, str) or not isinstance(url, str) or not url.startswith("http"):
             fail(400, "id and url (http://host:port) are required")
         rt.leader_only()
+        if not rt.node.can_serve_reads():
+            # Grant leases only under our leader lease: then no other leader can exist right now,
+            # and a successor's lease wait after its election outlasts every lease we granted.
+            fail(503, f"{rt.name} cannot grant invalidation leases right now (no quorum contact)")
         continued = invalidator.subscribe(sub_id, url)
         return jsonify({"leader": rt.name, "term": rt.node.term(), "commit_index": state.applied_index(),
                         "lease": invalidator.lease, "continued": continued})

@@ -19,6 +19,7 @@ from typing import Any
 import requests
 
 from catalog.books import topic_key
+from replication.node import ReplicaNode
 from replication.router import pooled_session
 
 log = logging.getLogger(__name__)
@@ -34,8 +35,10 @@ def change_for(book: dict[str, Any]) -> dict[str, Any]:
 
 
 class Invalidator:
-    def __init__(self, secret: str, lease: float = LEASE) -> None:
+    def __init__(self, node: ReplicaNode, secret: str, lease: float = LEASE) -> None:
+        self.node = node
         self.lease = lease
+        self._term = -1  # the leadership term our subscriber table belongs to
         self._subs: dict[str, tuple[str, float]] = {}  # id -> (url, expiry on our monotonic clock)
         self._lock = threading.Lock()
         self._ready_at = 0.0
@@ -49,11 +52,17 @@ class Invalidator:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._session.close()
 
-    def on_leader_change(self, is_leader: bool, term: int) -> None:
-        with self._lock:
+    def _sync_term(self) -> None:
+        """Start a fresh table, and the lease wait, the first time we act in a new leadership term.
+
+        Checked on every subscribe and publish, not left to a listener thread: a worker that
+        subscribes, or a write that is acknowledged, right after an election must already see it.
+        """
+        term = self.node.term()
+        if term != self._term:
+            self._term = term
             self._subs.clear()
-            if is_leader:
-                self._ready_at = time.monotonic() + self.lease
+            self._ready_at = time.monotonic() + self.lease
 
     def subscribe(self, sub_id: str, url: str) -> bool:
         """Grant or renew a lease of ``self.lease`` seconds.
@@ -63,6 +72,7 @@ class Invalidator:
         """
         now = time.monotonic()
         with self._lock:
+            self._sync_term()
             old = self._subs.get(sub_id)
             self._subs[sub_id] = (url, now + self.lease)
         return old is not None and old[1] > now
@@ -74,9 +84,12 @@ class Invalidator:
 
     def publish(self, changes: list[dict[str, Any]]) -> None:
         """Return once every leased frontend worker has dropped these keys or lost its lease."""
+        with self._lock:
+            self._sync_term()
+            ready_at = self._ready_at
         now = time.monotonic()
-        if now < self._ready_at:
-            time.sleep(self._ready_at - now)
+        if now < ready_at:
+            time.sleep(ready_at - now)
         if not changes:
             return
         now = time.monotonic()

@@ -67,7 +67,8 @@ class ReadCache:
         """Forget everything (new catalog leader, or the lease ran out); reads need index ``floor``."""
         with self._lock:
             self._entries.clear()
-            self._floors.clear()
+            # Floors stay: a push for a change newer than ``floor`` may have arrived just before
+            # the lease answer that triggered this flush, and must still hold back older fills.
             self._global_floor = max(self._global_floor, floor)
             self._generation += 1
             self.stats.flushes += 1
