@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import requests
-from flask import Flask, Response, jsonify, request
+from flask import Flask, Response, g, jsonify, request
 
 from catalog.books import topic_key
 from cluster import metrics
@@ -76,25 +76,34 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
             passthrough(reply)  # raises: errors go to every waiting caller and are never cached
         return reply
 
+    def traced(resp: Response) -> Response:
+        """Say where a read came from: ``X-Cache: hit`` or ``miss`` and the replica@index that served it."""
+        served = g.get("served_by")
+        resp.headers["X-Cache"] = "miss" if served else "hit"
+        resp.headers["X-Served-By"] = served or f"{name}/{os.getpid()}"
+        return resp
+
     @app.get("/search/<path:topic>")
     def search(topic: str) -> Response:
         def fetch(floor: int) -> tuple[int, Any]:
             reply = catalog_read("/books", floor, {"topic": topic})
+            g.served_by = f"{reply.replica}@{reply.body['applied_index']}"
             return reply.body["applied_index"], reply.body["items"]
 
         items = cache.get_or_fetch(f"topic:{topic_key(topic)}", fetch, usable=subscription.valid())
-        return jsonify({"topic": topic, "items": items})
+        return traced(jsonify({"topic": topic, "items": items}))
 
     @app.get("/lookup/<item>")
     def lookup(item: str) -> Response:
         number = parse_item(item)
 
         def fetch(floor: int) -> tuple[int, Any]:
-            body = catalog_read(f"/books/{number}", floor).body
+            reply = catalog_read(f"/books/{number}", floor)
+            g.served_by = f"{reply.replica}@{reply.body['applied_index']}"
             # Fresh as of the log position it was read at (not merely its own last change).
-            return body["applied_index"], {k: body[k] for k in BOOK_FIELDS}
+            return reply.body["applied_index"], {k: reply.body[k] for k in BOOK_FIELDS}
 
-        return jsonify(cache.get_or_fetch(f"book:{number}", fetch, usable=subscription.valid()))
+        return traced(jsonify(cache.get_or_fetch(f"book:{number}", fetch, usable=subscription.valid())))
 
     @app.post("/buy/<item>")
     def buy(item: str) -> Response:

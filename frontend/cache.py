@@ -59,6 +59,9 @@ class ReadCache:
         with self._lock:
             if version > self._floors.get(key, 0):
                 self._floors[key] = version
+            # A fetch already in flight may return the old value: callers arriving from now on
+            # (after the change, which is acknowledged only once we are told) must not join it.
+            self._flights.pop(key, None)
             if self._entries.pop(key, None) is not None:
                 self.stats.invalidations += 1
                 self.on_event("invalidation", len(self._entries))
@@ -70,6 +73,7 @@ class ReadCache:
             # Floors stay: a push for a change newer than ``floor`` may have arrived just before
             # the lease answer that triggered this flush, and must still hold back older fills.
             self._global_floor = max(self._global_floor, floor)
+            self._flights.clear()
             self._generation += 1
             self.stats.flushes += 1
             self.on_event("flush", 0)
@@ -122,7 +126,8 @@ class ReadCache:
             raise
         finally:
             with self._lock:
-                self._flights.pop(key, None)
+                if self._flights.get(key) is flight:
+                    del self._flights[key]
             flight.done.set()
 
     def _store(self, key: str, version: int, value: Any, generation: int) -> None:

@@ -103,3 +103,26 @@ def test_disabled_cache_always_fetches_with_floors() -> None:
     for _ in range(2):
         c.get_or_fetch("k", lambda f: seen.append(f) or (4, "v"), usable=True)
     assert seen == [4, 4] and c.snapshot()["entries"] == 0
+
+
+def test_callers_after_an_invalidation_do_not_join_an_older_fetch() -> None:
+    """A caller arriving after the change was pushed must not get the in-flight fetch's old value."""
+    c = ReadCache(capacity=10)
+    started, release = threading.Event(), threading.Event()
+
+    def slow_old(floor: int) -> tuple[int, str]:
+        started.set()
+        release.wait(5)
+        return 5, "old"
+
+    first: list[str] = []
+    t = threading.Thread(target=lambda: first.append(c.get_or_fetch("book:1", slow_old, usable=True)))
+    t.start()
+    started.wait(5)
+    c.invalidate("book:1", 7)  # the change is pushed (and then acknowledged) while the fetch runs
+    floors = []
+    late = c.get_or_fetch("book:1", lambda f: floors.append(f) or (7, "new"), usable=True)
+    release.set()
+    t.join()
+    assert first == ["old"]  # began before the change: either answer is linearizable
+    assert late == "new" and floors == [7]

@@ -28,6 +28,7 @@ class Seen:
     item: int
     cost: float
     stock: int
+    via: str = ""
 
 
 def run_load(c: Cluster, seconds: float, during: callable | None = None) -> tuple[list[Seen], list[Seen], int]:
@@ -75,7 +76,8 @@ def run_load(c: Cluster, seconds: float, during: callable | None = None) -> tupl
                 errors.append(f"lookup: {r.status_code} {r.text[:100]}")
                 continue
             b = r.json()
-            reads.append(Seen(t, item, b["cost"], b["stock"]))
+            reads.append(Seen(t, item, b["cost"], b["stock"],
+                              f"{urls[(i + k) % 2]} {r.headers.get('X-Cache')} {r.headers.get('X-Served-By')}"))
 
     threads = [threading.Thread(target=writer, args=(i,)) for i in ITEMS]
     threads += [threading.Thread(target=buyer, args=(k,)) for k in range(2)]
@@ -103,7 +105,7 @@ def stale_reads(acks: list[Seen], reads: list[Seen]) -> list[str]:
             continue
         newest = before[-1]
         if r.cost < newest.cost or r.stock > newest.stock:
-            out.append(f"item {r.item} read at {r.t:.4f}: cost {r.cost} stock {r.stock}; "
+            out.append(f"item {r.item} read at {r.t:.4f} ({r.via}): cost {r.cost} stock {r.stock}; "
                        f"acknowledged at {newest.t:.4f}: cost {newest.cost} stock {newest.stock}")
     return out
 
