@@ -17,12 +17,18 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import requests
+from prometheus_client import Histogram
 
 from catalog.books import topic_key
 from replication.node import ReplicaNode
 from replication.router import pooled_session
 
 log = logging.getLogger(__name__)
+
+PUBLISH_SECONDS = Histogram(
+    "pygmy_invalidation_seconds", "Time a change waits for every leased frontend worker to drop it",
+    buckets=(0.0002, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+)
 
 LEASE = 0.4
 PUSH_TIMEOUT = 0.3
@@ -84,6 +90,14 @@ class Invalidator:
 
     def publish(self, changes: list[dict[str, Any]]) -> None:
         """Return once every leased frontend worker has dropped these keys or lost its lease."""
+        started = time.perf_counter()
+        try:
+            self._publish(changes)
+        finally:
+            if changes:
+                PUBLISH_SECONDS.observe(time.perf_counter() - started)
+
+    def _publish(self, changes: list[dict[str, Any]]) -> None:
         with self._lock:
             self._sync_term()
             ready_at = self._ready_at

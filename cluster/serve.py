@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,10 @@ class _Gunicorn(BaseApplication):
 
     def load(self) -> Any:
         return self.factory()
+
+
+#: GIL switch interval in service processes (Python's default is 5 ms).
+SWITCH_INTERVAL = 0.0005
 
 
 def _worker_exit(server: Any, worker: Any) -> None:
@@ -63,6 +68,9 @@ def _json_write_error(sock: Any, status_int: int, reason: str, mesg: str) -> Non
 
 def factory_for(tier: str, config: ClusterConfig, k: int) -> Callable[[], Any]:
     def build() -> Any:
+        # Replies hop between threads (HTTP handler -> replication loop -> sender -> loop -> handler).
+        # With the default 5 ms GIL switch interval each hop can wait for a busy thread's time slice.
+        sys.setswitchinterval(SWITCH_INTERVAL)
         logs.setup(f"{tier}-{k}")
         if tier == "catalog":
             from catalog.app import create_app

@@ -73,16 +73,21 @@ def create_base_app(name: str, extra_metrics: Callable[[], Iterable[Collector]] 
         rid = current_request_id()
         if rid:
             resp.headers[REQUEST_ID_HEADER] = rid
-        started = g.get("pygmy_access_started")
-        duration = None if started is None else round((time.perf_counter() - started) * 1000, 3)
-        path = request.path if len(request.path) <= 512 else request.path[:512] + "..."
         code = resp.status_code
         if code in (401, 403):
             level = logging.WARNING  # refused credentials are worth seeing
-        elif request.path in QUIET_PATHS and (code < 400 or code == 421):
-            level = logging.DEBUG  # lease renewals and raft traffic: many per second, all routine
+        elif (request.path in QUIET_PATHS and (code < 400 or code == 421)) or (
+                request.method == "GET" and code < 400):
+            # Lease renewals, raft traffic and successful reads: routine and many per second. A line
+            # each would cost more than a cached lookup itself; PYGMY_LOG_LEVEL=DEBUG shows them.
+            level = logging.DEBUG
         else:
             level = logging.INFO
+        if not access_log.isEnabledFor(level):
+            return resp
+        started = g.get("pygmy_access_started")
+        duration = None if started is None else round((time.perf_counter() - started) * 1000, 3)
+        path = request.path if len(request.path) <= 512 else request.path[:512] + "..."
         access_log.log(level, "%s %s %s", request.method, path, code,
                         extra={"method": request.method, "path": path, "status": resp.status_code,
                                "duration_ms": duration})

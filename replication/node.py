@@ -24,13 +24,20 @@ from typing import Any
 
 import requests
 from flask import Blueprint, Response, jsonify, request
+from prometheus_client import Histogram
 
 from cluster.web import secret_refusal
 from replication.core import SNAPSHOT, CoreConfig, Entry, Message, RaftCore, Ready
 from replication.log_store import LogStore
+from replication.router import pooled_session
 from replication.statemachine import StateMachine
 
 log = logging.getLogger("pygmy.replication")
+
+COMMIT_SECONDS = Histogram(
+    "pygmy_replica_commit_seconds", "Time from a proposal on the leader to its commit and local apply",
+    ["service"], buckets=(0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 1),
+)
 
 
 class NotLeader(Exception):
@@ -139,10 +146,7 @@ class _Sender:
     def __init__(self, node: ReplicaNode, peer: str, url: str) -> None:
         self.node, self.peer, self.url = node, peer, url.rstrip("/") + "/raft/messages"
         self.queue: queue.Queue[Message | None] = queue.Queue()
-        self.session = requests.Session()
-        adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=2, max_retries=0)
-        self.session.mount("http://", adapter)
-        self.session.mount("https://", adapter)
+        self.session = pooled_session(pool=2)
         self.thread = threading.Thread(target=self._run, name=f"raft-send-{node.name}->{peer}", daemon=True)
 
     def _run(self) -> None:
@@ -254,6 +258,7 @@ class ReplicaNode:
             target=self._run_notifier, name=f"raft-notify-{name}", daemon=True
         )
         self._started = False
+        self.commit_seconds = COMMIT_SECONDS.labels(name)
         self.snapshots_sent = 0
         self.snapshots_installed = 0
         self._refresh_view()
@@ -308,12 +313,14 @@ class ReplicaNode:
         if not self.is_leader():
             raise NotLeader(*(self.leader() or (None, None)))
         prop = _Proposal(command)
+        started = time.perf_counter()
         self._inbox.put(("propose", prop))
         if not prop.done.wait(timeout):
             self._inbox.put(("forget", prop))
             raise ProposalTimeout(f"{self.name}: not committed within {timeout:.3g}s")
         if prop.error is not None:
             raise prop.error
+        self.commit_seconds.observe(time.perf_counter() - started)
         return prop.result
 
     def wait_applied(self, index: int, timeout: float) -> bool:

@@ -45,6 +45,9 @@ class Reply:
 
 def pooled_session(pool: int = 64) -> requests.Session:
     s = requests.Session()
+    # Internal traffic never goes through proxies or .netrc; skipping their lookup saves a file
+    # check and environment scan on every request.
+    s.trust_env = False
     adapter = HTTPAdapter(pool_connections=8, pool_maxsize=pool, max_retries=0)
     s.mount("http://", adapter)
     s.mount("https://", adapter)
