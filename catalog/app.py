@@ -12,13 +12,11 @@ from catalog import books as catalogue
 from catalog.invalidation import Invalidator, change_for
 from catalog.state import CatalogState
 from cluster.config import ClusterConfig
-from cluster.web import fail, int_field, json_body, parse_item
+from cluster.web import fail, int_field, json_body, parse_item, update_fields
 from replication.service import ReplicaRuntime
 
 log = logging.getLogger(__name__)
 
-MAX_STOCK_DELTA = 1_000_000_000
-MAX_COST = 1_000_000_000.0
 
 
 
@@ -119,16 +117,7 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
     def update(item: str) -> Response:
         number = parse_item(item)
         body = json_body(required=True)
-        command: dict[str, Any] = {"op": "update", "item": number}
-        if "stock_delta" in body:
-            command["stock_delta"] = int_field(body, "stock_delta", -MAX_STOCK_DELTA, MAX_STOCK_DELTA)
-        if "cost" in body:
-            cost = body["cost"]
-            if not isinstance(cost, int | float) or isinstance(cost, bool) or not 0 <= cost <= MAX_COST:
-                fail(400, f"cost must be a number from 0 to {MAX_COST:.0f}")
-            command["cost"] = float(cost)
-        if len(command) == 2:
-            fail(400, "give stock_delta, cost, or both")
+        command: dict[str, Any] = {"op": "update", "item": number, **update_fields(body)}
         key = body.get("key")
         if key is not None:
             if not isinstance(key, str) or not 0 < len(key) <= 256:

@@ -189,3 +189,22 @@ def int_field(data: dict[str, Any], name: str, lo: int, hi: int, default: int | 
     return v
 
 
+
+
+MAX_STOCK_DELTA = 1_000_000_000
+MAX_COST = 1_000_000_000.0
+
+
+def update_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """The ``stock_delta`` and ``cost`` of an admin update, checked; 400 unless at least one is given."""
+    out: dict[str, Any] = {}
+    if "stock_delta" in body:
+        out["stock_delta"] = int_field(body, "stock_delta", -MAX_STOCK_DELTA, MAX_STOCK_DELTA)
+    if "cost" in body:
+        cost = body["cost"]
+        if not isinstance(cost, int | float) or isinstance(cost, bool) or not 0 <= cost <= MAX_COST:
+            fail(400, f"cost must be a number from 0 to {MAX_COST:.0f}")
+        out["cost"] = float(cost)
+    if not out:
+        fail(400, "give stock_delta, cost, or both")
+    return out

@@ -18,7 +18,7 @@ from flask import Flask, Response, g, jsonify, request
 from catalog.books import topic_key
 from cluster import metrics
 from cluster.config import ClusterConfig
-from cluster.web import create_base_app, fail, int_field, json_body, parse_item, require_secret
+from cluster.web import create_base_app, fail, int_field, json_body, parse_item, require_secret, update_fields
 from frontend import openapi
 from frontend.cache import ReadCache
 from frontend.subscription import Subscription
@@ -27,8 +27,6 @@ from replication.router import Reply, TierRouter, TierUnavailable
 READ_DEADLINE = 5.0
 UPDATE_DEADLINE = 5.0
 MAX_KEY = 200
-MAX_STOCK_DELTA = 1_000_000_000
-MAX_COST = 1_000_000_000.0
 BOOK_FIELDS = ("item_number", "title", "topic", "stock", "cost")
 
 
@@ -128,16 +126,7 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
     def update(item: str) -> Response:
         number = parse_item(item)
         body = json_body(required=True)
-        command: dict[str, Any] = {}
-        if "stock_delta" in body:
-            command["stock_delta"] = int_field(body, "stock_delta", -MAX_STOCK_DELTA, MAX_STOCK_DELTA)
-        if "cost" in body:
-            cost = body["cost"]
-            if not isinstance(cost, int | float) or isinstance(cost, bool) or not 0 <= cost <= MAX_COST:
-                fail(400, f"cost must be a number from 0 to {MAX_COST:.0f}")
-            command["cost"] = cost
-        if not command:
-            fail(400, "give stock_delta, cost, or both")
+        command = update_fields(body)
         # Our retries (across a catalog failover) must not apply a stock delta twice.
         given = request.headers.get("Idempotency-Key")
         if given is not None and not 0 < len(given) <= MAX_KEY:
