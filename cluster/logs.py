@@ -88,8 +88,14 @@ def handler(service: str) -> logging.Handler:
     return h
 
 
-def setup(service: str, level: int = logging.INFO) -> None:
-    """Send the root logger (every app logger) to one JSON handler on stderr, replacing any other."""
+def setup(service: str, level: int | None = None) -> None:
+    """Send the root logger (every app logger) to one JSON handler on stderr, replacing any other.
+
+    The level is ``PYGMY_LOG_LEVEL`` (e.g. ``DEBUG`` to see every request) unless given; INFO by default.
+    """
+    if level is None:
+        name = os.environ.get("PYGMY_LOG_LEVEL", "INFO").upper()
+        level = logging.getLevelName(name) if isinstance(logging.getLevelName(name), int) else logging.INFO
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
