@@ -27,7 +27,7 @@ from flask import Blueprint, Response, jsonify, request
 from prometheus_client import Histogram
 
 from cluster.web import secret_refusal
-from replication.core import SNAPSHOT, CoreConfig, Entry, Message, RaftCore, Ready
+from replication.core import CANDIDATE, SNAPSHOT, CoreConfig, Entry, Message, RaftCore, Ready
 from replication.log_store import LogStore
 from replication.router import pooled_session
 from replication.statemachine import StateMachine
@@ -259,6 +259,12 @@ class ReplicaNode:
         )
         self._started = False
         self.commit_seconds = COMMIT_SECONDS.labels(name)
+        self.elections = 0
+        self.leader_changes = 0
+        self.catch_up_seconds: float | None = None
+        self._created = time.monotonic()
+        self._last_raw_role: str | None = None
+        self._last_leader: str | None = None
         self.snapshots_sent = 0
         self.snapshots_installed = 0
         self._refresh_view()
@@ -607,6 +613,7 @@ class ReplicaNode:
         role = core.public_role
         if role == "follower" and not self._caught_up:
             role = "recovering"
+        self._count_transitions(core.role, core.leader, role)
         if is_leader and tick_wall is not None:
             self._lease_until = tick_wall + core.lease_remaining() * self.config.tick_ms / 1000.0
         elif not is_leader:
@@ -621,6 +628,18 @@ class ReplicaNode:
         if is_leader != self._was_leader:
             self._was_leader = is_leader
             self._notify.put((is_leader, core.term))
+
+    def _count_transitions(self, raw_role: str, leader: str | None, role: str) -> None:
+        """Elections started, leader changes seen, time to catch up: counted where they happen."""
+        if raw_role == CANDIDATE and self._last_raw_role != CANDIDATE:
+            self.elections += 1  # a real election (term + 1), not a pre-vote
+        if leader is not None and leader != self._last_leader:
+            if self._last_leader is not None:
+                self.leader_changes += 1  # the first leader learnt after start is no failover
+            self._last_leader = leader
+        self._last_raw_role = raw_role
+        if self.catch_up_seconds is None and role in ("leader", "follower"):
+            self.catch_up_seconds = time.monotonic() - self._created
 
     def _run_notifier(self) -> None:
         while True:

@@ -13,7 +13,7 @@ from flask import Flask, Response, jsonify, request
 
 from cluster.config import ClusterConfig
 from cluster.web import ApiError, create_base_app, error_response, fail, require_secret, secret_refusal
-from replication.metrics import ReplicaCollector, ReplicaWatcher
+from replication.metrics import ReplicaCollector
 from replication.node import NotLeader, ProposalTimeout, ReplicaNode, ReplicationConfig
 from replication.statemachine import StateMachine
 
@@ -33,10 +33,9 @@ class ReplicaRuntime:
             data_dir=config.replica_dir(self.name), secret=self.secret, config=ReplicationConfig.from_env(),
         )
         self.guard = require_secret(self.secret)
-        self.watcher = ReplicaWatcher(self.node)
 
     def create_app(self) -> Flask:
-        app = create_base_app(self.name, lambda: [ReplicaCollector(self.name, self.node, self.watcher)])
+        app = create_base_app(self.name, lambda: [ReplicaCollector(self.name, self.node)])
         expected = f"Bearer {self.secret}".encode()
 
         @app.before_request
@@ -71,10 +70,8 @@ class ReplicaRuntime:
 
     def start(self) -> None:
         self.node.start()
-        self.watcher.start()
 
     def stop(self) -> None:
-        self.watcher.stop()
         self.node.stop()
 
     # -- helpers for the service's handlers --------------------------------------------------------
