@@ -51,8 +51,6 @@ class Invalidator:
         self._session = pooled_session(64)
         self._headers = {"Authorization": f"Bearer {secret}"}
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="invalidate")
-        self.pushed = 0
-        self.waited_out = 0
 
     def stop(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -83,11 +81,6 @@ class Invalidator:
             self._subs[sub_id] = (url, now + self.lease)
         return old is not None and old[1] > now
 
-    def subscribers(self) -> int:
-        now = time.monotonic()
-        with self._lock:
-            return sum(1 for _, exp in self._subs.values() if exp > now)
-
     def publish(self, changes: list[dict[str, Any]]) -> None:
         """Return once every leased frontend worker has dropped these keys or lost its lease."""
         started = time.perf_counter()
@@ -115,9 +108,7 @@ class Invalidator:
         futures = {self._pool.submit(self._push, url, body): sid for sid, (url, _) in targets.items()}
         done, _ = wait(futures, timeout=PUSH_TIMEOUT + 0.2)
         failed = [futures[f] for f in futures if f not in done or not f.result()]
-        self.pushed += 1
         if failed:
-            self.waited_out += 1
             log.warning("invalidation not acknowledged by %s; waiting out their lease", ", ".join(failed))
             with self._lock:
                 # Revoke: the next renewal starts a new lease (the worker flushes). Wait out the

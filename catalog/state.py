@@ -71,9 +71,6 @@ class CatalogState(SQLiteStateMachine):
         )
         return applied, [{"item_number": r["item_number"], "title": r["title"]} for r in rows]
 
-    def books(self) -> list[dict[str, Any]]:
-        return [book_dict(r) for r in self.read("SELECT * FROM books ORDER BY item_number")]
-
     # -- commands ---------------------------------------------------------------------------------
     def execute(self, conn: sqlite3.Connection, index: int, command: dict[str, Any]) -> Any:
         op = command["op"]

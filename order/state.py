@@ -43,15 +43,8 @@ class OrderState(SQLiteStateMachine):
         rows = self.read("SELECT * FROM orders WHERE order_number=?", (number,))
         return order_dict(rows[0]) if rows else None
 
-    def by_key(self, key: str) -> dict[str, Any] | None:
-        rows = self.read("SELECT * FROM orders WHERE key=?", (key,))
-        return order_dict(rows[0]) if rows else None
-
     def pending(self) -> list[dict[str, Any]]:
         return [order_dict(r) for r in self.read("SELECT * FROM orders WHERE status=? ORDER BY order_number", (PENDING,))]
-
-    def orders(self) -> list[dict[str, Any]]:
-        return [order_dict(r) for r in self.read("SELECT * FROM orders ORDER BY order_number")]
 
     # -- commands ---------------------------------------------------------------------------------
     def execute(self, conn: sqlite3.Connection, index: int, command: dict[str, Any]) -> Any:

@@ -52,19 +52,11 @@ class ProposalTimeout(Exception):
     """The outcome is unknown: the command may still commit later (retry with an idempotency key)."""
 
 
-@dataclass(frozen=True)
-class ReplicationConfig:
+@dataclass(frozen=True, slots=True)
+class ReplicationConfig(CoreConfig):
+    """The core's knobs plus the driver's: clock, log compaction, transport."""
+
     tick_ms: float = 10.0
-    heartbeat_ticks: int = 5
-    election_ticks_min: int = 30
-    election_ticks_max: int = 60
-    lease_ticks: int | None = None
-    max_entries_per_msg: int = 2048
-    max_inflight: int = 32
-    max_apply_batch: int = 4096
-    pre_vote: bool = True
-    check_quorum: bool = True
-    snapshot_timeout_ticks: int = 300
     #: Applied entries kept in the log for lagging followers; older ones are compacted away.
     keep_entries: int = 10_000
     #: Compact only once this many more entries accumulated (amortises the DELETE).
@@ -88,7 +80,7 @@ class ReplicationConfig:
             raw = env.get(f"PYGMY_RAFT_{f.name.upper()}")
             if raw is None:
                 continue
-            default = getattr(cls, f.name)
+            default = f.default
             if isinstance(default, bool):
                 values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
             elif isinstance(default, float):
@@ -96,21 +88,6 @@ class ReplicationConfig:
             else:
                 values[f.name] = int(raw)
         return cls(**values)
-
-    def core_config(self) -> CoreConfig:
-        return CoreConfig(
-            heartbeat_ticks=self.heartbeat_ticks,
-            election_ticks_min=self.election_ticks_min,
-            election_ticks_max=self.election_ticks_max,
-            lease_ticks=self.lease_ticks,
-            max_entries_per_msg=self.max_entries_per_msg,
-            max_inflight=self.max_inflight,
-            max_apply_batch=self.max_apply_batch,
-            pre_vote=self.pre_vote,
-            check_quorum=self.check_quorum,
-            snapshot_timeout_ticks=self.snapshot_timeout_ticks,
-        )
-
 
 class _Proposal:
     __slots__ = ("command", "done", "index", "term", "result", "error")
@@ -233,7 +210,7 @@ class ReplicaNode:
             entries=persisted.entries,
             snapshot=persisted.snapshot,
             applied=self._applied,
-            config=self.config.core_config(),
+            config=self.config,
             rng=seed,
         )
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -243,7 +220,6 @@ class ReplicaNode:
         self._proposals: dict[int, _Proposal] = {}
         self._apply_cond = threading.Condition()
         self._apply_lock = threading.Lock()
-        self._state_lock = threading.Lock()
         self._view: dict[str, Any] = {}
         self._lease_until = 0.0
         self._caught_up = False
@@ -265,8 +241,6 @@ class ReplicaNode:
         self._created = time.monotonic()
         self._last_raw_role: str | None = None
         self._last_leader: str | None = None
-        self.snapshots_sent = 0
-        self.snapshots_installed = 0
         self._refresh_view()
         self.blueprint = self._make_blueprint()
 
@@ -520,7 +494,6 @@ class ReplicaNode:
                 raise RuntimeError("snapshot message without payload")
             with self._apply_lock:
                 self.sm.restore(snap.index, snap.data)
-            self.snapshots_installed += 1
             log.info("%s: installed a snapshot at index %d (its log was behind the leader's compaction)",
                      self.name, snap.index)
             for index, prop in list(self._proposals.items()):
@@ -548,7 +521,6 @@ class ReplicaNode:
                     m.snapshot_index = self.sm.applied_index()
                     m.payload = self.sm.snapshot()
                 m.snapshot_term = self.core.term_at(m.snapshot_index) or 0
-                self.snapshots_sent += 1
                 log.info("%s: sending a snapshot at index %d to %s", self.name, m.snapshot_index, m.dst)
             if m.type != SNAPSHOT and self._to_open_slot(m):
                 continue

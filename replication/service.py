@@ -6,13 +6,12 @@ turns its exceptions into HTTP answers (421 with the leader's name, 503 while no
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from flask import Flask, Response, jsonify, request
 
 from cluster.config import ClusterConfig
-from cluster.web import ApiError, create_base_app, error_response, fail, require_secret, secret_refusal
+from cluster.web import create_base_app, error_response, fail, require_secret, secret_refusal
 from replication.metrics import ReplicaCollector
 from replication.node import NotLeader, ProposalTimeout, ReplicaNode, ReplicationConfig
 from replication.statemachine import StateMachine
@@ -98,10 +97,3 @@ class ReplicaRuntime:
         if not self.node.is_leader():
             leader = self.node.leader()
             raise NotLeader(*(leader or (None, None)))
-
-
-def deadline_in(seconds: float) -> float:
-    return time.monotonic() + seconds
-
-
-__all__ = ["ApiError", "ReplicaRuntime", "deadline_in"]

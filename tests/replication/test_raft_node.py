@@ -243,4 +243,4 @@ def test_config_from_env() -> None:
         {"PYGMY_RAFT_TICK_MS": "5", "PYGMY_RAFT_KEEP_ENTRIES": "7", "PYGMY_RAFT_PRE_VOTE": "0"}
     )
     assert cfg.tick_ms == 5.0 and cfg.keep_entries == 7 and cfg.pre_vote is False
-    assert cfg.lease_ticks is None and cfg.core_config().effective_lease_ticks() == 20
+    assert cfg.lease_ticks is None and cfg.effective_lease_ticks() == 20
