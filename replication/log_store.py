@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from replication.core import Entry, HardState
+from replication.storage import transaction
 
 SCHEMA = (
     "CREATE TABLE IF NOT EXISTS raft_meta (key TEXT PRIMARY KEY, value TEXT)",
@@ -87,8 +88,7 @@ class LogStore:
         ``snapshot`` (index, term) replaces the whole log (the state machine was restored first);
         ``truncate_from`` drops a conflicting suffix before ``entries`` are written."""
         c = self._conn
-        c.execute("BEGIN IMMEDIATE")
-        try:
+        with transaction(c):
             if snapshot is not None:
                 c.execute("DELETE FROM raft_log")
                 self._set(snapshot_index=snapshot[0], snapshot_term=snapshot[1])
@@ -108,33 +108,21 @@ class LogStore:
             )
             if hard_state is not None:
                 self._set(term=hard_state.term, vote=hard_state.vote or "", commit=hard_state.commit)
-            c.execute("COMMIT")
-        except BaseException:
-            c.execute("ROLLBACK")
-            raise
 
     def begin_install(self, index: int, term: int) -> None:
         """Record the intent to install a snapshot before the state machine is overwritten, so a
         crash in between is detected on restart (``PersistedState.installing``)."""
-        c = self._conn
-        c.execute("BEGIN IMMEDIATE")
-        self._set(installing_index=index, installing_term=term)
-        c.execute("COMMIT")
+        with transaction(self._conn):
+            self._set(installing_index=index, installing_term=term)
 
     def abort_install(self) -> None:
         self._conn.execute("DELETE FROM raft_meta WHERE key IN ('installing_index', 'installing_term')")
 
     def compact(self, index: int, term: int) -> None:
         """Drop entries up to ``index`` (already applied by the state machine)."""
-        c = self._conn
-        c.execute("BEGIN IMMEDIATE")
-        try:
+        with transaction(self._conn) as c:
             c.execute("DELETE FROM raft_log WHERE idx <= ?", (index,))
             self._set(snapshot_index=index, snapshot_term=term)
-            c.execute("COMMIT")
-        except BaseException:
-            c.execute("ROLLBACK")
-            raise
 
     def _set(self, **values: object) -> None:
         self._conn.executemany(

@@ -14,6 +14,8 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
+from replication.storage import transaction
+
 META_SCHEMA = "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL)"
 
 
@@ -85,13 +87,9 @@ class SQLiteStateMachine(StateMachine):
         Caches need the pair: a value is as fresh as the log position it was read at, which is
         newer than the index of the value's own last change.
         """
-        conn = self._conn()
-        conn.execute("BEGIN")
-        try:
+        with transaction(self._conn(), "DEFERRED") as conn:
             applied = conn.execute("SELECT value FROM meta WHERE key='applied_index'").fetchone()[0]
             return int(applied), conn.execute(sql, params).fetchall()
-        finally:
-            conn.execute("COMMIT")
 
     # -- StateMachine -------------------------------------------------------------------------
     def applied_index(self) -> int:
@@ -99,22 +97,13 @@ class SQLiteStateMachine(StateMachine):
         return int(row[0])
 
     def apply(self, index: int, command: dict[str, Any] | None) -> Any:
-        with self._write_lock:
-            conn = self._conn()
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                current = conn.execute("SELECT value FROM meta WHERE key='applied_index'").fetchone()[0]
-                if index <= current:
-                    # Already applied before a crash: the log replays it, the state must not.
-                    conn.execute("ROLLBACK")
-                    return None
-                result = None if command is None else self.execute(conn, index, command)
-                conn.execute("UPDATE meta SET value=? WHERE key='applied_index'", (index,))
-                conn.execute("COMMIT")
-                return result
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
+        with self._write_lock, transaction(self._conn()) as conn:
+            current = conn.execute("SELECT value FROM meta WHERE key='applied_index'").fetchone()[0]
+            if index <= current:
+                return None  # already applied before a crash: the log replays it, the state must not
+            result = None if command is None else self.execute(conn, index, command)
+            conn.execute("UPDATE meta SET value=? WHERE key='applied_index'", (index,))
+            return result
 
     @abstractmethod
     def execute(self, conn: sqlite3.Connection, index: int, command: dict[str, Any]) -> Any:
@@ -140,15 +129,11 @@ class SQLiteStateMachine(StateMachine):
 
     def digest(self) -> str:
         h = hashlib.sha256()
-        conn = self._conn()
-        conn.execute("BEGIN")
-        try:
+        with transaction(self._conn(), "DEFERRED") as conn:
             for table, order in self.digest_tables:
                 h.update(table.encode())
                 for row in conn.execute(f"SELECT * FROM {table} ORDER BY {order}"):  # noqa: S608 (names are ours)
                     h.update(repr(tuple(row)).encode())
-        finally:
-            conn.execute("COMMIT")
         return h.hexdigest()[:16]
 
     def close(self) -> None:

@@ -55,3 +55,26 @@ def test_snapshot_install_replaces_log_and_clears_intent(tmp_path):
     store.begin_install(50, 3)
     store.abort_install()
     assert store.load().installing is None
+
+
+def test_a_full_disk_fails_the_save_cleanly_and_the_store_recovers(tmp_path):
+    """SQLite rolls a transaction back by itself on SQLITE_FULL; the save must raise *that* error
+    (not "cannot rollback"), keep what was saved before, and work again once there is room."""
+    import sqlite3
+
+    import pytest
+
+    store = LogStore(tmp_path / "raft.db")
+    store.save(HardState(1, "n1", 0), entries(1, 5))
+    conn = store._conn
+    pages = conn.execute("PRAGMA page_count").fetchone()[0]
+    conn.execute(f"PRAGMA max_page_count={pages + 1}")  # the disk is full from here on
+    big = [Entry(i, 1, {"blob": "x" * 20_000}) for i in range(6, 40)]
+    with pytest.raises(sqlite3.OperationalError, match="full"):
+        store.save(HardState(2, "n1", 0), big)
+    assert not conn.in_transaction
+    assert store.load().hard_state == HardState(1, "n1", 0) and store.load().entries == entries(1, 5)
+    conn.execute("PRAGMA max_page_count=1073741823")  # space returns
+    store.save(HardState(2, "n1", 0), big)
+    assert store.load().entries[-1] == big[-1]
+    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
