@@ -31,8 +31,11 @@ from replication.core import CANDIDATE, SNAPSHOT, CoreConfig, Entry, Message, Ra
 from replication.log_store import LogStore
 from replication.router import pooled_session
 from replication.statemachine import StateMachine
+from replication.storage import describe, is_storage_fault
 
 log = logging.getLogger("pygmy.replication")
+#: First wait before reloading after a fault; doubles up to 1 s, back to this once working again.
+_FAULT_BACKOFF_MIN = 0.05
 
 COMMIT_SECONDS = Histogram(
     "pygmy_replica_commit_seconds", "Time from a proposal on the leader to its commit and local apply",
@@ -49,7 +52,19 @@ class NotLeader(Exception):
 
 
 class ProposalTimeout(Exception):
-    """The outcome is unknown: the command may still commit later (retry with an idempotency key)."""
+    """The outcome is unknown: the command may still commit later (retry with an idempotency key).
+
+    ``index`` is the log index the command was appended at (None if it is not known): whoever must
+    act once the outcome is known (the catalog's invalidation holds) waits for that index.
+    """
+
+    def __init__(self, message: str, index: int | None = None) -> None:
+        super().__init__(message)
+        self.index = index
+
+
+class ReadIndexUnavailable(Exception):
+    """No read index could be had (no leader, or it is not sure it still leads): try another replica."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,11 +105,12 @@ class ReplicationConfig(CoreConfig):
         return cls(**values)
 
 class _Proposal:
-    __slots__ = ("command", "done", "index", "term", "result", "error")
+    __slots__ = ("command", "done", "settled", "index", "term", "result", "error")
 
     def __init__(self, command: dict[str, Any]) -> None:
         self.command = command
         self.done = threading.Event()
+        self.settled = threading.Event()  # the loop has seen our "forget": ``index`` is final
         self.index = 0
         self.term = 0
         self.result: Any = None
@@ -127,6 +143,7 @@ class _Sender:
         self.thread = threading.Thread(target=self._run, name=f"raft-send-{node.name}->{peer}", daemon=True)
 
     def _run(self) -> None:
+        """Supervised: an unexpected error costs the batch in hand (Raft retransmits), not the thread."""
         cfg = self.node.config
         while True:
             first = self.queue.get()
@@ -143,12 +160,15 @@ class _Sender:
                     stop = True
                     break
                 batch.append(m)
-            snaps = [m for m in batch if m.type == SNAPSHOT]
-            rest = [m for m in batch if m.type != SNAPSHOT]
-            if rest:
-                self._post(rest, cfg.read_timeout)
-            for m in snaps:
-                self._post([m], cfg.snapshot_read_timeout)
+            try:
+                snaps = [m for m in batch if m.type == SNAPSHOT]
+                rest = [m for m in batch if m.type != SNAPSHOT]
+                if rest:
+                    self._post(rest, cfg.read_timeout)
+                for m in snaps:
+                    self._post([m], cfg.snapshot_read_timeout)
+            except Exception:
+                log.exception("%s -> %s: sending failed; dropping the batch", self.node.name, self.peer)
             if stop:
                 break
         self.session.close()
@@ -167,6 +187,69 @@ class _Sender:
             self.node._deliver(resp.json().get("messages") or [], expected_src=self.peer)
         except (requests.RequestException, ValueError, AttributeError) as exc:
             log.debug("%s -> %s: %s", self.node.name, self.peer, exc)
+
+
+class _ReadIndexBatcher:
+    """A follower's read index, asked of the leader once for every batch of concurrent reads.
+
+    A read may use only an answer the leader gave *after* the read arrived (an answer already on
+    its way may predate a write acknowledged before the read began), so callers wait for the next
+    round to start; all callers waiting then share it. At most one round is in flight.
+    """
+
+    def __init__(self, node: ReplicaNode) -> None:
+        self.node = node
+        self.session = pooled_session(pool=4)
+        self._cond = threading.Condition()
+        self._started = 0  # rounds started
+        self._done = 0  # rounds finished
+        self._busy = False
+        self._value = 0
+        self._error: str | None = None
+
+    def get(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            target = self._started + 1
+            while self._done < target:
+                if not self._busy:
+                    self._busy = True
+                    self._started += 1
+                    mine = self._started
+                    self._cond.release()
+                    try:
+                        value, error = self._ask(max(0.05, deadline - time.monotonic()))
+                    finally:
+                        self._cond.acquire()
+                    self._busy, self._done, self._value, self._error = False, mine, value, error
+                    self._cond.notify_all()
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ReadIndexUnavailable(f"{self.node.name}: no read index within {timeout:.3g}s")
+                self._cond.wait(left)
+            if self._error is not None:
+                raise ReadIndexUnavailable(self._error)
+            return self._value
+
+    def _ask(self, timeout: float) -> tuple[int, str | None]:
+        leader = self.node.leader()
+        if leader is None:
+            return 0, f"{self.node.name} knows no leader"
+        name, url = leader
+        if name == self.node.name:
+            try:
+                return self.node.read_index(), None
+            except ReadIndexUnavailable as exc:
+                return 0, str(exc)
+        try:
+            r = self.session.get(url + "/raft/read_index", headers={"Authorization": f"Bearer {self.node.secret}"},
+                                 timeout=(self.node.config.connect_timeout, min(timeout, 1.0)))
+            if r.status_code != 200:
+                return 0, f"{name} gave no read index: HTTP {r.status_code}"
+            return int(r.json()["index"]), None
+        except (requests.RequestException, ValueError, KeyError, TypeError) as exc:
+            return 0, f"{name} gave no read index: {type(exc).__name__}"
 
 
 class ReplicaNode:
@@ -193,35 +276,27 @@ class ReplicaNode:
         self.config = config or ReplicationConfig()
         self.data_dir = Path(data_dir)
         self.store = LogStore(self.data_dir / "raft.db")
-        persisted = self.store.load()
-        if persisted.installing is not None:
-            idx, term = persisted.installing
-            if self.sm.applied_index() >= idx:
-                # The state machine was restored but the log store not updated: finish the install.
-                self.store.save(snapshot=(idx, term))
-            else:
-                self.store.abort_install()
-            persisted = self.store.load()
-        self._applied = self.sm.applied_index()
-        self.core = RaftCore(
-            name,
-            list(self.peers),
-            hard_state=persisted.hard_state,
-            entries=persisted.entries,
-            snapshot=persisted.snapshot,
-            applied=self._applied,
-            config=self.config,
-            rng=seed,
-        )
+        self._seed = seed
+        self.core = self._load_core()
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._slots: dict[str, list[_ReplySlot]] = {}
         self._slots_lock = threading.Lock()
         self._touched_slots: list[_ReplySlot] = []
         self._proposals: dict[int, _Proposal] = {}
         self._apply_cond = threading.Condition()
+        #: The core's commit index as of the last ``Ready``, set *before* its messages go out, so a
+        #: read index taken on the leader covers every entry any follower may already have applied.
+        self._commit_seen = 0
         self._apply_lock = threading.Lock()
         self._view: dict[str, Any] = {}
         self._lease_until = 0.0
+        #: Why the node is not working (a storage fault it is retrying), or None. While set it is no
+        #: leader, serves no reads, fails health checks and acknowledges nothing.
+        self.fault: str | None = None
+        self.faults = 0
+        self._fault_at = 0.0
+        self._fault_backoff = _FAULT_BACKOFF_MIN
+        self.snapshots_installed = 0
         self._caught_up = False
         self._was_leader = False
         self._apply_listeners: list[Callable[[int, Any, Any], None]] = []
@@ -242,7 +317,31 @@ class ReplicaNode:
         self._last_raw_role: str | None = None
         self._last_leader: str | None = None
         self._refresh_view()
+        self._read_index = _ReadIndexBatcher(self)
         self.blueprint = self._make_blueprint()
+
+    def _load_core(self) -> RaftCore:
+        """A core from what is on disk: at start, and again after a fault (an in-process restart)."""
+        persisted = self.store.load()
+        if persisted.installing is not None:
+            idx, term = persisted.installing
+            if self.sm.applied_index() >= idx:
+                # The state machine was restored but the log store not updated: finish the install.
+                self.store.save(snapshot=(idx, term))
+            else:
+                self.store.abort_install()
+            persisted = self.store.load()
+        self._applied = self.sm.applied_index()
+        return RaftCore(
+            self.name,
+            list(self.peers),
+            hard_state=persisted.hard_state,
+            entries=persisted.entries,
+            snapshot=persisted.snapshot,
+            applied=self._applied,
+            config=self.config,
+            rng=self._seed,
+        )
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -268,6 +367,7 @@ class ReplicaNode:
                 s.thread.join(timeout=10)
             self._notify.put(None)
             self._notify_thread.join(timeout=10)
+        self._read_index.session.close()
         while True:  # proposals that arrived after the loop ended
             try:
                 kind, value = self._inbox.get_nowait()
@@ -297,7 +397,9 @@ class ReplicaNode:
         self._inbox.put(("propose", prop))
         if not prop.done.wait(timeout):
             self._inbox.put(("forget", prop))
-            raise ProposalTimeout(f"{self.name}: not committed within {timeout:.3g}s")
+            prop.settled.wait(1.0)  # the loop answers in a tick; a stalled loop leaves it unknown
+            raise ProposalTimeout(f"{self.name}: not committed within {timeout:.3g}s",
+                                  index=(prop.index or None) if prop.settled.is_set() else None)
         if prop.error is not None:
             raise prop.error
         self.commit_seconds.observe(time.perf_counter() - started)
@@ -317,7 +419,7 @@ class ReplicaNode:
         return self._applied
 
     def is_leader(self) -> bool:
-        return self._view.get("role") == "leader"
+        return self._view.get("role") == "leader" and self.fault is None
 
     def term(self) -> int:
         return int(self._view.get("term", 0))
@@ -329,21 +431,45 @@ class ReplicaNode:
     def can_serve_reads(self) -> bool:
         """Whether local reads reflect every acknowledged write (leader) or a caught-up follower."""
         view = self._view
+        if self.fault is not None:
+            return False
         if view.get("role") == "leader":
             return time.monotonic() < self._lease_until and self._applied >= view["term_start"]
         return view.get("role") == "follower" and view.get("leader") is not None
+
+    def read_index(self) -> int:
+        """On the leader: an index every linearizable read must wait for (Raft's ReadIndex).
+
+        Confirmed by the leader lease instead of a heartbeat round: while it holds, no other leader
+        can have committed anything, so our commit index covers every acknowledged write.
+        """
+        if not self.can_serve_reads() or not self.is_leader():
+            raise ReadIndexUnavailable(f"{self.name} is not a leader sure of its lease")
+        return max(self._commit_seen, self._applied)
+
+    def linearizable_index(self, timeout: float) -> int:
+        """The read index for a read arriving now, here: our own on the leader, else the leader's
+        (batched). Raises ReadIndexUnavailable."""
+        if self.is_leader():
+            return self.read_index()
+        return self._read_index.get(timeout)
 
     def status(self) -> dict[str, Any]:
         view = self._view
         with self._apply_lock:  # applied index and digest of the same state
             applied = self.sm.applied_index()
             digest = self.sm.digest()
+        fault = self.fault
         return {
             "name": self.name,
             "url": self.url,
-            "role": view["role"],
+            "role": "failed" if fault else view["role"],
             "term": view["term"],
-            "leader": view["leader"],
+            "leader": None if fault else view["leader"],
+            #: A leader says whether its leader lease holds: one whose lease lapsed may already
+            #: have been replaced by a leader of a newer term it has not heard of.
+            "leader_lease": bool(view["role"] == "leader" and not fault and time.monotonic() < self._lease_until),
+            "error": fault,
             "commit_index": max(view["commit"], applied),
             "applied_index": applied,
             "state_digest": digest,
@@ -392,6 +518,16 @@ class ReplicaNode:
                     replies = list(slot.messages)
             return jsonify({"accepted": len(msgs), "messages": [m.to_dict() for m in replies]}), 200
 
+        @bp.get("/raft/read_index")
+        def raft_read_index() -> tuple[Response, int]:
+            refused = secret_refusal(request.headers.get("Authorization"), f"Bearer {self.secret}".encode())
+            if refused is not None:
+                return jsonify({"error": {"code": refused[0], "message": refused[1]}}), refused[0]
+            try:
+                return jsonify({"index": self.read_index(), "term": self.term()}), 200
+            except ReadIndexUnavailable as exc:
+                return jsonify({"error": {"code": 503, "message": str(exc)}}), 503
+
         return bp
 
     def _parse(self, raw: list[Any]) -> list[Message]:
@@ -414,37 +550,83 @@ class ReplicaNode:
 
     # -- event loop ------------------------------------------------------------------------------
     def _run(self) -> None:
+        """The event loop, supervised: an error in it (a full disk, any bug) never leaves a replica
+        up with a frozen view. The node drops its in-memory state, as a crash would, and reloads
+        from disk after a backoff; Raft is built to survive exactly that. It retries until the
+        fault clears (space returns), then catches up as after a restart."""
+        while True:
+            try:
+                self._loop()
+                return
+            except Exception as exc:
+                self._enter_fault(exc)
+            while True:
+                if self._stopping.wait(self._fault_backoff):
+                    return
+                self._fault_backoff = min(self._fault_backoff * 2, 1.0)
+                try:
+                    self.core = self._load_core()
+                    self._caught_up = False
+                    self._refresh_view()
+                    break
+                except Exception as exc:
+                    self._enter_fault(exc)
+            log.warning("%s: reloaded from disk after a fault; rejoining as a follower", self.name)
+
+    def _enter_fault(self, exc: Exception) -> None:
+        first = self.fault is None
+        self.fault = describe(exc) if is_storage_fault(exc) else f"replication loop error: {type(exc).__name__}: {exc}"
+        self.faults += 1
+        self._fault_at = time.monotonic()
+        if first:
+            log.error("%s: %s; stepping down, serving nothing, retrying", self.name, self.fault, exc_info=exc)
+        self._lease_until = 0.0
+        self._view = {**self._view, "role": "failed", "leader": None}
+        for prop in list(self._proposals.values()):
+            prop.finish(error=ProposalTimeout(f"{self.name}: {self.fault}; outcome unknown", index=prop.index))
+        self._proposals.clear()
+        for slot in self._touched_slots:
+            slot.done.set()
+        self._touched_slots.clear()
+        if self._was_leader:
+            self._was_leader = False
+            self._notify.put((False, int(self._view.get("term", 0))))
+
+    def _loop(self) -> None:
         tick_s = self.config.tick_ms / 1000.0
         next_tick = time.monotonic() + tick_s
         max_catch_up = 2 * self.config.election_ticks_max
-        try:
-            while True:
-                timeout = max(0.0, next_tick - time.monotonic())
-                try:
-                    item = self._inbox.get(timeout=timeout)
-                    if not self._handle_input(item):
+        fault_grace_s = self.config.election_ticks_max * tick_s
+        while True:
+            timeout = max(0.0, next_tick - time.monotonic())
+            try:
+                item = self._inbox.get(timeout=timeout)
+                if not self._handle_input(item):
+                    return
+                for _ in range(10_000):
+                    if not self._handle_input(self._inbox.get_nowait()):
                         return
-                    for _ in range(10_000):
-                        if not self._handle_input(self._inbox.get_nowait()):
-                            return
-                except queue.Empty:
-                    pass
-                now = time.monotonic()
-                ticks = 0
-                while now >= next_tick and ticks < max_catch_up:
-                    self.core.tick()
-                    next_tick += tick_s
-                    ticks += 1
-                if now >= next_tick:
-                    next_tick = now + tick_s  # far behind (e.g. a stall): do not storm
-                self._process_ready(next_tick - tick_s)
-                # Replies to the requests just handled are in their slots now: let them go back.
-                for slot in self._touched_slots:
-                    slot.done.set()
-                self._touched_slots.clear()
-        except Exception:
-            log.exception("%s: replication loop crashed", self.name)
-            raise
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            ticks = 0
+            while now >= next_tick and ticks < max_catch_up:
+                self.core.tick()
+                next_tick += tick_s
+                ticks += 1
+            if now >= next_tick:
+                next_tick = now + tick_s  # far behind (e.g. a stall): do not storm
+            self._process_ready(next_tick - tick_s)
+            if self.fault is not None and now - self._fault_at >= fault_grace_s:
+                # Only after a whole election timeout without a fault: a follower with a full
+                # disk that has nothing to write for one pass is not yet working again.
+                log.warning("%s: working again after %s", self.name, self.fault)
+                self.fault = None
+                self._fault_backoff = _FAULT_BACKOFF_MIN
+            # Replies to the requests just handled are in their slots now: let them go back.
+            for slot in self._touched_slots:
+                slot.done.set()
+            self._touched_slots.clear()
 
     def _handle_input(self, item: tuple[str, Any]) -> bool:
         kind, value = item
@@ -468,6 +650,7 @@ class ReplicaNode:
             prop = value
             if self._proposals.get(prop.index) is prop:
                 del self._proposals[prop.index]
+            prop.settled.set()
         elif kind == "stop":
             return False
         return True
@@ -479,6 +662,7 @@ class ReplicaNode:
     def _process_ready(self, tick_wall: float) -> None:
         rd = self.core.ready()
         if not rd.is_empty():
+            self._commit_seen = self.core.commit
             self._persist(rd)
             self._send(rd.messages)
             self._apply(rd.committed_entries)
@@ -494,6 +678,7 @@ class ReplicaNode:
                 raise RuntimeError("snapshot message without payload")
             with self._apply_lock:
                 self.sm.restore(snap.index, snap.data)
+            self.snapshots_installed += 1
             log.info("%s: installed a snapshot at index %d (its log was behind the leader's compaction)",
                      self.name, snap.index)
             for index, prop in list(self._proposals.items()):
@@ -546,9 +731,11 @@ class ReplicaNode:
             with self._apply_lock:
                 try:
                     result = self.sm.apply(e.index, e.command)
-                except Exception as exc:  # deterministic command failure: same on every replica
+                except Exception as exc:
+                    if is_storage_fault(exc):
+                        raise  # not the command's outcome: the loop's supervisor retries it
                     log.exception("%s: applying entry %d failed", self.name, e.index)
-                    error = exc
+                    error = exc  # a deterministic command failure: the same on every replica
             self._set_applied(e.index)
             if e.command is not None and error is None:
                 for cb in self._apply_listeners:
@@ -614,6 +801,7 @@ class ReplicaNode:
             self.catch_up_seconds = time.monotonic() - self._created
 
     def _run_notifier(self) -> None:
+        """Supervised: a listener's error is logged and the next change is still delivered."""
         while True:
             item = self._notify.get()
             if item is None:

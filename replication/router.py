@@ -133,12 +133,18 @@ class TierRouter:
         return ([hint] if hint else []) + rest
 
     # -- reads ------------------------------------------------------------------------------------
-    def read(self, path: str, deadline: float, params: dict[str, Any] | None = None) -> Reply:
-        """GET from any ready replica (round robin), skipping ones that recently refused."""
+    def read(self, path: str, deadline: float, params: dict[str, Any] | None = None,
+             prefer_leader: bool = False) -> Reply:
+        """GET from any ready replica (round robin), skipping ones that recently refused.
+
+        Every replica read is linearizable (it waits for the leader's read index), so any replica
+        answers correctly; ``prefer_leader`` asks the leader first, which takes its read index
+        locally and so costs one request less than a follower, which must ask the leader for it.
+        """
         last = "no replica tried"
         attempt = 0
         while True:
-            for name in self._read_order():
+            for name in self._read_order(prefer_leader):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TierUnavailable(self.tier, last)
@@ -159,11 +165,14 @@ class TierRouter:
         with self._lock:
             self._avoid[name] = time.monotonic() + seconds
 
-    def _read_order(self) -> list[str]:
+    def _read_order(self, prefer_leader: bool = False) -> list[str]:
         now = time.monotonic()
         start = next(self._rr) % len(self.names)
         ring = self.names[start:] + self.names[:start]
         with self._lock:
+            if prefer_leader and self.leader_hint in ring:
+                ring.remove(self.leader_hint)
+                ring.insert(0, self.leader_hint)
             good = [n for n in ring if self._avoid.get(n, 0) <= now]
             bad = [n for n in ring if n not in good]
         return good + bad

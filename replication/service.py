@@ -13,7 +13,7 @@ from flask import Flask, Response, jsonify, request
 from cluster.config import ClusterConfig
 from cluster.web import create_base_app, error_response, fail, require_secret, secret_refusal
 from replication.metrics import ReplicaCollector
-from replication.node import NotLeader, ProposalTimeout, ReplicaNode, ReplicationConfig
+from replication.node import NotLeader, ProposalTimeout, ReadIndexUnavailable, ReplicaNode, ReplicationConfig
 from replication.statemachine import StateMachine
 
 #: Longest a read waits for its replica to apply an index the caller already saw.
@@ -57,6 +57,9 @@ class ReplicaRuntime:
 
         @app.get("/health")
         def health() -> Response:
+            """Fails while the node is faulted (e.g. its disk is full), so routers and orchestrators skip it."""
+            if self.node.fault is not None:
+                fail(503, f"{self.name}: {self.node.fault}")
             return jsonify({"name": self.name, "status": "ok"})
 
         @app.get("/status")
@@ -78,10 +81,13 @@ class ReplicaRuntime:
         return self.node.propose(command, timeout)
 
     def ensure_readable(self) -> None:
-        """Refuse reads (503, the router tries another replica) unless this replica is up to date.
+        """Refuse reads (503, the router tries another replica) unless this replica's state is fresh
+        enough for a linearizable read: applied up to the leader's commit index as of now.
 
-        ``?min_index=N`` asks for a replica that has applied at least N (a version the caller saw);
-        ``?leader=1`` asks for the leader itself (a caller that knows no floor: linearizable read).
+        Every read, on the leader or a follower, waits for the read index (Raft's ReadIndex; the
+        leader's own under its lease, a follower's asked of the leader in batches), so no read
+        returns less than a read or a write that finished before it began. ``?min_index=N`` asks
+        for at least N besides (a version the caller saw); ``?leader=1`` asks for the leader itself.
         """
         raw = request.args.get("min_index", "0")
         # isascii: "²".isdigit() is true but int("²") fails; 18 digits: an index fits SQLite.
@@ -90,8 +96,13 @@ class ReplicaRuntime:
             self.leader_only()
         if not self.node.can_serve_reads():
             fail(503, f"{self.name} is not ready to serve reads")
-        if min_index and not self.node.wait_applied(min_index, READ_WAIT):
-            fail(503, f"{self.name} has not yet applied index {min_index}")
+        try:
+            index = self.node.linearizable_index(READ_WAIT)
+        except ReadIndexUnavailable as exc:
+            fail(503, f"{self.name} cannot serve a linearizable read right now: {exc}")
+        wanted = max(index, min_index)
+        if not self.node.wait_applied(wanted, READ_WAIT):
+            fail(503, f"{self.name} has not yet applied index {wanted}")
 
     def leader_only(self) -> None:
         if not self.node.is_leader():
