@@ -13,6 +13,7 @@ from typing import Any
 
 from catalog.books import topic_key
 from replication.statemachine import SQLiteStateMachine
+from replication.storage import transaction
 
 
 def cents(cost: float) -> int:
@@ -43,16 +44,13 @@ class CatalogState(SQLiteStateMachine):
 
     def seed(self, books: list[dict[str, Any]]) -> None:
         """Load the initial catalogue into a brand-new replica (identical on every replica)."""
-        with self._write_lock:
-            conn = self._conn()
-            conn.execute("BEGIN IMMEDIATE")
+        with self._write_lock, transaction(self._conn()) as conn:
             if conn.execute("SELECT COUNT(*) FROM books").fetchone()[0] == 0 and self.applied_index() == 0:
                 conn.executemany(
                     "INSERT INTO books(item_number, title, topic, topic_key, stock, cost_cents) VALUES (?,?,?,?,?,?)",
                     [(b["item_number"], b["title"], b["topic"], topic_key(b["topic"]), b["stock"], cents(b["cost"]))
                      for b in books],
                 )
-            conn.execute("COMMIT")
 
     # -- reads ------------------------------------------------------------------------------------
     def book(self, item: int) -> dict[str, Any] | None:
@@ -63,6 +61,9 @@ class CatalogState(SQLiteStateMachine):
         """The book and the applied index it was read at."""
         applied, rows = self.read_at("SELECT * FROM books WHERE item_number=?", (item,))
         return applied, (book_dict(rows[0]) if rows else None)
+
+    def sold_out(self) -> list[int]:
+        return [r[0] for r in self.read("SELECT item_number FROM books WHERE stock = 0 ORDER BY item_number")]
 
     def search_at(self, topic: str) -> tuple[int, list[dict[str, Any]]]:
         """Books on a topic and the applied index they were read at."""
@@ -132,7 +133,15 @@ class CatalogState(SQLiteStateMachine):
         return result
 
     def _restock(self, conn: sqlite3.Connection, index: int, cmd: dict[str, Any]) -> dict[str, Any]:
-        """New stock arrives for every sold-out book (the original Pygmy store's periodic delivery)."""
-        items = [r[0] for r in conn.execute("SELECT item_number FROM books WHERE stock = 0")]
-        conn.execute("UPDATE books SET stock = stock + ?, version = ? WHERE stock = 0", (cmd["amount"], index))
-        return {"ok": True, "items": items}
+        """New stock for the sold-out books the command names (the original store's periodic delivery).
+
+        The leader names them when it proposes, so their cache keys can be held before the command
+        can be applied anywhere; one sold again in the meantime is skipped. Old log entries without
+        ``items`` restock every sold-out book, as they did when they were written.
+        """
+        named = cmd.get("items")
+        sold_out = [r[0] for r in conn.execute("SELECT item_number FROM books WHERE stock = 0")]
+        items = sold_out if named is None else [n for n in sold_out if n in set(named)]
+        conn.executemany("UPDATE books SET stock = stock + ?, version = ? WHERE item_number = ?",
+                         [(cmd["amount"], index, n) for n in items])
+        return {"ok": True, "items": items, "index": index}

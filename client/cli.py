@@ -38,6 +38,14 @@ def show_order(o: dict[str, Any]) -> str:
     return line + (f"\n  created at {o['created_at']}" if o.get("created_at") else "")
 
 
+def role_of(replica: dict[str, Any]) -> str:
+    """A leader that no longer holds its leader lease may have been replaced already: say so."""
+    role = str(replica.get("role", "-"))
+    if role == "leader" and replica.get("leader_lease") is False:
+        return "leader (lease lapsed)"
+    return role
+
+
 def show_status(st: dict[str, Any]) -> str:
     fe = st["frontend"]
     cache = fe["cache"]
@@ -47,10 +55,11 @@ def show_status(st: dict[str, Any]) -> str:
     for tier in ("catalog", "order"):
         view = st[tier]
         out.append(f"\n{tier}: leader {view['leader'] or '(none)'}")
-        rows = [[r["name"], "up" if r.get("alive") else "DOWN", r.get("role", "-"), r.get("term", "-"),
+        rows = [[r["name"], "up" if r.get("alive") else "DOWN", role_of(r), r.get("term", "-"),
                  r.get("commit_index", "-"), r.get("applied_index", "-"), r.get("state_digest", "-")]
                 for r in view["replicas"]]
         out.append(table(rows, ["replica", "alive", "role", "term", "commit", "applied", "digest"]))
+        out += [f"  {r['name']}: {r['error']}" for r in view["replicas"] if r.get("error")]
     return "\n".join(out)
 
 

@@ -90,23 +90,30 @@ class BuyProcessor:
                 self._in_flight.discard(key)
 
     def _sweep_loop(self) -> None:
+        """Supervised: an error in one sweep (a full disk, a bug) is logged; the next sweep retries."""
         while not self._stop.is_set():
             self._wake.wait(1.0)
             self._wake.clear()
             if self._stop.is_set() or not self.rt.node.is_leader():
                 continue
-            for order in self.state.pending():
-                with self._lock:
-                    busy = order["key"] in self._in_flight
-                if busy or self._stop.is_set():
-                    continue
-                created = datetime.fromisoformat(order["created_at"]).timestamp()
-                if created > self._leader_since and time.time() - created < STALE_INTENT:
-                    continue
-                try:
-                    self.finish(order)
-                except Exception as exc:  # retried on the next sweep
-                    log.warning("could not finish order %s yet: %s", order["order_number"], exc)
+            try:
+                self._sweep()
+            except Exception:
+                log.exception("intent sweep failed; retrying on the next one")
+
+    def _sweep(self) -> None:
+        for order in self.state.pending():
+            with self._lock:
+                busy = order["key"] in self._in_flight
+            if busy or self._stop.is_set():
+                continue
+            created = datetime.fromisoformat(order["created_at"]).timestamp()
+            if created > self._leader_since and time.time() - created < STALE_INTENT:
+                continue
+            try:
+                self.finish(order)
+            except Exception as exc:  # retried on the next sweep
+                log.warning("could not finish order %s yet: %s", order["order_number"], exc)
 
 
 def public_order(order: dict[str, Any]) -> dict[str, Any]:
