@@ -9,16 +9,13 @@ from typing import Any
 from flask import Flask, Response, jsonify, request
 
 from catalog import books as catalogue
-from catalog.invalidation import Invalidator, change_for
+from catalog.invalidation import Invalidator, book_key
 from catalog.state import CatalogState
 from cluster.config import ClusterConfig
 from cluster.web import fail, int_field, json_body, parse_item, update_fields
 from replication.service import ReplicaRuntime
 
 log = logging.getLogger(__name__)
-
-
-
 
 
 class Restocker:
@@ -39,14 +36,21 @@ class Restocker:
         self._thread.join(timeout=2)
 
     def _run(self) -> None:
+        """Supervised: a failed round (no quorum, a full disk, a bug) is logged; the next one retries."""
         while not self._stop.wait(self.every):
-            if self.runtime.node.is_leader():
-                try:
-                    result = self.runtime.propose({"op": "restock", "amount": self.amount}, timeout=self.every)
-                    books = [b for n in result["items"] if (b := self.state.book(n))]
-                    self.invalidator.publish([change_for(b) for b in books])
-                except Exception as exc:  # the next round tries again; a lost round only delays delivery
-                    log.warning("restock round failed: %s", exc)
+            if not self.runtime.node.is_leader():
+                continue
+            try:
+                # The command names its books, so their cache keys are held before it is proposed.
+                items = self.state.sold_out()
+                if not items:
+                    continue
+                with self.invalidator.holding([book_key(n) for n in items]) as write:
+                    result = self.runtime.propose({"op": "restock", "amount": self.amount, "items": items},
+                                                  timeout=self.every)
+                    write.index = result["index"]
+            except Exception as exc:  # the next round tries again; a lost round only delays delivery
+                log.warning("restock round failed: %s", exc)
 
 
 def create_app(config: ClusterConfig, k: int) -> Flask:
@@ -58,12 +62,14 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
     app.extensions["pygmy_runtime"] = rt
     app.extensions["pygmy_invalidator"] = invalidator
 
-    def answer(result: dict[str, Any]) -> Response:
-        """A command's result as HTTP, acknowledged only once every leased frontend cache forgot it."""
+    def write(item: int, command: dict[str, Any]) -> Response:
+        """Propose a change to one book, held out of every leased cache until it is applied here."""
+        rt.leader_only()
+        with invalidator.holding([book_key(item)]) as held:
+            result = rt.propose(command)
+            held.index = result["book"]["version"] if result["ok"] else 0
         if not result["ok"]:
-            invalidator.publish([])  # a new leader still owes its lease wait, even for refusals
             fail(result["error"]["code"], result["error"]["message"])
-        invalidator.publish([change_for(result["book"])])
         return jsonify(result["book"])
 
     @app.post("/subscribe")
@@ -78,9 +84,10 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
             # Grant leases only under our leader lease: then no other leader can exist right now,
             # and a successor's lease wait after its election outlasts every lease we granted.
             fail(503, f"{rt.name} cannot grant invalidation leases right now (no quorum contact)")
-        continued = invalidator.subscribe(sub_id, url)
+        grant = invalidator.subscribe(sub_id, url)
+        # Read after the grant: at least the index of every write released before it.
         return jsonify({"leader": rt.name, "term": rt.node.term(), "commit_index": state.applied_index(),
-                        "lease": invalidator.lease, "continued": continued})
+                        "lease": invalidator.lease, **grant})
 
     @app.get("/books/<item>")
     @rt.guard
@@ -109,8 +116,7 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         key = body.get("key")
         if not isinstance(key, str) or not 0 < len(key) <= 256:
             fail(400, "key must be a non-empty string")
-        rt.leader_only()
-        return answer(rt.propose({"op": "decrement", "item": number, "quantity": quantity, "key": key}))
+        return write(number, {"op": "decrement", "item": number, "quantity": quantity, "key": key})
 
     @app.post("/books/<item>/update")
     @rt.guard
@@ -123,8 +129,7 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
             if not isinstance(key, str) or not 0 < len(key) <= 256:
                 fail(400, "key must be a non-empty string")
             command["key"] = key
-        rt.leader_only()
-        return answer(rt.propose(command))
+        return write(number, command)
 
     rt.start()
     if config.restock_every > 0 and config.restock_amount > 0:

@@ -1,11 +1,19 @@
-"""The catalog leader's side of cache invalidation: leases for frontend workers, pushes before acks.
+"""The catalog leader's side of the cache protocol: leases for frontend workers, holds before writes.
 
-Every committed change to a book is pushed to every frontend worker holding an unexpired lease
-before the change is acknowledged. A worker that does not answer is not waited on forever: we wait
-until its lease has run out (it stops using its cache by then, by its own clock) and drop it.
+A write to a book becomes readable anywhere only after its old value has left every cache that a
+valid lease lets a worker use (docs/architecture.md, "The cache", has the proof):
 
-A new leader knows none of the leases its predecessor granted, so it acknowledges no change until
-one lease period after it took over; by then every old lease has expired or been renewed with us.
+1. ``hold(keys)`` registers the write as *pending* and pushes ``hold`` to every leased worker: the
+   worker drops the keys and neither serves nor stores them until released. A worker that does not
+   answer is revoked and its lease waited out (at most one lease); so is any worker revoked by an
+   earlier write and not renewed since. Only then is the command proposed to the log.
+2. Once the command is applied here (or has failed), ``release(token, index)`` unregisters it and
+   pushes ``release`` with the log index: the worker stores the keys again, but only values read at
+   that index or later. Releases are not waited for: a worker they miss keeps the hold until its next grant.
+3. Every lease grant carries the pending holds, so a worker granted a lease mid-write holds them too.
+
+A new leader knows none of the leases its predecessor granted, so it proposes no write until one
+lease period after its first act in the new term; by then every old lease has expired.
 """
 
 from __future__ import annotations
@@ -13,110 +21,204 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from typing import Any
 
 import requests
 from prometheus_client import Histogram
 
-from catalog.books import topic_key
-from replication.node import ReplicaNode
+from replication.node import NotLeader, ProposalTimeout, ReplicaNode
 from replication.router import pooled_session
 
 log = logging.getLogger(__name__)
 
 PUBLISH_SECONDS = Histogram(
-    "pygmy_invalidation_seconds", "Time a change waits for every leased frontend worker to drop it",
+    "pygmy_invalidation_seconds", "Time a write waits for every leased frontend worker to hold its keys",
     buckets=(0.0002, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
 )
 
 LEASE = 0.4
 PUSH_TIMEOUT = 0.3
+#: Tokens are ``term << TERM_SHIFT | n``: unique across leaders, and ordered, so a grant's
+#: ``next_token`` tells a worker which holds the leader has finished with.
+TERM_SHIFT = 32
 
 
-def change_for(book: dict[str, Any]) -> dict[str, Any]:
-    """The cache keys a change to ``book`` makes stale, and the log index of that change."""
-    return {"keys": [f"book:{book['item_number']}", f"topic:{topic_key(book['topic'])}"],
-            "version": book["version"]}
+def book_key(item: int) -> str:
+    """The cache key of a lookup. Searches show only numbers and titles, which no command changes,
+    so no write needs to touch their keys."""
+    return f"book:{item}"
+
+
+class Write:
+    """What a held write learns while it runs: the log index its effect became readable at."""
+
+    def __init__(self) -> None:
+        self.index: int | None = 0  # 0: changed nothing; None: unknown (the command may still commit)
 
 
 class Invalidator:
     def __init__(self, node: ReplicaNode, secret: str, lease: float = LEASE) -> None:
         self.node = node
         self.lease = lease
-        self._term = -1  # the leadership term our subscriber table belongs to
+        self._term = -1  # the leadership term our tables belong to
         self._subs: dict[str, tuple[str, float]] = {}  # id -> (url, expiry on our monotonic clock)
+        #: Revoked workers that have not renewed since -> the latest lease ever granted to them.
+        #: Every hold reads it, so no write proceeds while such a worker may still use its cache.
+        self._revoked: dict[str, float] = {}
+        self._pending: dict[int, list[str]] = {}  # token -> keys of a write not yet released
+        self._seq = 0
         self._lock = threading.Lock()
         self._ready_at = 0.0
         self._session = pooled_session(64)
         self._headers = {"Authorization": f"Bearer {secret}"}
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="invalidate")
+        self._stopping = threading.Event()
 
     def stop(self) -> None:
+        self._stopping.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._session.close()
 
     def _sync_term(self) -> None:
-        """Start a fresh table, and the lease wait, the first time we act in a new leadership term.
+        """Start fresh tables, and the lease wait, the first time we act in a new leadership term.
 
-        Checked on every subscribe and publish, not left to a listener thread: a worker that
-        subscribes, or a write that is acknowledged, right after an election must already see it.
+        Checked on every subscribe and hold, not left to a listener thread: a worker that
+        subscribes, or a write that starts, right after an election must already see it.
         """
         term = self.node.term()
         if term != self._term:
             self._term = term
             self._subs.clear()
+            self._revoked.clear()  # the lease wait below outlasts every lease of the old term
+            self._pending.clear()  # workers drop these at their next grant from us (next_token)
+            self._seq = 0
             self._ready_at = time.monotonic() + self.lease
 
-    def subscribe(self, sub_id: str, url: str) -> bool:
-        """Grant or renew a lease of ``self.lease`` seconds.
+    def _next_token(self) -> int:
+        return (self._term << TERM_SHIFT) | (self._seq + 1)
 
-        Returns whether it continues an unbroken lease. When it does not (new subscriber, expired,
-        or revoked after a missed push), the worker must flush: it may have missed changes.
+    # -- leases -------------------------------------------------------------------------------------
+    def subscribe(self, sub_id: str, url: str) -> dict[str, Any]:
+        """Grant or renew a lease of ``self.lease`` seconds, with the holds the worker must keep.
+
+        ``continued`` says whether it continues an unbroken lease. When it does not (new subscriber,
+        expired, or revoked after a missed push), the worker must flush: it may have missed changes.
         """
         now = time.monotonic()
         with self._lock:
             self._sync_term()
             old = self._subs.get(sub_id)
             self._subs[sub_id] = (url, now + self.lease)
-        return old is not None and old[1] > now
+            # A revoked worker gets ``continued: false`` (old is None) and flushes before it uses
+            # this lease; later writes reach it again, so they need not wait for the old one.
+            self._revoked.pop(sub_id, None)
+            return {"continued": old is not None and old[1] > now,
+                    "holds": [[t, keys] for t, keys in self._pending.items()],
+                    "next_token": self._next_token()}
 
-    def publish(self, changes: list[dict[str, Any]]) -> None:
-        """Return once every leased frontend worker has dropped these keys or lost its lease."""
-        started = time.perf_counter()
+    # -- writes -------------------------------------------------------------------------------------
+    @contextmanager
+    def holding(self, keys: list[str]) -> Iterator[Write]:
+        """Hold ``keys`` in every leased cache around a write; the body sets ``write.index``.
+
+        NotLeader means nothing was written, ProposalTimeout carries the index to wait for.
+        """
+        token = self.hold(keys)
+        write = Write()
         try:
-            self._publish(changes)
+            yield write
+        except NotLeader:
+            write.index = 0
+            raise
+        except ProposalTimeout as exc:
+            write.index = None
+            if exc.index is not None:
+                self._pool.submit(self._release_when_applied, token, exc.index, self._term)
+            raise
+        except BaseException:
+            write.index = None  # outcome unknown: keep the hold until a new term clears it
+            raise
         finally:
-            if changes:
-                PUBLISH_SECONDS.observe(time.perf_counter() - started)
+            if write.index is not None:
+                self.release(token, write.index)
 
-    def _publish(self, changes: list[dict[str, Any]]) -> None:
+    def hold(self, keys: list[str]) -> int:
+        """Register a write on ``keys`` and return once no usable cache can serve their old values."""
+        started = time.perf_counter()
         with self._lock:
             self._sync_term()
+            self._seq += 1
+            token = (self._term << TERM_SHIFT) | self._seq
+            self._pending[token] = list(keys)
             ready_at = self._ready_at
         now = time.monotonic()
         if now < ready_at:
             time.sleep(ready_at - now)
-        if not changes:
-            return
         now = time.monotonic()
         with self._lock:
             targets = {sid: (url, exp) for sid, (url, exp) in self._subs.items() if exp > now}
-        if not targets:
-            return
-        body = {"changes": changes}
+            # Workers revoked by any write and not renewed since are not pushed to, and may still
+            # hold a lease (and a cache with the old values): wait their leases out too.
+            owed = max((until for until in self._revoked.values() if until > now), default=0.0)
+        if targets:
+            failed = self._push_all(targets, {"holds": [[token, keys]]})
+            if failed:
+                log.warning("hold not acknowledged by %s; waiting out their lease", ", ".join(failed))
+                owed = max(owed, self._revoke(failed, targets))
+        remaining = owed - time.monotonic()
+        if remaining > 0:
+            time.sleep(remaining)
+        PUBLISH_SECONDS.observe(time.perf_counter() - started)
+        return token
+
+    def release(self, token: int, index: int) -> None:
+        """The write is applied here at ``index`` (0: it changed nothing): let caches store its keys
+        again, from values read at ``index`` or later. Pushed in the background, not waited for."""
+        with self._lock:
+            keys = self._pending.pop(token, None)
+            if keys is None:
+                return  # a new term cleared it; workers drop it at their next grant
+            now = time.monotonic()
+            targets = {sid: (url, exp) for sid, (url, exp) in self._subs.items() if exp > now}
+        if targets and not self._stopping.is_set():
+            body = {"releases": [[token, keys, index]]}
+            for url, _ in targets.values():
+                # A worker this misses keeps the hold (safe) until its next grant: ``next_token``
+                # then tells it we are done, and the grant's index is at least ``index``.
+                self._pool.submit(self._push, url, body)
+
+    def _release_when_applied(self, token: int, index: int, term: int) -> None:
+        """A write that timed out may still commit: release it once applied here, never earlier."""
+        while not self._stopping.is_set() and self.node.term() == term:
+            if self.node.wait_applied(index, 0.5):
+                self.release(token, index)
+                return
+
+    # -- pushes -------------------------------------------------------------------------------------
+    def _push_all(self, targets: dict[str, tuple[str, float]], body: dict[str, Any]) -> list[str]:
         futures = {self._pool.submit(self._push, url, body): sid for sid, (url, _) in targets.items()}
         done, _ = wait(futures, timeout=PUSH_TIMEOUT + 0.2)
-        failed = [futures[f] for f in futures if f not in done or not f.result()]
-        if failed:
-            log.warning("invalidation not acknowledged by %s; waiting out their lease", ", ".join(failed))
-            with self._lock:
-                # Revoke: the next renewal starts a new lease (the worker flushes). Wait out the
-                # lease as it stands now, renewals during the push included.
-                latest = max(self._subs.pop(sid, targets[sid])[1] for sid in failed)
-            remaining = latest - time.monotonic()
-            if remaining > 0:
-                time.sleep(remaining)
+        return [futures[f] for f in futures if f not in done or not f.result()]
+
+    def _revoke(self, failed: list[str], targets: dict[str, tuple[str, float]]) -> float:
+        """Revoke workers a push missed; returns until when the latest lease granted to any of them runs.
+
+        The latest lease is the largest of: what our snapshot saw, what the table holds now
+        (renewals granted during the push), and what another write that revoked the worker first
+        recorded (it popped the table entry, so the table alone would understate it).
+        """
+        with self._lock:
+            for sid in failed:
+                current = self._subs.pop(sid, None)
+                self._revoked[sid] = max(self._revoked.get(sid, 0.0), targets[sid][1],
+                                         current[1] if current else 0.0)
+            now = time.monotonic()
+            for sid in [s for s, until in self._revoked.items() if until <= now]:
+                del self._revoked[sid]  # lease over: nothing left to wait for
+            return max((self._revoked.get(sid, 0.0) for sid in failed), default=0.0)
 
     def _push(self, url: str, body: dict[str, Any]) -> bool:
         try:

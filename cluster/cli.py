@@ -36,6 +36,7 @@ SETTINGS: dict[str, tuple[str, Any, str]] = {
     "frontend_workers": ("frontend_workers", int, "PYGMY_FRONTEND_WORKERS"),
     "cache": ("cache", _bool, "PYGMY_CACHE"),
     "cache_size": ("cache_size", int, "PYGMY_CACHE_SIZE"),
+    "read_from": ("read_from", str, "PYGMY_READ_FROM"),
     "books": ("books", str, "PYGMY_BOOKS"),
     "restock_every": ("restock_every", float, "PYGMY_RESTOCK_EVERY"),
     "restock_amount": ("restock_amount", int, "PYGMY_RESTOCK_AMOUNT"),
@@ -56,6 +57,8 @@ def add_cluster_options(p: argparse.ArgumentParser, serve: bool = False) -> None
     p.add_argument("--frontend-workers", type=int, help="Gunicorn workers per frontend (default 2)")
     p.add_argument("--no-cache", dest="cache", action="store_const", const=False, help="turn the frontend cache off")
     p.add_argument("--cache-size", type=int, help="cache capacity in entries (default 10000)")
+    p.add_argument("--read-from", choices=("leader", "any"),
+                   help="cache misses go to the leader first (default) or to any replica in turn")
     p.add_argument("--books", help="JSON file with the initial catalogue")
     p.add_argument("--restock-every", type=float, help="seconds between deliveries for sold-out books (off)")
     p.add_argument("--restock-amount", type=int, help="copies delivered per sold-out book")

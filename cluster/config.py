@@ -28,6 +28,10 @@ class ClusterConfig:
     frontend_workers: int = 2
     cache: bool = True
     cache_size: int = 10_000
+    #: Where the frontend sends reads it cannot answer from its cache: ``leader`` first (its read
+    #: index is local: one request less) or ``any`` replica in turn (spreads read load across
+    #: machines; a follower asks the leader for the read index). Both are linearizable.
+    read_from: str = "leader"
     books: str | None = None
     restock_every: float = 0.0
     restock_amount: int = 0

@@ -56,8 +56,10 @@ def pygmy(*args: str, env: dict[str, str] | None = None, timeout: float = 60) ->
 
 
 class LocalCluster:
-    def __init__(self, data_dir: Path, port_base: int, args: list[str]) -> None:
+    def __init__(self, data_dir: Path, port_base: int, args: list[str], env: dict[str, str] | None = None) -> None:
+        """``env`` is added to the environment of every process started here (tests' fault hooks)."""
         self.data_dir, self.port_base, self.args = data_dir, port_base, args
+        self.env = dict(env or {})
         self.url = f"http://127.0.0.1:{port_base}"
         self.proc: subprocess.Popen[str] | None = None
         self._lines: queue.Queue[str] = queue.Queue()
@@ -67,7 +69,8 @@ class LocalCluster:
     def start(self, reset: bool = False, timeout: float = 60) -> LocalCluster:
         cmd = [sys.executable, "-m", "cluster.cli", "up", "--port-base", str(self.port_base),
                "--data-dir", str(self.data_dir), *self.args] + (["--reset"] if reset else [])
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **self.env})
         threading.Thread(target=self._pump, args=(self.proc,), daemon=True).start()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -116,11 +119,11 @@ class LocalCluster:
 
     # -- fault injection as a user does it ------------------------------------------------------
     def kill(self, name: str) -> None:
-        r = pygmy("kill", name, "--data-dir", str(self.data_dir))
+        r = pygmy("kill", name, "--data-dir", str(self.data_dir), env=self.env)
         assert r.returncode == 0, r.stderr
 
     def restart(self, name: str) -> None:
-        r = pygmy("start", name, "--data-dir", str(self.data_dir))
+        r = pygmy("start", name, "--data-dir", str(self.data_dir), env=self.env)
         assert r.returncode == 0, r.stderr + self.logs_tail(name)
 
     # -- looking at it from outside --------------------------------------------------------------
@@ -151,5 +154,5 @@ class LocalCluster:
         return "\n".join(out)
 
 
-def start_cluster(tmp: Path, *args: str, reset: bool = True) -> LocalCluster:
-    return LocalCluster(tmp / "data", free_port_base(), list(args)).start(reset=reset)
+def start_cluster(tmp: Path, *args: str, reset: bool = True, env: dict[str, str] | None = None) -> LocalCluster:
+    return LocalCluster(tmp / "data", free_port_base(), list(args), env).start(reset=reset)

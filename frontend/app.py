@@ -46,6 +46,9 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
     catalog = TierRouter("catalog", config.peers("catalog"), secret)
     orders = TierRouter("order", config.peers("order"), secret)
     admin = require_secret(secret)
+    if config.read_from not in ("leader", "any"):
+        raise ValueError(f"read_from must be 'leader' or 'any', not {config.read_from!r}")
+    leader_first = config.read_from == "leader"
     probe = ThreadPoolExecutor(max_workers=2, thread_name_prefix="health")
     events = {e: metrics.CACHE_EVENTS.labels(name, e) for e in ("hit", "miss", "invalidation", "eviction", "flush")}
     entries_gauge = metrics.CACHE_ENTRIES.labels(name)
@@ -58,6 +61,7 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
     cache = ReadCache(config.cache_size, enabled=config.cache, on_event=on_cache_event)
     # Always subscribe, cache or not: the invalidation floors are what make follower reads fresh.
     subscription = Subscription(cache, catalog, secret, config.bind, config.advertise_host, name)
+    cache.lease_valid = subscription.valid
     app.extensions["pygmy_subscription"] = subscription
 
     def call(fn: Any, *args: Any, **kw: Any) -> Reply:
@@ -67,9 +71,11 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
             fail(503, f"{exc.tier} tier unavailable, try again ({exc.last})")
 
     def catalog_read(path: str, floor: int, params: dict[str, Any] | None = None) -> Reply:
-        """Any replica that has applied ``floor`` while our lease holds; otherwise only the leader."""
+        """The leader first (``read_from``: its read index is local) or any replica; at least
+        ``floor`` while our lease holds, otherwise only the leader."""
         extra = {"min_index": floor} if subscription.valid() else {"leader": 1}
-        reply = call(catalog.read, path, time.monotonic() + READ_DEADLINE, params={**(params or {}), **extra})
+        reply = call(catalog.read, path, time.monotonic() + READ_DEADLINE, params={**(params or {}), **extra},
+                     prefer_leader=leader_first)
         if reply.status != 200:
             passthrough(reply)  # raises: errors go to every waiting caller and are never cached
         return reply
@@ -119,7 +125,8 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
     @app.get("/orders/<number>")
     def order(number: str) -> Response:
         n = parse_item(number, "order number")
-        return passthrough(call(orders.read, f"/orders/{n}", time.monotonic() + READ_DEADLINE))
+        return passthrough(call(orders.read, f"/orders/{n}", time.monotonic() + READ_DEADLINE,
+                                prefer_leader=leader_first))
 
     @app.post("/update/<item>")
     @admin
@@ -153,8 +160,11 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
 
     def tier_view(router: TierRouter) -> dict[str, Any]:
         replicas = router.statuses()
+        # The newest term wins; within it, one holding its leader lease (a deposed leader that has
+        # not heard of its successor yet reports a lapsed lease and an older term).
         leaders = [r for r in replicas if r.get("alive") and r.get("role") == "leader"]
-        leader = max(leaders, key=lambda r: r.get("term", 0))["name"] if leaders else None
+        best = max(leaders, key=lambda r: (r.get("term", 0), bool(r.get("leader_lease", True))), default=None)
+        leader = best["name"] if best else None
         return {"leader": leader, "replicas": replicas}
 
     def cache_status() -> dict[str, Any]:

@@ -1,12 +1,14 @@
 """The frontend's read cache: bounded LRU, version floors, single flight.
 
-Correctness rests on three rules (see docs/architecture.md, "The cache"):
+Correctness rests on four rules (see docs/architecture.md, "The cache", for the proof):
 
-* an entry is used only while this worker holds a valid invalidation lease from the catalog leader
-  (``Subscription``), so every acknowledged change has reached us first;
-* every invalidation raises a *floor* (the log index of the change) for its key, and a fill whose
-  version is below the floor is not stored: a fill that raced an invalidation cannot resurrect the
-  old value;
+* an entry is used only while this worker holds a valid lease from the catalog leader
+  (``Subscription``), checked under the lock at the moment of the hit;
+* a *hold* on a key (pushed by the leader before it proposes a write to it, or listed in a lease
+  grant) drops the entry, and while any hold is on the key it is neither served nor stored;
+* every release (or invalidation) raises a *floor* (the log index of the change) for its key, and a
+  fill whose version is below the floor is not stored: a fill that raced a write cannot resurrect
+  the old value;
 * a flush (catalog leader change, lease lost) bumps the generation, so fills begun before it are
   dropped too.
 
@@ -51,32 +53,87 @@ class ReadCache:
         self._global_floor = 0
         self._generation = 0
         self._flights: dict[str, _Flight] = {}
+        self._held: dict[str, set[int]] = {}  # key -> tokens of the writes holding it
+        self._holds: dict[int, list[str]] = {}  # token -> keys, for every hold in force
+        self._released: set[int] = set()  # tokens released before their hold may have arrived
         self._lock = threading.Lock()
+        #: Checked again under the lock at the moment of a hit, so a pause between the caller's
+        #: lease check and the hit (GIL, CPU starvation) cannot stretch the lease (set by the owner).
+        self.lease_valid: Callable[[], bool] = lambda: True
 
     # -- what invalidation and leases do --------------------------------------------------------
-    def invalidate(self, key: str, version: int) -> None:
-        """A change at log index ``version`` touched ``key``: drop it and refuse older fills."""
+    def hold(self, token: int, keys: list[str]) -> None:
+        """A write on ``keys`` is about to be proposed: drop them, serve and store none until released."""
         with self._lock:
-            if version > self._floors.get(key, 0):
-                self._floors[key] = version
-            # A fetch already in flight may return the old value: callers arriving from now on
-            # (after the change, which is acknowledged only once we are told) must not join it.
+            self._hold(token, keys)
+
+    def _hold(self, token: int, keys: list[str]) -> None:
+        if token in self._released or token in self._holds:
+            return  # its release overtook it (pushes travel on different threads), or a repeat
+        self._holds[token] = list(keys)
+        for key in keys:
+            self._held.setdefault(key, set()).add(token)
             self._flights.pop(key, None)
             if self._entries.pop(key, None) is not None:
                 self.stats.invalidations += 1
                 self.on_event("invalidation", len(self._entries))
 
+    def release(self, token: int, keys: list[str], version: int) -> None:
+        """The write is applied at ``version`` (0: it changed nothing): store its keys again, but
+        only values read at ``version`` or later."""
+        with self._lock:
+            self._released.add(token)
+            self._unhold(token, keys, version)
+
+    def _unhold(self, token: int, keys: list[str], version: int) -> None:
+        self._holds.pop(token, None)
+        for key in keys:
+            tokens = self._held.get(key)
+            if tokens is not None:
+                tokens.discard(token)
+                if not tokens:
+                    del self._held[key]
+            if version > self._floors.get(key, 0):
+                self._floors[key] = version
+
+    def _sync_holds(self, pending: dict[int, list[str]], next_token: int, floor: int) -> None:
+        """Take the holds a lease grant lists; end those the leader finished before the grant.
+
+        A hold below ``next_token`` that the grant does not list was released by the leader before
+        it granted, so ``floor`` (its applied index then) is at least that write's index.
+        """
+        for token, keys in pending.items():
+            self._hold(token, keys)
+        for token in [t for t in self._holds if t < next_token and t not in pending]:
+            self._unhold(token, self._holds[token], floor)
+        self._released = {t for t in self._released if t >= next_token or t in pending}
+
+    def renewed(self, pending: dict[int, list[str]], next_token: int, floor: int, flush: bool) -> None:
+        """A lease grant arrived: flush first if it starts a new lease, and take its holds, atomically,
+        so no fill can slip in between with a value a pending write is about to replace."""
+        with self._lock:
+            if flush:
+                self._flush(floor)
+            self._sync_holds(pending, next_token, floor)
+
     def flush(self, floor: int = 0) -> None:
         """Forget everything (new catalog leader, or the lease ran out); reads need index ``floor``."""
         with self._lock:
-            self._entries.clear()
-            # Floors stay: a push for a change newer than ``floor`` may have arrived just before
-            # the lease answer that triggered this flush, and must still hold back older fills.
-            self._global_floor = max(self._global_floor, floor)
-            self._flights.clear()
-            self._generation += 1
-            self.stats.flushes += 1
-            self.on_event("flush", 0)
+            self._flush(floor)
+
+    def _flush(self, floor: int) -> None:
+        self._entries.clear()
+        # Floors and holds stay: a push may have arrived just before the lease answer that
+        # triggered this flush, and must still hold back older fills.
+        self._global_floor = max(self._global_floor, floor)
+        self._flights.clear()
+        self._generation += 1
+        self.stats.flushes += 1
+        self.on_event("flush", 0)
+
+    def held(self, key: str) -> bool:
+        with self._lock:
+            return key in self._held
 
     def floor(self, key: str) -> int:
         """The oldest log index a read of ``key`` may return (what a replica must have applied)."""
@@ -95,8 +152,19 @@ class ReadCache:
             result = fetch(self.floor(key))
             return None if result is None else result[1]
         with self._lock:
+            if key in self._held:  # a write is under way: read through, store nothing
+                self.stats.misses += 1
+                self.on_event("miss", len(self._entries))
+                floor = max(self._global_floor, self._floors.get(key, 0))
+                bypass = True
+            else:
+                bypass = False
+        if bypass:
+            result = fetch(floor)
+            return None if result is None else result[1]
+        with self._lock:
             hit = self._entries.get(key)
-            if hit is not None:
+            if hit is not None and self.lease_valid():
                 self._entries.move_to_end(key)
                 self.stats.hits += 1
                 self.on_event("hit", len(self._entries))
@@ -132,8 +200,9 @@ class ReadCache:
 
     def _store(self, key: str, version: int, value: Any, generation: int) -> None:
         with self._lock:
-            if generation != self._generation or version < max(self._global_floor, self._floors.get(key, 0)):
-                return  # an invalidation or flush went by while we fetched: this value may be old
+            if (generation != self._generation or key in self._held
+                    or version < max(self._global_floor, self._floors.get(key, 0))):
+                return  # a write, release or flush went by while we fetched: this value may be old
             self._entries[key] = (version, value)
             self._entries.move_to_end(key)
             while len(self._entries) > self.capacity:

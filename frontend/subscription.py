@@ -1,11 +1,12 @@
-"""A frontend worker's invalidation lease with the catalog leader, and the listener pushes arrive on.
+"""A frontend worker's lease with the catalog leader, and the listener its holds arrive on.
 
 Each Gunicorn worker runs its own listener (a small HTTP server on a free port) and renews its own
 lease, because the catalog must reach every worker's cache, not whichever worker the shared
-listening socket happens to pick. The catalog leader pushes every change to all unexpired leases
-before it acknowledges the change; one it cannot reach it waits out instead (at most one lease).
-So while our lease is valid we have seen every acknowledged change; once it is not, we stop using
-the cache and read from the leader until we hold a lease again.
+listening socket happens to pick. Before it proposes a write, the catalog leader pushes a *hold* on
+the keys to every unexpired lease (one it cannot reach it waits out instead, at most one lease);
+after the write is applied it pushes the *release* with the write's log index. So while our lease
+is valid, no write our cache could contradict can have become readable anywhere; once it is not,
+we stop using the cache until we hold a lease again.
 """
 
 from __future__ import annotations
@@ -88,25 +89,36 @@ class Subscription:
             return False
         if reply.status != 200:
             return False
-        holder = (reply.body["leader"], int(reply.body["term"]))
-        if holder != self._holder or sent >= self._valid_until or not reply.body.get("continued"):
-            # New leader, a gap in our lease, or a push we missed: changes may have been acknowledged
-            # without reaching us. Start over from what the leader had committed when it granted this.
-            self.cache.flush(floor=int(reply.body["commit_index"]))
-            self._holder = holder
-        self._valid_until = sent + float(reply.body["lease"]) - MARGIN
+        body = reply.body
+        holder = (body["leader"], int(body["term"]))
+        # New leader, a gap in our lease, or a push we missed: writes may have gone by without
+        # reaching us. Start over from what the leader had applied when it granted this.
+        flush = holder != self._holder or sent >= self._valid_until or not body.get("continued")
+        pending = {int(t): [str(k) for k in keys] for t, keys in body.get("holds", [])}
+        self.cache.renewed(pending, int(body.get("next_token", 0)), int(body["commit_index"]), flush)
+        self._holder = holder
+        # Only now, with the grant's holds in force, may the cache be used under this lease.
+        self._valid_until = sent + float(body["lease"]) - MARGIN
         return True
 
     def _renew_loop(self) -> None:
+        """Supervised: an unexpected error (a malformed grant, a bug) is logged and retried; the
+        lease lapses meanwhile, so the worker reads without its cache rather than stale."""
         while not self._stop.is_set():
-            ok = self.renew()
+            try:
+                ok = self.renew()
+            except Exception:
+                log.exception("lease renewal failed unexpectedly; retrying")
+                ok = False
             self._stop.wait(RENEW_EVERY if ok else RENEW_EVERY / 2)
 
     # -- pushes -----------------------------------------------------------------------------------
     def apply_push(self, body: dict[str, Any]) -> None:
-        for change in body.get("changes", []):
-            for key in change["keys"]:
-                self.cache.invalidate(key, int(change["version"]))
+        """Holds first, then releases: one push may carry both, for different writes."""
+        for token, keys in body.get("holds", []):
+            self.cache.hold(int(token), [str(k) for k in keys])
+        for token, keys, version in body.get("releases", []):
+            self.cache.release(int(token), [str(k) for k in keys], int(version))
         self.pushes += 1
 
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:

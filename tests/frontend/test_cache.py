@@ -1,4 +1,4 @@
-"""The read cache on its own, deterministically: bound, errors, single flight, the fill race."""
+"""The read cache on its own, deterministically: bound, errors, single flight, the fill race, holds."""
 
 from __future__ import annotations
 
@@ -8,6 +8,12 @@ import time
 import pytest
 
 from frontend.cache import ReadCache
+
+
+def write(c: ReadCache, key: str, version: int, token: int = 1) -> None:
+    """A whole write as the cache sees it: the hold before the proposal, the release after apply."""
+    c.hold(token, [key])
+    c.release(token, [key], version)
 
 
 def test_lru_bound_and_eviction_order() -> None:
@@ -74,7 +80,7 @@ def test_fill_racing_an_invalidation_is_not_stored() -> None:
 
     def fetch_old_then_invalidated(floor: int) -> tuple[int, str]:
         assert floor == 0
-        c.invalidate("book:1", 7)  # the change at index 7 is pushed while our read is in flight
+        write(c, "book:1", 7)  # the change at index 7 is held and released while our read is in flight
         return 5, "stock=10 (version 5)"
 
     assert c.get_or_fetch("book:1", fetch_old_then_invalidated, usable=True) == "stock=10 (version 5)"
@@ -98,7 +104,7 @@ def test_flush_during_fill_drops_it() -> None:
 
 def test_disabled_cache_always_fetches_with_floors() -> None:
     c = ReadCache(capacity=10, enabled=False)
-    c.invalidate("k", 4)
+    write(c, "k", 4)
     seen = []
     for _ in range(2):
         c.get_or_fetch("k", lambda f: seen.append(f) or (4, "v"), usable=True)
@@ -119,10 +125,64 @@ def test_callers_after_an_invalidation_do_not_join_an_older_fetch() -> None:
     t = threading.Thread(target=lambda: first.append(c.get_or_fetch("book:1", slow_old, usable=True)))
     t.start()
     started.wait(5)
-    c.invalidate("book:1", 7)  # the change is pushed (and then acknowledged) while the fetch runs
+    write(c, "book:1", 7)  # the change is held, applied and released while the fetch runs
     floors = []
     late = c.get_or_fetch("book:1", lambda f: floors.append(f) or (7, "new"), usable=True)
     release.set()
     t.join()
     assert first == ["old"]  # began before the change: either answer is linearizable
     assert late == "new" and floors == [7]
+
+
+def test_the_lease_is_checked_again_at_the_hit() -> None:
+    """A caller that saw a valid lease, then stalled until it ran out, must not get a hit."""
+    c = ReadCache(capacity=10)
+    c.get_or_fetch("k", lambda f: (1, "old"), usable=True)
+    c.lease_valid = lambda: False  # the lease ran out between the caller's check and the hit
+    assert c.get_or_fetch("k", lambda f: (2, "new"), usable=True) == "new"
+
+
+def test_a_held_key_is_neither_served_nor_stored() -> None:
+    """Between the hold and the release the write may become readable anywhere: no hit, no fill."""
+    c = ReadCache(capacity=10)
+    c.get_or_fetch("book:1", lambda f: (3, "old"), usable=True)
+    c.hold(5, ["book:1"])
+    assert c.get_or_fetch("book:1", lambda f: (4, "read through"), usable=True) == "read through"
+    assert c.snapshot()["entries"] == 0
+    c.release(5, ["book:1"], 8)
+    floors: list[int] = []
+    assert c.get_or_fetch("book:1", lambda f: floors.append(f) or (8, "new"), usable=True) == "new"
+    assert floors == [8] and c.get_or_fetch("book:1", lambda f: pytest.fail("cached"), usable=True) == "new"
+
+
+def test_a_fill_begun_before_a_hold_is_dropped_after_the_release() -> None:
+    c = ReadCache(capacity=10)
+
+    def fetch_old(floor: int) -> tuple[int, str]:
+        write(c, "book:1", 9, token=3)  # hold and release both go by while the old read is in flight
+        return 6, "old"
+
+    assert c.get_or_fetch("book:1", fetch_old, usable=True) == "old"
+    assert c.snapshot()["entries"] == 0
+
+
+def test_a_release_that_overtakes_its_hold_wins() -> None:
+    """Pushes are handled on different threads: a late hold for a released write is ignored."""
+    c = ReadCache(capacity=10)
+    c.release(4, ["book:1"], 10)
+    c.hold(4, ["book:1"])
+    assert not c.held("book:1")
+
+
+def test_a_grant_brings_pending_holds_and_ends_finished_ones() -> None:
+    c = ReadCache(capacity=10)
+    c.get_or_fetch("book:2", lambda f: (1, "two"), usable=True)
+    c.hold(1, ["book:1"])  # its release will never reach us
+    c.renewed({2: ["book:2"]}, next_token=3, floor=12, flush=False)
+    assert c.held("book:2") and not c.held("book:1")
+    assert c.floor("book:1") == 12, "a hold ended by a grant raises the floor to the grant's index"
+    assert c.snapshot()["entries"] == 0  # book:2 was dropped by its hold
+    c.hold(2, ["book:2"])
+    c.release(2, ["book:2"], 13)
+    c.renewed({2: ["book:2"]}, next_token=3, floor=12, flush=False)  # a grant older than that release
+    assert not c.held("book:2"), "a grant computed before a release must not bring the hold back"
