@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ARGS ?=
 QUICK ?=
 
-.PHONY: install run test lint bench experiments compose-up compose-down compose-test clean
+.PHONY: install run test lint bench lincheck experiments compose-up compose-down compose-test clean
 
 $(BIN)/pygmy: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -28,6 +28,12 @@ lint: install
 bench: install
 	$(BIN)/python -m experiments.bench $(if $(QUICK),--quick,)
 	$(BIN)/python -m experiments.soak $(if $(QUICK),--clients 20 --duration 20,)
+
+# Linearizability runs judged by Porcupine (needs Go): RUNS fresh clusters of DURATION seconds each.
+RUNS ?= 10
+DURATION ?= 60
+lincheck: install
+	$(BIN)/python -m experiments.linearizability --runs $(RUNS) --duration $(DURATION)
 
 experiments: install
 	$(BIN)/python -m experiments.run_all $(if $(QUICK),--quick,)

@@ -1,0 +1,72 @@
+"""Test-only faults and mutations, loaded into every Pygmy process whose PYTHONPATH names this folder.
+
+Nothing here is part of Pygmy: the tests that need it put this folder on PYTHONPATH for the cluster
+they start (``cluster_env`` in tests/system/test_linearizability.py), so every service process
+imports it at start-up (Python's ``sitecustomize`` hook) and Gunicorn's workers inherit it.
+Without the variables below it does nothing.
+
+- ``PYGMY_MUTATION``: break one rule on purpose, to show that the history checker catches it:
+  ``invalidate-after-apply`` (a write's hold is pushed after it is applied, as before #18),
+  ``no-read-index`` (replicas serve reads at whatever they have applied, with the caller's floor only),
+  ``ignore-lost-pushes`` (a hold that a worker never acknowledged counts as delivered: no revocation,
+  no lease wait; and grants list no pending holds, the second line of defence, which alone already
+  hides lost pushes whenever a write takes longer than a renewal period).
+- ``PYGMY_TEST_PUSH_DELAY=<seconds>``: every frontend worker takes that long to handle a push, as
+  over a slow link. A correct build only writes more slowly; a build that lets a write become
+  readable before its hold arrives shows old values for that long, so a short run catches it.
+- ``PYGMY_TEST_PUSH_FAULT=<file>`` with ``PYGMY_TEST_PUSH_FAULT_SERVICE=frontend-1``: while the file
+  exists, that frontend's workers swallow every push from the catalog (no answer: the catalog's push
+  times out, as if the packets were dropped one way), while their renewals and reads go on.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def _mutate(name: str) -> None:
+    from contextlib import contextmanager
+
+    import catalog.invalidation as inv
+    from replication.node import ReplicaNode
+
+    if name == "invalidate-after-apply":
+        @contextmanager
+        def holding(self, keys):  # type: ignore[no-untyped-def]
+            write = inv.Write()
+            yield write  # proposed and applied first: readable before the caches drop the old value
+            self.release(self.hold(keys), write.index or 0)
+
+        inv.Invalidator.holding = holding
+    elif name == "no-read-index":
+        ReplicaNode.linearizable_index = lambda self, timeout: 0
+    elif name == "ignore-lost-pushes":
+        subscribe = inv.Invalidator.subscribe
+        inv.Invalidator._revoke = lambda self, failed, targets: 0.0
+        inv.Invalidator.subscribe = lambda self, sid, url: {**subscribe(self, sid, url), "holds": []}
+    else:
+        raise SystemExit(f"unknown PYGMY_MUTATION {name!r}")
+
+
+def _push_fault(flag: str | None, service: str, delay: float) -> None:
+    from frontend.subscription import Subscription
+
+    apply_push = Subscription.apply_push
+
+    def faulty(self, body):  # type: ignore[no-untyped-def]
+        if flag and self.id.startswith(service + "/") and os.path.exists(flag):
+            time.sleep(1.0)  # past the catalog's push timeout: it never hears back
+            raise ConnectionAbortedError("test fault: push swallowed")
+        if delay:
+            time.sleep(delay)
+        apply_push(self, body)
+
+    Subscription.apply_push = faulty
+
+
+if os.environ.get("PYGMY_MUTATION"):
+    _mutate(os.environ["PYGMY_MUTATION"])
+if os.environ.get("PYGMY_TEST_PUSH_FAULT") or os.environ.get("PYGMY_TEST_PUSH_DELAY"):
+    _push_fault(os.environ.get("PYGMY_TEST_PUSH_FAULT"), os.environ.get("PYGMY_TEST_PUSH_FAULT_SERVICE", "frontend-1"),
+                float(os.environ.get("PYGMY_TEST_PUSH_DELAY") or 0))
