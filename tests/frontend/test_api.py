@@ -65,8 +65,13 @@ def test_buy_errors_change_nothing(cluster: Cluster) -> None:
     err(requests.post(f"{url}/buy/7", data=b"x" * (65 * 1024), timeout=5), 413)
     with cluster.client() as c:
         assert c.lookup(7)["stock"] == before
-        with_stock = c.lookup(7)["stock"]
-    err(requests.post(f"{url}/buy/7", json={"quantity": 1000}, timeout=5), 409) if with_stock < 1000 else None
+        if before >= 1000:  # make "more than the stock" expressible as a quantity (at most 1000)
+            c.update(7, stock_delta=999 - before)
+        try:
+            err(requests.post(f"{url}/buy/7", json={"quantity": 1000}, timeout=5), 409)
+            assert c.lookup(7)["stock"] == min(before, 999), "a refused buy changed the stock"
+        finally:
+            c.update(7, stock_delta=before - c.lookup(7)["stock"])
 
 
 def test_out_of_stock_is_409(cluster: Cluster) -> None:

@@ -25,7 +25,8 @@ def unchanged(before: dict[str, tuple[int, str]], after: dict[str, tuple[int, st
     """Same business state everywhere; terms moved by no forged jump (a real election adds one or two)."""
     for name, (term, digest) in before.items():
         assert after[name][1] == digest, f"{name}: state changed"
-        assert term <= after[name][0] < term + 50, f"{name}: term {term} -> {after[name][0]}"
+        # A forged message would add 100 or a million; a few real elections add a handful.
+        assert term <= after[name][0] < term + 10, f"{name}: term {term} -> {after[name][0]}"
 
 
 def leader(c: Cluster, tier: str) -> str:
