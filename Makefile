@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ARGS ?=
 QUICK ?=
 
-.PHONY: install run test lint bench lincheck experiments compose-up compose-down compose-test clean
+.PHONY: install run test lint bench lincheck chaos experiments compose-up compose-down compose-test clean
 
 $(BIN)/pygmy: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,11 @@ RUNS ?= 10
 DURATION ?= 60
 lincheck: install
 	$(BIN)/python -m experiments.linearizability --runs $(RUNS) --duration $(DURATION)
+
+# A randomized nemesis (root, iproute2, iptables, Go): DURATION seconds of faults, then the checker.
+SEED ?=
+chaos: install
+	$(BIN)/python -m experiments.chaos --duration $(DURATION) $(if $(SEED),--seed $(SEED),) --report
 
 experiments: install
 	$(BIN)/python -m experiments.run_all $(if $(QUICK),--quick,)

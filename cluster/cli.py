@@ -37,6 +37,8 @@ SETTINGS: dict[str, tuple[str, Any, str]] = {
     "cache": ("cache", _bool, "PYGMY_CACHE"),
     "cache_size": ("cache_size", int, "PYGMY_CACHE_SIZE"),
     "read_from": ("read_from", str, "PYGMY_READ_FROM"),
+    "netns": ("netns", str, "PYGMY_NETNS"),
+    "netns_subnet": ("netns_subnet", str, "PYGMY_NETNS_SUBNET"),
     "books": ("books", str, "PYGMY_BOOKS"),
     "restock_every": ("restock_every", float, "PYGMY_RESTOCK_EVERY"),
     "restock_amount": ("restock_amount", int, "PYGMY_RESTOCK_AMOUNT"),
@@ -63,6 +65,9 @@ def add_cluster_options(p: argparse.ArgumentParser, serve: bool = False) -> None
     p.add_argument("--restock-every", type=float, help="seconds between deliveries for sold-out books (off)")
     p.add_argument("--restock-amount", type=int, help="copies delivered per sold-out book")
     p.add_argument("--bind", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--netns", help="run service NAME in network namespace NETNS-NAME (made beforehand; "
+                                   "see experiments/nemesis.py), each at its own address")
+    p.add_argument("--netns-subnet", help="first three octets of the namespaces' addresses (default 10.213.0)")
     if serve:
         p.add_argument("--port", type=int, help="listen on this port instead of the one the port base gives")
         p.add_argument("--catalog-urls", type=_urls, help="comma-separated catalog replica URLs, replica 1 first")

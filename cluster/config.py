@@ -42,6 +42,11 @@ class ClusterConfig:
     advertise_host: str | None = None
     #: Overrides the derived port of the one service ``pygmy serve`` runs (containers: all on 8000).
     port: int | None = None
+    #: Run each service in its own network namespace ``<netns>-<name>`` at its own address
+    #: ``<netns_subnet>.<10+i>`` on one bridge, so that links between services can be cut, delayed
+    #: and made lossy (``experiments/nemesis.py`` creates and owns the network). Empty: loopback.
+    netns: str = ""
+    netns_subnet: str = "10.213.0"
     replica_threads: int = 32
     #: How long the frontend keeps retrying a buy (same idempotency key) across a failover.
     buy_deadline: float = 5.0
@@ -59,24 +64,33 @@ class ClusterConfig:
             return self.port_base + k - 1
         return self.port_base + TIER_OFFSET[tier] + k
 
-    def _host(self) -> str:
-        if self.advertise_host:
-            return self.advertise_host
+    def namespace(self, name: str) -> str | None:
+        """The network namespace a service runs in, or None (the host's network)."""
+        return f"{self.netns}-{name}" if self.netns else None
+
+    def address(self, name: str) -> str:
+        """The address ``name`` listens on and others reach it at (one per service with ``netns``)."""
+        if self.netns:
+            return f"{self.netns_subnet}.{10 + self.names().index(name)}"
         return "127.0.0.1" if self.bind in ("0.0.0.0", "::", "") else self.bind
+
+    def bind_address(self, name: str) -> str:
+        return self.address(name) if self.netns else self.bind
 
     def urls(self, tier: str) -> list[str]:
         explicit = {"catalog": self.catalog_urls, "order": self.order_urls}.get(tier)
         if explicit:
             return list(explicit)
-        host = "127.0.0.1" if self.bind in ("0.0.0.0", "::", "") else self.bind
-        return [f"http://{host}:{self.local_port(tier, k)}" for k in range(1, self.replicas(tier) + 1)]
+        return [f"http://{self.address(f'{tier}-{k}')}:{self.local_port(tier, k)}"
+                for k in range(1, self.replicas(tier) + 1)]
 
     def peers(self, tier: str) -> dict[str, str]:
         """``{name: url}`` of one replicated tier."""
         return {f"{tier}-{k}": url for k, url in enumerate(self.urls(tier), start=1)}
 
     def frontend_url(self, k: int = 1) -> str:
-        return f"http://{self._host()}:{self.local_port('frontend', k)}"
+        host = self.advertise_host or self.address(f"frontend-{k}")
+        return f"http://{host}:{self.local_port('frontend', k)}"
 
     def listen_port(self, tier: str, k: int) -> int:
         return self.port if self.port is not None else self.local_port(tier, k)

@@ -71,13 +71,16 @@ def spawn(config: ClusterConfig, name: str) -> subprocess.Popen[bytes]:
     if running(config, name):
         raise LaunchError(f"{name} is already running (pid file {config.pid_file(name)})")
     port = config.listen_port(tier, k)
-    if not port_free(config.bind, port):
+    namespace = config.namespace(name)
+    if namespace is None and not port_free(config.bind, port):
         raise LaunchError(f"port {port} for {name} is in use: stop what uses it or pick --port-base")
     config.log_dir().mkdir(parents=True, exist_ok=True)
     config.run_dir().mkdir(parents=True, exist_ok=True)
+    # `ip netns exec` execs the command in place: the pid (and process group) stay the service's.
+    prefix = ["ip", "netns", "exec", namespace] if namespace else []
     with open(config.log_dir() / f"{name}.log", "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "cluster.cli", "serve", tier, "--id", str(k), "--data-dir", str(config.root)],
+            [*prefix, sys.executable, "-m", "cluster.cli", "serve", tier, "--id", str(k), "--data-dir", str(config.root)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             cwd=str(Path(__file__).resolve().parent.parent),
         )

@@ -24,6 +24,7 @@ from typing import Any
 import requests
 
 from client.api import PygmyClient
+from cluster.config import ClusterConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,7 +82,7 @@ class LocalCluster:
                     break
                 continue
             if line.startswith("ready "):
-                assert line.split()[1] == self.url
+                self.url = line.split()[1]  # 127.0.0.1 unless each service has its own address (--netns)
                 return self
         self.stop()
         raise RuntimeError(f"cluster did not start: {''.join(self.output)[-2000:]}\n{self.logs_tail()}")
@@ -128,7 +129,7 @@ class LocalCluster:
 
     # -- looking at it from outside --------------------------------------------------------------
     def client(self, frontend: int = 1, **kw: Any) -> PygmyClient:
-        return PygmyClient(f"http://127.0.0.1:{self.port_base + frontend - 1}", token=self.secret(), **kw)
+        return PygmyClient(self.cluster_config().frontend_url(frontend), token=self.secret(), **kw)
 
     def secret(self) -> str:
         return (self.data_dir / "secret").read_text().strip()
@@ -136,9 +137,11 @@ class LocalCluster:
     def config(self) -> dict[str, Any]:
         return json.loads((self.data_dir / "run" / "cluster.json").read_text())
 
+    def cluster_config(self) -> ClusterConfig:
+        return ClusterConfig.load(str(self.data_dir))
+
     def replica_url(self, name: str) -> str:
-        tier, k = name.rsplit("-", 1)
-        return f"http://127.0.0.1:{self.port_base + {'catalog': 100, 'order': 200}[tier] + int(k)}"
+        return self.cluster_config().peers(name.rsplit("-", 1)[0])[name]
 
     def replica_get(self, name: str, path: str, timeout: float = 2.0) -> requests.Response:
         return requests.get(self.replica_url(name) + path, timeout=timeout,

@@ -124,7 +124,7 @@ def run_gunicorn(factory: Callable[[], Any], options: dict[str, Any]) -> None:
 def serve(tier: str, config: ClusterConfig, k: int) -> None:
     _prepare_metrics_dir(config.run_dir() / "metrics" / f"{tier}-{k}")
     options = gunicorn_options(
-        f"{config.bind}:{config.listen_port(tier, k)}",
+        f"{config.bind_address(f'{tier}-{k}')}:{config.listen_port(tier, k)}",
         workers=config.frontend_workers if tier == "frontend" else 1,
         threads=16 if tier == "frontend" else config.replica_threads,
         name=f"{tier}-{k}",

@@ -67,9 +67,14 @@ class Workload:
         self._stop = threading.Event()
         self._clients = itertools.count()
 
-    def run(self, seconds: float) -> History:
-        """Run every client for ``seconds``; any exception in a client thread fails the run."""
-        targets = [self._writer] * self.writers + [self._reader] * self.readers + [self._buyer] * self.buyers
+    def targets(self) -> list[Any]:
+        """One client function per thread, each called with its index."""
+        return [self._writer] * self.writers + [self._reader] * self.readers + [self._buyer] * self.buyers
+
+    def run(self, seconds: float, drain: float = 0.0) -> History:
+        """Run every client for ``seconds``; any exception in a client thread fails the run.
+        ``drain``: how long a client may still be finishing its last operation (retries) after that."""
+        targets = self.targets()
         failures: list[BaseException] = []
 
         def guarded(fn: Any, k: int) -> None:
@@ -86,7 +91,7 @@ class Workload:
         self._stop.wait(seconds)
         self._stop.set()
         for t in threads:
-            t.join(self.timeout + 5)
+            t.join(self.timeout + drain + 5)
         alive = [t.name for t in threads if t.is_alive()]
         if failures:
             raise failures[0]

@@ -60,7 +60,7 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
 
     cache = ReadCache(config.cache_size, enabled=config.cache, on_event=on_cache_event)
     # Always subscribe, cache or not: the invalidation floors are what make follower reads fresh.
-    subscription = Subscription(cache, catalog, secret, config.bind, config.advertise_host, name)
+    subscription = Subscription(cache, catalog, secret, config.bind_address(name), config.advertise_host, name)
     cache.lease_valid = subscription.valid
     app.extensions["pygmy_subscription"] = subscription
 

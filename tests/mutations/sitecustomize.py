@@ -8,6 +8,9 @@ Without the variables below it does nothing.
 - ``PYGMY_MUTATION``: break one rule on purpose, to show that the history checker catches it:
   ``invalidate-after-apply`` (a write's hold is pushed after it is applied, as before #18),
   ``no-read-index`` (replicas serve reads at whatever they have applied, with the caller's floor only),
+  ``stale-leader`` (a leader serves reads without checking its leader lease, and does not step
+  down when it stops hearing a majority: an isolated leader answers from its old state for as long
+  as it is cut off; caught by the nemesis run, tests/experiments/test_chaos.py),
   ``ignore-lost-pushes`` (a hold that a worker never acknowledged counts as delivered: no revocation,
   no lease wait; and grants list no pending holds, the second line of defence, which alone already
   hides lost pushes whenever a write takes longer than a renewal period).
@@ -45,6 +48,18 @@ def _mutate(name: str) -> None:
         subscribe = inv.Invalidator.subscribe
         inv.Invalidator._revoke = lambda self, failed, targets: 0.0
         inv.Invalidator.subscribe = lambda self, sid, url: {**subscribe(self, sid, url), "holds": []}
+    elif name == "stale-leader":
+        os.environ["PYGMY_RAFT_CHECK_QUORUM"] = "0"  # a leader cut off from its peers never steps down
+
+        def can_serve_reads(self):  # type: ignore[no-untyped-def]
+            view = self._view  # as the real one, minus "and time.monotonic() < self._lease_until"
+            if self.fault is not None:
+                return False
+            if view.get("role") == "leader":
+                return self._applied >= view["term_start"]
+            return view.get("role") == "follower" and view.get("leader") is not None
+
+        ReplicaNode.can_serve_reads = can_serve_reads
     else:
         raise SystemExit(f"unknown PYGMY_MUTATION {name!r}")
 
