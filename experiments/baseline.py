@@ -145,6 +145,13 @@ def measure(settings: h.Settings, save: bool = True) -> dict[str, Any]:
     return result
 
 
+def of_run(settings: h.Settings) -> dict[str, Any]:
+    """The baseline of this run: measured on first use, then reused by every experiment of the run."""
+    if "baseline" not in settings.cache:
+        settings.cache["baseline"] = measure(settings)
+    return settings.cache["baseline"]
+
+
 def _main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m experiments.baseline")
     p.add_argument("--port", type=int, help="serve the bare endpoint on this port (foreground)")

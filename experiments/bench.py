@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments import failover, recovery
+from experiments import baseline, failover, recovery
 from experiments import harness as h
 
 
@@ -38,7 +38,7 @@ def run(settings: h.Settings) -> dict[str, Any]:
     trials = settings.size(10, 10, 1)
     ks = settings.size([1000, 10_000], [1000, 10_000], [20])
     variants = not settings.tiny
-    base = h.baseline(settings)
+    base = baseline.of_run(settings)
     bl, rtt = base["http_closed_loop"], base["http_rtt"]["p50"]
     out: dict[str, Any] = {"baseline": base}
     with h.cluster(settings) as c:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from catalog.books import synthetic
+from experiments import baseline
 from experiments import harness as h
 
 STUDY_MISS_MS = 5.9136
@@ -18,7 +19,7 @@ STUDY_MISS_MS = 5.9136
 def run(settings: h.Settings) -> dict[str, Any]:
     books = settings.size(100, 30, 7)
     passes = settings.size(5, 3, 2)
-    base = h.baseline(settings)
+    base = baseline.of_run(settings)
     rtt = base["http_rtt"]["p50"]
     catalogue = synthetic(books, topics=10, stock=h.BIG_STOCK)
     lat: list[float] = []

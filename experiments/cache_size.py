@@ -15,6 +15,7 @@ from typing import Any
 
 from catalog.books import synthetic
 from cluster.local import LocalCluster, free_port_base
+from experiments import baseline
 from experiments import harness as h
 
 ZIPF = 1.0
@@ -25,7 +26,7 @@ def run(settings: h.Settings) -> dict[str, Any]:
     sizes = settings.size([10, 100, 1000, 10_000, 100_000], [10, 100, 1000, 10_000], [10, 1000])
     clients = settings.size(8, 4, 2)
     warm, measured = settings.size((2500, 5000), (300, 500), (20, 30))  # lookups per client
-    base = h.baseline(settings)
+    base = baseline.of_run(settings)
     rtt = base["http_rtt"]["p50"]
     tmp = Path(tempfile.mkdtemp(prefix="pygmy-cachesize-"))
     books_file = h.write_books(tmp / "books.json", synthetic(books, stock=h.BIG_STOCK))

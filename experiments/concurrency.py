@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from experiments import baseline
 from experiments import harness as h
 
 MIX = {"search": 0.4, "lookup": 0.4, "buy": 0.2}
@@ -24,7 +25,7 @@ def run(settings: h.Settings) -> dict[str, Any]:
     modes = settings.size(["on", "off"], ["on", "off"], ["on"])
     fractions = settings.size(FRACTIONS, (0.5, 1.0, 1.5), (0.5,))
     open_senders = settings.size(32, 16, 2)
-    base = h.baseline(settings)
+    base = baseline.of_run(settings)
     rtt = base["http_rtt"]["p50"]
     closed: list[dict[str, Any]] = []
     open_: list[dict[str, Any]] = []

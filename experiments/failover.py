@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import requests
 
+from experiments import baseline
 from experiments import harness as h
 
 SCENARIOS = ("catalog-leader", "order-leader", "catalog-follower")
@@ -158,7 +159,7 @@ def run(settings: h.Settings, scenarios: list[str] | None = None, trials: int | 
     trials = trials or settings.size(10, 2, 1)
     clients = settings.size(4, 4, 2)
     pre, post = 1.0, settings.size(4.0, 3.0, 2.0)
-    base = h.baseline(settings)
+    base = baseline.of_run(settings)
     events: list[dict[str, Any]] = []
     first: dict[str, dict[str, Any]] = {}
     raw: list[list[Any]] = []

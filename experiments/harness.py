@@ -244,16 +244,6 @@ def wait_healthy(c: LocalCluster, timeout: float = 60) -> None:
     c.client().lookup(1)
 
 
-# -- the same-run machine baseline -------------------------------------------------------------------
-def baseline(settings: Settings) -> dict[str, Any]:
-    """Bare HTTP round trip and SQLite synced commit, measured once per run (see ``experiments.baseline``)."""
-    if "baseline" not in settings.cache:
-        from experiments import baseline as b
-
-        settings.cache["baseline"] = b.measure(settings)
-    return settings.cache["baseline"]
-
-
 # -- load generation ---------------------------------------------------------------------------------
 @dataclass
 class Job:

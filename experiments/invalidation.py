@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from experiments import baseline
 from experiments import harness as h
 
 ROUTE = "/books/<item>/decrement"
@@ -29,7 +30,7 @@ def catalog_handler(c: Any, leader: str) -> tuple[float, float]:
 def run(settings: h.Settings) -> dict[str, Any]:
     n = settings.size(1000, 100, 5)
     configs = settings.size(CONFIGS, CONFIGS, [CONFIGS[1]])
-    base = h.baseline(settings)
+    base = baseline.of_run(settings)
     rtt = base["http_rtt"]["p50"]
     results: list[dict[str, Any]] = []
     for label, fes, workers, extra in configs:

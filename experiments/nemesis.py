@@ -20,6 +20,7 @@ import os
 import random
 import shutil
 import signal
+import sqlite3
 import subprocess
 import threading
 import time
@@ -69,27 +70,25 @@ def mount_tmpfs(path: Path, size: str = "64m") -> None:
 
 
 def fill(path: Path) -> None:
-    """Write ``path/filler`` until the file system is full (ENOSPC is the point)."""
-    chunk = b"\0" * (1 << 20)
-    with open(path / "filler", "wb") as f:
-        with contextlib.suppress(OSError):
-            while True:
-                f.write(chunk)
-                f.flush()
-        with contextlib.suppress(OSError):  # the last partial chunks, so not even a page is left
-            for size in (1 << 16, 1 << 12, 1 << 9):
+    """Checkpoint the replica's WALs down to nothing, then fill its filesystem to the last byte, so its
+    next write needs space it cannot have (a WAL would otherwise reuse room it already holds)."""
+    for db in ("raft.db", "state.db"):
+        if (path / db).exists():
+            with contextlib.closing(sqlite3.connect(path / db, timeout=10)) as conn:
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    with open(path / "filler", "wb", buffering=0) as f:  # unbuffered: nothing left to fail at close
+        for chunk in (1 << 20, 4096, 512):
+            try:
                 while True:
-                    f.write(chunk[:size])
-                    f.flush()
+                    f.write(b"\0" * chunk)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
 
 
 def unfill(path: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         (path / "filler").unlink()
-
-
-def is_enospc(exc: OSError) -> bool:
-    return exc.errno == errno.ENOSPC
 
 
 # -- Toxiproxy --------------------------------------------------------------------------------------

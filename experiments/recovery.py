@@ -12,6 +12,7 @@ import math
 import time
 from typing import Any
 
+from experiments import baseline
 from experiments import harness as h
 
 STUDY_MS = {"catalog": 535.3, "order": 1073.9}
@@ -55,7 +56,7 @@ def catch_up(c: Any, k: int, clients: int, timeout: float) -> dict[str, Any]:
 def run(settings: h.Settings, ks: list[int] | None = None) -> dict[str, Any]:
     ks = ks or settings.size([100, 1000, 10_000, 100_000], [100, 1000], [20])
     clients = settings.size(8, 4, 2)
-    base = h.baseline(settings)
+    base = baseline.of_run(settings)
     points = []
     with h.cluster(settings) as c:
         for k in h.progress(settings, ks, desc="recovery"):

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from experiments import baseline
 from experiments import harness as h
 
 KINDS = ("search", "lookup", "buy")
@@ -26,7 +27,7 @@ def run(settings: h.Settings) -> dict[str, Any]:
     n = int(os.environ.get("PYGMY_SCALING_OPS", 0)) or settings.size(1_000, 100, 5)
     counts = settings.size([1, 2, 4, 8], [1, 2, 4, 8], [1, 2])
     replicas = settings.size([1, 3, 5], [1, 3, 5], [3])
-    base = h.baseline(settings)
+    base = baseline.of_run(settings)
     rtt = base["http_rtt"]["p50"]
     points: list[dict[str, Any]] = []
     for r in replicas:

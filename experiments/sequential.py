@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from experiments import baseline
 from experiments import harness as h
 
 OPS = ("search", "lookup", "buy", "e2e")
@@ -41,7 +42,7 @@ def measure(c: Any, n: int, settings: h.Settings, desc: str) -> dict[str, list[f
 def run(settings: h.Settings) -> dict[str, Any]:
     n = settings.size(1000, 100, 5)
     modes = settings.size(["on", "off"], ["on", "off"], ["on"])
-    base = h.baseline(settings)
+    base = baseline.of_run(settings)
     rtt = base["http_rtt"]["p50"]
     series: dict[str, dict[str, list[float]]] = {}
     for mode in modes:

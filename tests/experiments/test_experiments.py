@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from experiments import baseline, report
 from experiments import harness as h
-from experiments import report
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -37,15 +37,31 @@ def _check(s: h.Settings, name: str) -> dict:
     return data
 
 
-@pytest.mark.parametrize("name", ["sequential", "cache_miss", "invalidation", "concurrency", "scaling",
-                                  "recovery", "failover"])
-def test_experiment_runs_on_shared_cluster(settings: h.Settings, name: str) -> None:
-    importlib.import_module(f"experiments.{name}").run(settings)
+SHARED = ["sequential", "cache_miss", "invalidation", "concurrency", "scaling", "recovery", "failover"]
+
+
+@pytest.fixture(scope="module")
+def ran(settings: h.Settings) -> dict[str, BaseException | None]:
+    """Every experiment of the shared cluster, run once in order, whichever tests are selected."""
+    out: dict[str, BaseException | None] = {}
+    for name in SHARED:
+        try:
+            importlib.import_module(f"experiments.{name}").run(settings)
+            out[name] = None
+        except Exception as exc:  # reported by that experiment's test
+            out[name] = exc
+    return out
+
+
+@pytest.mark.parametrize("name", SHARED)
+def test_experiment_runs_on_shared_cluster(settings: h.Settings, ran: dict, name: str) -> None:
+    if ran[name] is not None:
+        raise ran[name]
     data = _check(settings, name)
     assert data["size"] == "tiny"
 
 
-def test_failover_marks_the_kill_and_a_new_leader(settings: h.Settings) -> None:
+def test_failover_marks_the_kill_and_a_new_leader(settings: h.Settings, ran: dict) -> None:
     events = json.loads((settings.results_dir / "failover.json").read_text())["events"]
     ev = events[0]
     assert ev["victim"] == ev["old_leader"]
@@ -61,8 +77,8 @@ def test_cache_size_uses_its_own_catalogue(settings: h.Settings) -> None:
     assert [r[0] for r in data["table"]["rows"]] == [10, 1000]
 
 
-def test_report_renders_every_result(settings: h.Settings, tmp_path: Path) -> None:
-    h.baseline(settings)  # measured once per run (already, by the first experiment) and saved
+def test_report_renders_every_result(settings: h.Settings, ran: dict, tmp_path: Path) -> None:
+    baseline.of_run(settings)  # measured once per run (already, if an experiment ran first) and saved
     out = report.write(settings.results_dir, settings.plots_dir, tmp_path / "REPORT.md")
     text = out.read_text()
     assert "# Pygmy performance report" in text and "9. Machine baseline" in text

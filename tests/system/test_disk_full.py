@@ -9,7 +9,6 @@ it back to its peers' state with no restart. Every SQLite file passes ``PRAGMA i
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import sqlite3
 import subprocess
@@ -21,6 +20,8 @@ import pytest
 from harness import Cluster, free_port_base
 from test_faults import Load, check_invariants, leader, run_faulty_load
 
+from experiments import nemesis
+from experiments.nemesis import fill
 from experiments.own_orders import own_order_reads
 
 NAMES = [f"{tier}-{k}" for tier in ("catalog", "order") for k in (1, 2, 3)]
@@ -39,26 +40,10 @@ def wait_for(cond: Callable[[], object], timeout: float, what: str) -> None:
 
 
 def mount_tmpfs(path: Path, size: str = "64m") -> None:
-    path.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
-                       text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
-
-
-def fill(path: Path) -> None:
-    """Checkpoint the replica's WALs down to nothing, then fill its filesystem to the last byte, so its
-    next write needs space it cannot have (a WAL would otherwise reuse room it already holds)."""
-    for db in ("raft.db", "state.db"):
-        with contextlib.closing(sqlite3.connect(path / db, timeout=10)) as conn:
-            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    with open(path / "filler", "wb", buffering=0) as f:  # unbuffered: nothing left to fail at close
-        for chunk in (1 << 20, 4096, 512):
-            try:
-                while True:
-                    f.write(b"\0" * chunk)
-            except OSError as exc:
-                assert exc.errno == errno.ENOSPC, exc
+    try:
+        nemesis.mount_tmpfs(path, size)
+    except RuntimeError as exc:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {exc}")
 
 
 @pytest.fixture
