@@ -18,12 +18,14 @@ import contextlib
 import errno
 import os
 import random
+import shlex
 import shutil
 import signal
 import sqlite3
 import subprocess
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -176,7 +178,7 @@ class Network:
         self._made: list[str] = []  # namespaces
         self._forward_rule: list[str] | None = None
         self._lock = threading.Lock()
-        self._rules: list[tuple[str, list[str]]] = []  # (namespace, iptables args) currently in place
+        self._touched: defaultdict[str, set[str]] = defaultdict(set)  # service -> iptables tables with our rules
         self._delayed: set[str] = set()
         self._log_dir = log_dir
         self._toxiproxy: Toxiproxy | None = None
@@ -258,55 +260,59 @@ class Network:
         return ns
 
     # -- rules ----------------------------------------------------------------------------------------
-    def _add(self, name: str, *args: str) -> None:
-        rule = list(args)
+    def _run(self, commands: dict[str, list[list[str]]]) -> None:
+        """Per namespace, its commands in one ``sh -c`` (forking the loaded Python process once per
+        namespace, not once per rule, keeps a split's start and end sharp under load)."""
         with self._lock:
-            sh("ip", "netns", "exec", self.ns(name), "iptables", *self._table(rule), "-A", *self._chain(rule))
-            self._rules.append((name, rule))
+            for name, cmds in commands.items():
+                script = " && ".join(shlex.join(c) + (" || true" if c[0] == "ss" else "") for c in cmds)
+                sh("ip", "netns", "exec", self.ns(name), "sh", "-c", script)
+                self._touched[name] |= {c[2] if c[1] == "-t" else "filter" for c in cmds if c[0] == "iptables"}
 
-    @staticmethod
-    def _table(rule: list[str]) -> list[str]:
-        return ["-t", rule[1]] if rule[0] == "-t" else []
+    def partition(self, side: list[str], rest: list[str]) -> None:
+        """No packet between any of ``side`` and any of ``rest``, either way (both ends drop)."""
+        def drop_to(names: list[str]) -> list[list[str]]:
+            return [["iptables", "-A", "OUTPUT", "-d", ",".join(self.config.address(n) for n in names), "-j", "DROP"]]
 
-    @staticmethod
-    def _chain(rule: list[str]) -> list[str]:
-        return rule[2:] if rule[0] == "-t" else rule
+        self._run({**{a: drop_to(rest) for a in side}, **{b: drop_to(side) for b in rest}})
 
     def cut(self, a: str, b: str) -> None:
         """No packet between ``a`` and ``b`` either way (both sides drop, so even replies are lost)."""
-        self._add(a, "OUTPUT", "-d", self.config.address(b), "-j", "DROP")
-        self._add(b, "OUTPUT", "-d", self.config.address(a), "-j", "DROP")
+        self.partition([a], [b])
 
     def cut_one_way(self, a: str, b: str) -> None:
         """``a`` cannot send requests to ``b``; ``b``'s requests to ``a`` (and their replies) go through."""
-        self._add(a, "OUTPUT", "-d", self.config.address(b), "-p", "tcp", "--dport", str(self.port(b)), "-j", "DROP")
+        self._run({a: [["iptables", "-A", "OUTPUT", "-d", self.config.address(b), "-p", "tcp", "--dport",
+                        str(self.port(b)), "-j", "DROP"]]})
 
     def lossy(self, name: str, probability: float) -> None:
         """Drop this fraction of ``name``'s packets to and from other services (not the host's)."""
         others = f"{self.config.netns_subnet}.2-{self.config.netns_subnet}.254"
-        for chain, way in (("INPUT", "--src-range"), ("OUTPUT", "--dst-range")):
-            self._add(name, chain, "-m", "iprange", way, others, "-m", "statistic", "--mode", "random",
-                      "--probability", f"{probability:.3f}", "-j", "DROP")
+        self._run({name: [["iptables", "-A", chain, "-m", "iprange", way, others, "-m", "statistic", "--mode",
+                           "random", "--probability", f"{probability:.3f}", "-j", "DROP"]
+                          for chain, way in (("INPUT", "--src-range"), ("OUTPUT", "--dst-range"))]})
 
     def delay(self, name: str, ms: int, jitter: int) -> None:
         """Every other service's connections to ``name`` go through Toxiproxy with this latency."""
         self.toxiproxy.latency(name, ms, jitter)
-        target, port = self.config.address(name), str(self.port(name))
-        for other in self.names:
-            if other != name:
-                self._add(other, "-t", "nat", "OUTPUT", "-d", target, "-p", "tcp", "--dport", port, "-j", "DNAT",
-                          "--to-destination", f"{self.gateway}:{self.proxy_port(name)}")
-                # NAT applies to new connections only: end the kept-alive ones so they reconnect.
-                sh("ip", "netns", "exec", self.ns(other), "ss", "-K", "dst", target, "dport", "=", port, check=False)
         self._delayed.add(name)
+        target, port = self.config.address(name), str(self.port(name))
+        self._run({other: [
+            ["iptables", "-t", "nat", "-A", "OUTPUT", "-d", target, "-p", "tcp", "--dport", port, "-j", "DNAT",
+             "--to-destination", f"{self.gateway}:{self.proxy_port(name)}"],
+            # NAT applies to new connections only: end the kept-alive ones so they reconnect.
+            ["ss", "-K", "dst", target, "dport", "=", port]] for other in self.names if other != name})
 
     def heal(self) -> None:
-        """Remove every rule and toxic: the network is whole again."""
+        """Remove every rule and toxic: the network is whole again. The namespaces hold only our
+        rules, so flushing the tables we touched removes exactly those."""
         with self._lock:
-            rules, self._rules = self._rules, []
-            for name, rule in reversed(rules):
-                sh("ip", "netns", "exec", self.ns(name), "iptables", *self._table(rule), "-D", *self._chain(rule),
-                   check=False)
+            touched, self._touched = self._touched, defaultdict(set)
+            for name, tables in touched.items():
+                cmds = [["iptables", "-t", t, "-F"] for t in sorted(tables)]
+                if cmds:
+                    sh("ip", "netns", "exec", self.ns(name), "sh", "-c", "; ".join(shlex.join(c) for c in cmds),
+                       check=False)
             for name in self._delayed:
                 self.toxiproxy.clear(name)
             self._delayed.clear()
@@ -341,8 +347,8 @@ class Nemesis:
     data_dir: Callable[[str], Path]
     seed: int = 0
     kinds: tuple[str, ...] = KINDS
-    hold: tuple[float, float] = (1.0, 2.5)
-    gap: tuple[float, float] = (0.5, 1.0)
+    hold: tuple[float, float] = (0.7, 1.8)  # long enough for an election (0.3-0.6 s) in most
+    gap: tuple[float, float] = (0.3, 0.7)
     windows: list[Window] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -384,9 +390,7 @@ class Nemesis:
             if kind in ("isolate-catalog-leader", "isolate-order-leader"):
                 tier = kind.split("-")[1]
                 lead = self.leader(tier) or rng.choice(self.net.replicas(tier))
-                for peer in self.net.replicas(tier):
-                    if peer != lead:
-                        self.net.cut(lead, peer)
+                self.net.partition([lead], [p for p in self.net.replicas(tier) if p != lead])
                 detail = lead
             elif kind == "frontend-minority":
                 front = rng.choice(self.net.frontends())
@@ -394,8 +398,7 @@ class Nemesis:
                 for tier in ("catalog", "order"):
                     reps = self.net.replicas(tier)
                     cut += rng.sample(reps, len(reps) // 2 + 1)  # a majority out of reach
-                for rep in cut:
-                    self.net.cut(front, rep)
+                self.net.partition([front], cut)
                 detail = f"{front} reaches only {sorted(set(self.net.replicas()) - set(cut))}"
             elif kind == "split":
                 side: list[str] = []
@@ -404,9 +407,7 @@ class Nemesis:
                     side += rng.sample(reps, len(reps) // 2)
                 side += rng.sample(self.net.frontends(), len(self.net.frontends()) // 2)
                 rest = [n for n in self.net.names if n not in side]
-                for a in side:
-                    for b in rest:
-                        self.net.cut(a, b)
+                self.net.partition(side, rest)
                 detail = f"{sorted(side)} | {sorted(rest)}"
             elif kind == "one-way":
                 tier = rng.choice(("catalog", "order"))
