@@ -19,10 +19,13 @@ everything and the replicas converge, the run records each replica's final state
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
 import random
+import shutil
+import sqlite3
 import sys
 import tempfile
 import threading
@@ -57,6 +60,19 @@ class ChaosWorkload(Workload):
     order_readers: int = 2
     keyless_every: int = 4  # one buy in this many goes without Idempotency-Key
     acked: list[tuple[int, int]] = field(default_factory=list)  # (order number, complete time)
+    #: Books that start with this little stock and whose writers change only the cost: buyers sell
+    #: them out, so the run also checks "no oversell" at zero stock under faults (409s).
+    scarce: dict[int, int] = field(default_factory=lambda: {6: 20, 7: 20})
+
+    def __post_init__(self) -> None:
+        auth = {"Authorization": f"Bearer {self.secret}"}
+        with requests.Session() as s:
+            for item, stock in self.scarce.items():
+                now = s.get(f"{self.urls[0]}/lookup/{item}", timeout=self.timeout).json()["stock"]
+                r = s.post(f"{self.urls[0]}/update/{item}", json={"stock_delta": stock - now}, headers=auth,
+                           timeout=self.timeout)
+                r.raise_for_status()
+        super().__post_init__()
 
     def targets(self) -> list[Any]:
         return super().targets() + [self._searcher] * self.searchers + [self._order_reader] * self.order_readers
@@ -88,7 +104,7 @@ class ChaosWorkload(Workload):
                 if self._stop.wait(self.write_pause if i else 0):
                     return
                 cost += 1
-                delta = 1 + i % 3
+                delta = 0 if item in self.scarce else 1 + i % 3
                 body = {"stock_delta": delta, "cost": cost / 100}
                 key = f"chaos-u-{uuid.uuid4().hex}"
                 op = self.history.invoke(client, "update", item, {"stock_delta": delta, "cost": cost, "key": key})
@@ -292,6 +308,7 @@ def run(duration: float, seed: int, out: Path, kinds: tuple[str, ...] = nemesis.
             finally:
                 logs = cluster.logs_tail(lines=60)
                 cluster.stop()
+            final["integrity"] = integrity(config)  # every database whole, after all the full disks
         history.save(out / "history.json")
         (out / "nemesis.json").write_text(json.dumps({
             "seed": seed, "duration": duration, "kinds": list(kinds),
@@ -300,6 +317,18 @@ def run(duration: float, seed: int, out: Path, kinds: tuple[str, ...] = nemesis.
         (out / "final.json").write_text(json.dumps(final, indent=1))
         if not final["converged"]:
             (out / "logs.txt").write_text(logs)
+    return out
+
+
+def integrity(config: ClusterConfig) -> dict[str, str]:
+    """SQLite's ``PRAGMA integrity_check`` of every replica's log and state, once stopped."""
+    out = {}
+    for name in config.names():
+        for db in ("raft.db", "state.db"):
+            path = config.replica_dir(name) / db
+            if path.exists():
+                with contextlib.closing(sqlite3.connect(path, timeout=10)) as conn:
+                    out[f"{name}/{db}"] = conn.execute("PRAGMA integrity_check").fetchone()[0]
     return out
 
 
@@ -313,13 +342,48 @@ def _alive(pid: int | None) -> bool:
     return True
 
 
+def report_section(run_dir: Path, result: dict[str, Any]) -> Path:
+    """``experiments/results/chaos.json`` in the report's section format (``python -m
+    experiments.report`` renders it), with the run's timeline copied to ``plots/``."""
+    from experiments import harness as h
+
+    h.PLOTS.mkdir(parents=True, exist_ok=True)
+    shutil.copy(run_dir / "timeline.png", h.PLOTS / "chaos_timeline.png")
+    outcomes = ", ".join(f"{k} {v}" for k, v in result["by_outcome"].items())
+    unavailable = ", ".join(f"{k} {v:.2f} s" for k, v in result["longest_unavailable_s"].items())
+    section = {
+        "title": "10. Under a randomized nemesis",
+        "description": (
+            f"`make chaos DURATION={result['duration_s']:.0f} SEED={result['seed']}`: 3 catalog and 3 order "
+            "replicas and 2 frontends x 2 workers, each service in its own network namespace, each replica on a "
+            "64 MiB tmpfs. Clients update, buy (with and without a key), look up, search and read their orders "
+            "through both frontends while one fault at a time is applied (docs/testing.md lists how). "
+            f"**{result['operations']} operations** ({outcomes}). Longest time a tier answered nothing: "
+            f"{unavailable}. **Anomalies: {sum(result['anomalies_by_kind'].values())}**"
+            + (f" ({result['anomalies_by_kind']})" if result["anomalies_by_kind"] else "")
+            + f"; every book linearizable: {all(v == 'ok' for v in result['lincheck'].values())}. "
+            "The plot shades each fault window; unknown outcomes are operations a client never learned "
+            "the end of (the checker lets them have happened or not)."),
+        "machine": h.machine(),
+        "size": "full" if result["duration_s"] >= 600 else "quick",
+        "table": {"columns": ["fault", "applied", "anomalies during it"],
+                  "rows": [[k, result["faults"].get(k, 0), result["anomalies_by_fault"].get(k, 0)]
+                           for k in nemesis.KINDS]},
+        "plots": ["chaos_timeline.png"],
+    }
+    path = h.RESULTS / "chaos.json"
+    path.write_text(json.dumps(section, indent=1))
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=None, help="nemesis seed (default: random, printed)")
     p.add_argument("--out", type=Path, default=None, help="result directory (default experiments/results/chaos/seed-S)")
     p.add_argument("--kinds", default=",".join(nemesis.KINDS), help="comma-separated fault kinds")
-    p.add_argument("--report", action="store_true", help="also write the timeline plot and report.md for REPORT.md")
+    p.add_argument("--report", action="store_true",
+                   help="also draw the timeline and write section 10 of experiments/REPORT.md")
     args = p.parse_args(argv)
     seed = args.seed if args.seed is not None else random.randrange(1_000_000)
     kinds = tuple(k for k in args.kinds.split(",") if k)
@@ -333,7 +397,13 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         print(f"chaos: {exc}", file=sys.stderr)
         return 2
-    return chaos_check.main([str(out)] + (["--plot"] if args.report else []))
+    status = chaos_check.main([str(out)] + (["--plot"] if args.report else []))
+    if args.report and status in (0, 1):
+        from experiments import report
+
+        report_section(out, json.loads((out / "check.json").read_text()))
+        print(f"report: {report.write()}")
+    return status
 
 
 if __name__ == "__main__":

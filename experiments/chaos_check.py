@@ -16,6 +16,7 @@ and digest after healing), and checks SPEC's guarantees:
 - ``stock-equation``: per book, on every catalog replica, final stock = initial + the updates that took
   effect - the copies in confirmed orders (decrements equal confirmed orders); never negative.
 - ``own-order``: a read of an acknowledged order never answers 404 or another book.
+- ``integrity``: every replica's SQLite files pass ``PRAGMA integrity_check`` after the run.
 - ``nemesis``: every fault was applied and undone (a fault that failed tested nothing).
 
 Prints operations by outcome, faults by kind, the longest time each tier answered nothing, and every
@@ -96,6 +97,10 @@ def check(run: Path, timeout: float = 300) -> dict[str, Any]:
                     for name, r in replicas.items() if name.startswith(tier)}
             if len(seen) != 1:
                 anomaly("converged", f"{tier} replicas differ after healing: {sorted(seen)}")
+
+    for db, verdict_ in final.get("integrity", {}).items():
+        if verdict_ != "ok":
+            anomaly("integrity", f"{db}: {verdict_}")
 
     # Buys: acknowledged, unknown, and what the order replicas hold.
     acked: dict[int, dict[str, Any]] = {}  # order number -> the buy op

@@ -15,7 +15,7 @@ from typing import Any
 from experiments import harness as h
 
 SECTIONS = ("baseline", "sequential", "cache_miss", "invalidation", "concurrency", "scaling", "failover",
-            "recovery", "cache_size", "bench")
+            "recovery", "cache_size", "bench", "chaos")
 
 
 def _table(columns: list[str], rows: list[list[Any]]) -> str:
@@ -47,7 +47,7 @@ def render(results: Path, plots: Path, report: Path) -> str:
         r = json.loads(run.read_text())
         out += [f"Whole run: {r['total_seconds']:.0f} s on {_machine(r['machine'])}."
                 + (f" Failed: {', '.join(r['failed'])}." if r.get("failed") else ""), ""]
-    order = [n for n in SECTIONS if n != "baseline"] + ["baseline"]
+    order = [n for n in SECTIONS if n not in ("baseline", "chaos")] + ["baseline", "chaos"]
     for name in order:
         d = data.get(name)
         if not d:

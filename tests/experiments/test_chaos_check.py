@@ -80,6 +80,7 @@ def broken(mutate: Any) -> tuple[dict[str, Any], ...]:
     ("own-order", lambda h, n, f: h["ops"].append(
         op("order", 0, 120, 130, {"status": 404, "item": None, "quantity": None}, order_number=1))),
     ("nemesis", lambda h, n, f: n["errors"].append("loss: iptables failed")),
+    ("integrity", lambda h, n, f: f.update(integrity={"order-1/raft.db": "*** in database main ***"})),
 ])
 def test_each_broken_guarantee_is_named(tmp_path: Path, what: str, mutate: Any) -> None:
     result = judge(tmp_path, broken(mutate))

@@ -67,7 +67,9 @@ def test_single_flight() -> None:
                for _ in range(20)]
     for t in threads:
         t.start()
-    time.sleep(0.2)
+    deadline = time.monotonic() + 5
+    while c.stats.misses < 20 and time.monotonic() < deadline:  # every caller has joined the one flight
+        time.sleep(0.01)
     gate.set()
     for t in threads:
         t.join()

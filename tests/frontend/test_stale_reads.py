@@ -134,13 +134,18 @@ def test_no_stale_read_with_two_frontends_and_two_workers(two_frontends: Cluster
 def test_no_stale_read_across_a_catalog_leader_kill(two_frontends: Cluster) -> None:
     c = two_frontends
 
+    def catalog_leader() -> str | None:
+        return requests.get(c.url + "/status", timeout=5).json()["catalog"]["leader"]
+
     def kill_leader() -> None:
-        time.sleep(1.5)
-        old = requests.get(c.url + "/status", timeout=5).json()["catalog"]["leader"]
+        time.sleep(1.5)  # load before the fault (how long is not a check)
+        old = catalog_leader()
         c.kill(old)
-        time.sleep(3.0)
-        new = requests.get(c.url + "/status", timeout=5).json()["catalog"]["leader"]
-        assert new and new != old
+        deadline = time.monotonic() + 15
+        while catalog_leader() in (None, old):  # a condition, not a fixed sleep
+            assert time.monotonic() < deadline, "no new catalog leader within 15 s"
+            time.sleep(0.1)
+        time.sleep(1.0)  # load on the new leader
         c.restart(old)
         time.sleep(1.5)
 

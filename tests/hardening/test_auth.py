@@ -29,6 +29,18 @@ def unchanged(before: dict[str, tuple[int, str]], after: dict[str, tuple[int, st
         assert term <= after[name][0] < term + 10, f"{name}: term {term} -> {after[name][0]}"
 
 
+def settled(c: Cluster, timeout: float = 10) -> None:
+    """Wait until every replica has applied all its leader has committed now. Handlers propose before
+    they answer, so anything a refused call had wrongly let through is in the leader's log by now."""
+    for tier in ("catalog", "order"):
+        target = c.replica_get(leader(c, tier), "/status").json()["commit_index"]
+        deadline = time.monotonic() + timeout
+        for name in (n for n in NAMES if n.startswith(tier)):
+            while c.replica_get(name, "/status").json()["applied_index"] < target:
+                assert time.monotonic() < deadline, f"{name} did not apply up to {target}"
+                time.sleep(0.05)
+
+
 def leader(c: Cluster, tier: str) -> str:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -65,7 +77,7 @@ def test_guarded_endpoints_refuse_and_change_nothing(hard_cluster: Cluster) -> N
             assert r.status_code == code, (method, url, headers, r.status_code, r.text)
             assert r.headers["Content-Type"].startswith("application/json")
             assert r.json()["error"]["code"] == code
-    time.sleep(0.3)  # anything wrongly accepted would have been applied by now
+    settled(c)  # anything wrongly accepted is applied everywhere by now
     unchanged(before, snapshot(c))
     assert requests.get(c.url + "/lookup/1", timeout=5).json()["cost"] > 0
 
@@ -87,5 +99,5 @@ def test_raft_messages_from_non_members_are_ignored(hard_cluster: Cluster) -> No
         ]
         r = requests.post(c.replica_url(name) + "/raft/messages", json={"messages": forged}, headers=auth, timeout=5)
         assert r.status_code == 200 and r.json()["accepted"] == 0, r.text
-    time.sleep(0.3)
+    settled(c)
     unchanged(before, snapshot(c))

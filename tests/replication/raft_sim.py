@@ -1,18 +1,23 @@
 """Deterministic in-process simulation of a Raft cluster built from ``RaftCore``s.
 
 A fake clock (ticks) and a fake network that drops, delays, duplicates, reorders and partitions
-messages. A crash loses everything not handed to "storage" through ``Ready``; a restart rebuilds
-the core from storage. Safety invariants are checked as the simulation runs (``SafetyError``).
+messages. A crash loses everything not yet written to the simulated durable ``Storage``; a restart
+rebuilds the core from storage. A crash lands either between ticks (every ``Ready`` handled) or, to
+exercise the persist-before-send rule, inside the handling of one ``Ready`` (``arm_crash``): before
+it is persisted, between persisting and sending, or before applying. ``send_before_persist`` swaps
+the order on purpose, to show that the simulator catches the broken rule. Safety invariants are
+checked as the simulation runs (``SafetyError``).
 """
 
 from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from replication.core import SNAPSHOT, CoreConfig, Entry, HardState, Message, RaftCore, Ready
+from replication.core import SNAPSHOT, VOTE_RESP, CoreConfig, Entry, HardState, Message, RaftCore, Ready
 
 SIM_CONFIG = CoreConfig(
     heartbeat_ticks=2,
@@ -24,8 +29,19 @@ SIM_CONFIG = CoreConfig(
 )
 
 
+#: Where a crash armed with ``Cluster.arm_crash`` lands in the handling of one ``Ready``: just
+#: before that step, after the steps that precede it (persist and send swap places when
+#: ``send_before_persist``). Steps not done are lost with the node's memory.
+CRASH_POINTS = ("before_persist", "before_send", "before_apply")
+
+
 class SafetyError(AssertionError):
     pass
+
+
+def persists(rd: Ready) -> bool:
+    """True if ``rd`` changes durable Raft state (so a crash before persisting it loses something)."""
+    return bool(rd.hard_state or rd.snapshot or rd.entries or rd.truncate_from is not None)
 
 
 @dataclass
@@ -116,7 +132,11 @@ class Network:
 class Cluster:
     """N simulated nodes plus invariant checking."""
 
-    def __init__(self, n: int = 3, seed: int = 0, config: CoreConfig = SIM_CONFIG) -> None:
+    def __init__(
+        self, n: int = 3, seed: int = 0, config: CoreConfig = SIM_CONFIG, *, send_before_persist: bool = False
+    ) -> None:
+        #: Test-only mutation: send a Ready's messages before persisting it (breaks Raft on crashes).
+        self.send_before_persist = send_before_persist
         self.names = [f"n{i}" for i in range(1, n + 1)]
         self.rng = random.Random(seed)
         self.nodes = {name: SimNode(name, self.names, config, seed) for name in self.names}
@@ -128,6 +148,12 @@ class Cluster:
         self.commit_term: dict[int, int] = {}
         self.next_cmd = 0
         self.proposed: dict[int, str] = {}
+        #: (term, voter) -> the candidate it granted its vote to, from the grants it sent.
+        self.votes: dict[tuple[int, str], str] = {}
+        #: Crashes armed per node: the point in its next durable Ready where it dies.
+        self.armed: dict[str, str] = {}
+        #: How many armed crashes fired, per crash point.
+        self.ready_crashes: Counter[str] = Counter()
 
     # -- running -------------------------------------------------------------------------------
     def tick(self, n: int = 1) -> None:
@@ -146,18 +172,39 @@ class Cluster:
             self.check()
 
     def process(self, node: SimNode) -> None:
+        """Handle one Ready: persist, send, apply (persist and send swapped if
+        ``send_before_persist``), then ``advance``; an armed crash stops it part-way."""
         rd = node.core.ready()
-        self.persist(node, rd)
-        for m in rd.messages:
+        point = self.armed.get(node.name) if persists(rd) else None
+        steps = ("send", "persist") if self.send_before_persist else ("persist", "send")
+        for step in (*steps, "apply"):
+            if point == f"before_{step}":
+                del self.armed[node.name]
+                self.ready_crashes[point] += 1
+                node.crash()
+                return
+            if step == "persist":
+                self.persist(node, rd)
+            elif step == "send":
+                self.send(node, rd.messages)
+            else:
+                for e in rd.committed_entries:
+                    self.apply(node, e)
+        node.core.advance(rd)
+
+    def send(self, node: SimNode, messages: list[Message]) -> None:
+        for m in messages:
+            if m.type == VOTE_RESP and m.success:
+                # Election safety rests on this: a node grants at most one vote per term.
+                voted = self.votes.setdefault((m.term, m.src), m.dst)
+                if voted != m.dst:
+                    raise SafetyError(f"{m.src} voted twice in term {m.term}: for {voted} and {m.dst}")
             if m.type == SNAPSHOT:
                 m.snapshot_index = node.storage.sm_index
                 m.snapshot_term = node.core.term_at(m.snapshot_index) or 0
                 m.payload = json.dumps(node.storage.sm_applied).encode()
             if self.net.connected(m.src, m.dst):
                 self.net.send(self.now, m)
-        for e in rd.committed_entries:
-            self.apply(node, e)
-        node.core.advance(rd)
 
     def persist(self, node: SimNode, rd: Ready) -> None:
         s = node.storage
@@ -232,6 +279,16 @@ class Cluster:
     def crash(self, name: str) -> None:
         self.nodes[name].crash()
 
+    def arm_crash(self, name: str, point: str) -> None:
+        """Crash ``name`` at ``point`` (see ``CRASH_POINTS``) of the next Ready it handles that
+        changes durable state, losing whatever of that Ready it had not persisted or sent."""
+        if point not in CRASH_POINTS:
+            raise ValueError(f"unknown crash point {point!r}")
+        self.armed[name] = point
+
+    def disarm(self) -> None:
+        self.armed.clear()
+
     def restart(self, name: str) -> None:
         node = self.nodes[name]
         if not node.alive:
@@ -300,6 +357,21 @@ class Cluster:
                     raise SafetyError(f"{node.name} committed log entry {e.index} disagrees")
         if self.now % 10 == 0:
             self.check_log_matching()
+            self.check_committed_durable()
+
+    def check_committed_durable(self) -> None:
+        """Every entry observed committed is on the disks of a majority (crashed nodes count):
+        committing promised that no crash of a minority can lose it."""
+        quorum = len(self.nodes) // 2 + 1
+        for index, (term, _cmd) in self.committed.items():
+            holders = 0
+            for node in self.nodes.values():
+                s = node.storage
+                e = s.entries.get(index)
+                if s.snapshot[0] >= index or (e is not None and e.term == term):
+                    holders += 1
+            if holders < quorum:
+                raise SafetyError(f"committed entry {index} (t{term}) is durable on {holders} nodes only")
 
     def check_log_matching(self) -> None:
         """If two logs hold an entry with the same index and term, they agree up to it."""

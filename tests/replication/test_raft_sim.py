@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from raft_sim import Cluster
+from raft_sim import CRASH_POINTS, Cluster
 
 ACTIONS = st.one_of(
     st.tuples(st.just("tick"), st.integers(1, 40)),
     st.tuples(st.just("propose"), st.integers(1, 8)),
     st.tuples(st.just("crash"), st.integers(0, 4)),
     st.tuples(st.just("restart"), st.integers(0, 4)),
+    # Node arg % n dies inside its next durable Ready, at CRASH_POINTS[arg // 5].
+    st.tuples(st.just("crash_at"), st.integers(0, 5 * len(CRASH_POINTS) - 1)),
     st.tuples(st.just("partition"), st.integers(1, 30)),
     st.tuples(st.just("heal"), st.just(0)),
     st.tuples(st.just("compact"), st.integers(0, 4)),
@@ -18,9 +20,16 @@ ACTIONS = st.one_of(
 
 
 def run_schedule(
-    n: int, seed: int, drop: float, dup: float, delay: int, actions: list[tuple[str, int]]
-) -> None:
-    c = Cluster(n, seed=seed)
+    n: int,
+    seed: int,
+    drop: float,
+    dup: float,
+    delay: int,
+    actions: list[tuple[str, int]],
+    *,
+    send_before_persist: bool = False,
+) -> Cluster:
+    c = Cluster(n, seed=seed, send_before_persist=send_before_persist)
     c.net.drop, c.net.dup, c.net.max_delay = drop, dup, delay
     names = c.names
     for kind, arg in actions:
@@ -34,6 +43,8 @@ def run_schedule(
             c.crash(names[arg % n])
         elif kind == "restart":
             c.restart(names[arg % n])
+        elif kind == "crash_at":
+            c.arm_crash(names[arg % n], CRASH_POINTS[arg // 5 % len(CRASH_POINTS)])
         elif kind == "partition":
             side = {name for i, name in enumerate(names) if arg >> i & 1}
             c.partition(side, set(names) - side)
@@ -44,6 +55,7 @@ def run_schedule(
         c.tick(1)
     # Liveness: heal everything and a proposal must commit on every node within bounded time.
     c.heal()
+    c.disarm()
     c.net.drop, c.net.dup, c.net.max_delay = 0.0, 0.0, 0
     for name in names:
         c.restart(name)
@@ -51,6 +63,7 @@ def run_schedule(
     c.check_log_matching()
     digests = {tuple(node.storage.sm_applied[-1:]) for node in c.nodes.values()}
     assert len(digests) == 1
+    return c
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
