@@ -34,6 +34,8 @@ from replication.statemachine import StateMachine
 from replication.storage import describe, is_storage_fault
 
 log = logging.getLogger("pygmy.replication")
+#: Longest a leader not yet sure of its lease waits for it before refusing a read index.
+LEADER_READ_WAIT = 0.25
 #: First wait before reloading after a fault; doubles up to 1 s, back to this once working again.
 _FAULT_BACKOFF_MIN = 0.05
 
@@ -239,7 +241,7 @@ class _ReadIndexBatcher:
         name, url = leader
         if name == self.node.name:
             try:
-                return self.node.read_index(), None
+                return self.node.wait_read_index(min(timeout, LEADER_READ_WAIT)), None
             except ReadIndexUnavailable as exc:
                 return 0, str(exc)
         try:
@@ -447,11 +449,25 @@ class ReplicaNode:
             raise ReadIndexUnavailable(f"{self.name} is not a leader sure of its lease")
         return max(self._commit_seen, self._applied)
 
+    def wait_read_index(self, timeout: float) -> int:
+        """``read_index()``, waiting up to ``timeout`` while we lead but are not yet sure of it: a new
+        leader's first heartbeat round, or a lease that lapsed for a moment (a busy machine), is a
+        wait of a few ticks, not a reason to refuse the read. A node that stops leading refuses."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.read_index()
+            except ReadIndexUnavailable:
+                if not self.is_leader() or time.monotonic() >= deadline:
+                    raise
+            if self._stopping.wait(min(self.config.tick_ms / 1000.0, max(0.0, deadline - time.monotonic()))):
+                raise ReadIndexUnavailable(f"{self.name} is stopping")
+
     def linearizable_index(self, timeout: float) -> int:
         """The read index for a read arriving now, here: our own on the leader, else the leader's
         (batched). Raises ReadIndexUnavailable."""
         if self.is_leader():
-            return self.read_index()
+            return self.wait_read_index(timeout)
         return self._read_index.get(timeout)
 
     def status(self) -> dict[str, Any]:
@@ -524,7 +540,8 @@ class ReplicaNode:
             if refused is not None:
                 return jsonify({"error": {"code": refused[0], "message": refused[1]}}), refused[0]
             try:
-                return jsonify({"index": self.read_index(), "term": self.term()}), 200
+                # Within the asking follower's own wait (its READ_WAIT is longer than this).
+                return jsonify({"index": self.wait_read_index(LEADER_READ_WAIT), "term": self.term()}), 200
             except ReadIndexUnavailable as exc:
                 return jsonify({"error": {"code": 503, "message": str(exc)}}), 503
 

@@ -94,7 +94,7 @@ class ReplicaRuntime:
         min_index = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 18 else 0
         if request.args.get("leader"):
             self.leader_only()
-        if not self.node.can_serve_reads():
+        if not self.node.is_leader() and not self.node.can_serve_reads():  # a leader may wait for its lease
             fail(503, f"{self.name} is not ready to serve reads")
         try:
             index = self.node.linearizable_index(READ_WAIT)

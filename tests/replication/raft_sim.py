@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from replication.core import SNAPSHOT, VOTE_RESP, CoreConfig, Entry, HardState, Message, RaftCore, Ready
+from replication.core import SNAPSHOT, VOTE, VOTE_RESP, CoreConfig, Entry, HardState, Message, RaftCore, Ready
 
 SIM_CONFIG = CoreConfig(
     heartbeat_ticks=2,
@@ -194,11 +194,12 @@ class Cluster:
 
     def send(self, node: SimNode, messages: list[Message]) -> None:
         for m in messages:
-            if m.type == VOTE_RESP and m.success:
-                # Election safety rests on this: a node grants at most one vote per term.
-                voted = self.votes.setdefault((m.term, m.src), m.dst)
-                if voted != m.dst:
-                    raise SafetyError(f"{m.src} voted twice in term {m.term}: for {voted} and {m.dst}")
+            if m.type == VOTE or (m.type == VOTE_RESP and m.success):
+                # Election safety rests on this: a node votes (for itself or a peer) once a term.
+                candidate = m.src if m.type == VOTE else m.dst
+                voted = self.votes.setdefault((m.term, m.src), candidate)
+                if voted != candidate:
+                    raise SafetyError(f"{m.src} voted twice in term {m.term}: for {voted} and {candidate}")
             if m.type == SNAPSHOT:
                 m.snapshot_index = node.storage.sm_index
                 m.snapshot_term = node.core.term_at(m.snapshot_index) or 0

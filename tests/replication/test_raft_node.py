@@ -14,7 +14,7 @@ import requests
 from flask import Flask
 from werkzeug.serving import make_server
 
-from replication.node import NotLeader, ReplicaNode, ReplicationConfig
+from replication.node import NotLeader, ReadIndexUnavailable, ReplicaNode, ReplicationConfig
 from replication.statemachine import SQLiteStateMachine
 
 logging.getLogger("werkzeug").setLevel(logging.ERROR)
@@ -330,3 +330,15 @@ def test_a_sender_survives_an_error(cluster: Harness) -> None:
         leader.propose({"k": "c", "add": 1}, timeout=2)
     cluster.converge(timeout=10)
     assert calls["n"] > 1 and sender.thread.is_alive()
+
+
+def test_a_leader_waits_for_its_lease_instead_of_refusing_a_read(cluster: Harness) -> None:
+    """A lease that lapsed for a moment (a busy machine, a new term) makes a read wait a few ticks for
+    the next heartbeat round; a node that does not lead refuses at once (the caller asks the leader)."""
+    leader = cluster.leader()
+    leader.propose({"k": "r", "add": 1}, timeout=2)
+    leader._lease_until = 0.0  # as if the last heartbeat round had been late
+    assert leader.wait_read_index(5.0) >= leader.applied_index() - 1
+    follower = next(n for n in cluster.nodes.values() if n is not leader)
+    with pytest.raises(ReadIndexUnavailable):
+        follower.wait_read_index(5.0)

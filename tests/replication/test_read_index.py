@@ -24,7 +24,7 @@ class LeaderNode:
     def leader(self) -> tuple[str, str]:
         return self.name, "http://unused"
 
-    def read_index(self) -> int:
+    def wait_read_index(self, timeout: float) -> int:
         self.calls += 1
         value = self.value  # taken on arrival, as the leader does; the answer then travels back
         self.entered.set()

@@ -204,6 +204,8 @@ def test_leader_and_follower_kills_under_load(cluster3: Cluster) -> None:
 
 def test_paused_leader_and_whole_cluster_crash(cluster3: Cluster) -> None:
     c = cluster3
+    load = Load()
+    seen: dict[str, int] = {}
 
     def faults() -> None:
         time.sleep(1.0)
@@ -215,16 +217,22 @@ def test_paused_leader_and_whole_cluster_crash(cluster3: Cluster) -> None:
             finally:
                 os.killpg(group(c, victim), signal.SIGCONT)
             time.sleep(1.0)
+        seen.update(read_errors=len(load.read_errors), acked=len(load.acked))
+        # 7. Durability under load: SIGKILL everything at once while buys are in flight, start again
+        # on the same data dir; buyers keep retrying their keys across the outage.
+        c.crash()
+        c.start(reset=False)
+        deadline = time.monotonic() + 30
+        while len(load.acked) < seen["acked"] + 10:
+            assert time.monotonic() < deadline, "no buys acknowledged after the restart"
+            time.sleep(0.1)
 
-    load = run_faulty_load(c, faults)
-    assert load.read_errors == [], load.read_errors[:5]
-    assert len(load.acked) > 20 and load.reads > 50, (len(load.acked), load.reads)
-    assert_buys_only_delayed(load)
-    check_invariants(c, load)
-    # 7. Durability: SIGKILL everything at once, start again on the same data dir, nothing lost.
-    c.crash()
-    c.start(reset=False)
-    check_invariants(c, load)
+    run_faulty_load(c, faults, load)
+    assert load.read_errors[:seen["read_errors"]] == [], load.read_errors[:5]  # none while leaders paused
+    assert seen["acked"] > 20 and load.reads > 50, (seen, load.reads)
+    unexpected = [e for e in load.buy_errors if not e.startswith(("503", "cannot reach"))]
+    assert unexpected == [], unexpected[:5]
+    check_invariants(c, load)  # every buy acknowledged before, across or after the crash is there once
 
 
 def test_minority_leader_acknowledges_nothing(cluster3: Cluster) -> None:
