@@ -1,8 +1,10 @@
-"""SPEC 7.6: a restarted replica catches up on what it missed — only that, unless its log is gone."""
+"""SPEC 7.6: a restarted replica catches up on what it missed — only that, unless its log is gone —
+and serves no read from before it caught up."""
 
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,33 @@ def write_while_down(c: Cluster, victim: str, writes: int) -> None:
             client.update(1 + i % 7, cost=float(10 + i))
     st = requests.get(c.url + "/status", timeout=5).json()["catalog"]["replicas"]
     assert not next(r for r in st if r["name"] == victim)["alive"]
+
+
+def costs_after(writes: int) -> dict[int, float]:
+    """The cost of each book after ``write_while_down(.., writes)``: its last update wins."""
+    return {1 + i % 7: float(10 + i) for i in range(writes)}
+
+
+def read_while_recovering(c: Cluster, victim: str, expected: dict[int, float], timeout: float = 30) -> int:
+    """7.6: read the restarted replica directly until it has caught up. It may refuse (503) or not be
+    up yet, but every answer it gives is the latest value. Returns how many answers it gave."""
+    auth = {"Authorization": f"Bearer {c.secret()}"}
+    answered = 0
+    deadline = time.monotonic() + timeout
+    while True:
+        for item, cost in expected.items():
+            try:
+                r = requests.get(f"{c.replica_url(victim)}/books/{item}", headers=auth, timeout=5)
+            except requests.RequestException:
+                continue
+            assert r.status_code in (200, 503), r.text
+            if r.status_code == 200:
+                answered += 1
+                assert r.json()["cost"] == cost, f"{victim} answered book {item} from before it caught up"
+        st = requests.get(c.url + "/status", timeout=5).json()["catalog"]["replicas"]
+        if len({r["applied_index"] for r in st}) == 1 and all(r["alive"] for r in st):
+            return answered
+        assert time.monotonic() < deadline, f"{victim} did not catch up"
 
 
 def snapshot_lines(c: Cluster, name: str) -> list[str]:
@@ -46,6 +75,7 @@ def test_catch_up_from_the_log_then_by_snapshot_then_from_nothing(small_log_clus
     victim = follower_of(c, "catalog")
     write_while_down(c, victim, 30)
     c.restart(victim)
+    assert read_while_recovering(c, victim, costs_after(30)) > 0
     st = wait_converged(c)
     assert len({r["state_digest"] for r in st["catalog"]["replicas"]}) == 1
     assert snapshot_lines(c, victim) == []
@@ -54,6 +84,7 @@ def test_catch_up_from_the_log_then_by_snapshot_then_from_nothing(small_log_clus
     victim = follower_of(c, "catalog")
     write_while_down(c, victim, 150)
     c.restart(victim)
+    read_while_recovering(c, victim, costs_after(150))
     st = wait_converged(c)
     assert len({r["state_digest"] for r in st["catalog"]["replicas"]}) == 1
     assert snapshot_lines(c, victim), "a follower behind the compacted log must be sent a snapshot"
