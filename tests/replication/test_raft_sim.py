@@ -97,7 +97,18 @@ def test_long_chaotic_run():
     actions: list[tuple[str, int]] = []
     for _ in range(300):
         kind = rng.choice(
-            ["tick", "tick", "propose", "propose", "crash", "crash_at", "restart", "partition", "heal", "compact"]
+            [
+                "tick",
+                "tick",
+                "propose",
+                "propose",
+                "crash",
+                "crash_at",
+                "restart",
+                "partition",
+                "heal",
+                "compact",
+            ]
         )
         actions.append((kind, rng.randint(1, 30)))
     run_schedule(5, 7, 0.1, 0.05, 4, actions)
@@ -106,9 +117,20 @@ def test_long_chaotic_run():
 # -- persist before send -------------------------------------------------------------------------
 #: Seeded schedules run with both orders: the search must find a violation among them with the
 #: order swapped, and the correct order must keep all of them safe.
-ORDER_SEEDS = range(50)
-SCHEDULE_KINDS = ["tick", "tick", "propose", "propose", "crash", "restart", "crash_at", "crash_at",
-                  "partition", "heal", "compact"]
+ORDER_SEEDS = range(200)
+SCHEDULE_KINDS = [
+    "tick",
+    "tick",
+    "propose",
+    "propose",
+    "crash",
+    "restart",
+    "crash_at",
+    "crash_at",
+    "partition",
+    "heal",
+    "compact",
+]
 
 
 def seeded_run(seed: int, *, send_before_persist: bool) -> Cluster:
@@ -116,25 +138,29 @@ def seeded_run(seed: int, *, send_before_persist: bool) -> Cluster:
     rng = random.Random(seed)
     n = rng.choice([3, 5])
     drop, dup, delay = rng.choice([0.0, 0.05, 0.2]), rng.choice([0.0, 0.1]), rng.randint(0, 6)
-    actions = []
+    actions: list[tuple[str, int]] = []
     for _ in range(60):
         kind = rng.choice(SCHEDULE_KINDS)
-        arg = {"tick": rng.randint(1, 40), "propose": rng.randint(1, 8), "partition": rng.randint(1, 30),
-               "crash_at": rng.randrange(5 * len(CRASH_POINTS))}.get(kind, rng.randint(0, 4))
+        arg = {
+            "tick": rng.randint(1, 40),
+            "propose": rng.randint(1, 8),
+            "partition": rng.randint(1, 30),
+            "crash_at": rng.randrange(5 * len(CRASH_POINTS)),
+        }.get(kind, rng.randint(0, 4))
         actions.append((kind, arg))
     return run_schedule(n, seed, drop, dup, delay, actions, send_before_persist=send_before_persist)
 
 
-def test_crashes_inside_a_ready_keep_seeded_schedules_safe():
+def test_crashes_inside_a_ready_keep_seeded_schedules_safe() -> None:
     """Persisting before sending makes every crash point harmless, on the schedules that break
     the swapped order below; and the crash points do fire (the test is not vacuous)."""
     fired: Counter[str] = Counter()
     for seed in ORDER_SEEDS:
         fired += seeded_run(seed, send_before_persist=False).ready_crashes
-    assert all(fired[point] >= 20 for point in CRASH_POINTS), fired
+    assert all(fired[point] >= 50 for point in CRASH_POINTS), fired
 
 
-def test_send_before_persist_is_caught_by_seeded_search():
+def test_send_before_persist_is_caught_by_seeded_search() -> None:
     """The simulator sees the difference: sending a Ready before persisting it breaks safety on
     some of the same seeded schedules (the first is seed 3, where n3 votes twice in term 1)."""
     for seed in ORDER_SEEDS:
@@ -153,7 +179,7 @@ PERSIST_SEND_CRASH = pytest.param(False, "before_apply", id="persist-send-crash"
 
 
 @pytest.mark.parametrize(("send_before_persist", "point"), [SWAPPED, PERSIST_CRASH_SEND, PERSIST_SEND_CRASH])
-def test_a_vote_survives_a_crash(send_before_persist: bool, point: str):
+def test_a_vote_survives_a_crash(send_before_persist: bool, point: str) -> None:
     """n2 grants n1 its vote for term 1 and crashes at ``point`` of that Ready, then restarts cut
     off from n1. If the grant went out before the vote was on disk, n2 wakes up in term 0 and
     grants n3 a vote in term 1 too, which would make n3 a second leader of term 1."""
@@ -181,7 +207,7 @@ def test_a_vote_survives_a_crash(send_before_persist: bool, point: str):
 
 
 @pytest.mark.parametrize(("send_before_persist", "point"), [SWAPPED, PERSIST_CRASH_SEND, PERSIST_SEND_CRASH])
-def test_an_acknowledged_entry_survives_a_crash(send_before_persist: bool, point: str):
+def test_an_acknowledged_entry_survives_a_crash(send_before_persist: bool, point: str) -> None:
     """The leader replicates an entry to one follower only (the other is cut off), which crashes
     at ``point`` of the Ready holding it. If it acknowledged the entry before persisting it, the
     leader commits and applies an entry that is on its own disk only: when the leader is cut off,
