@@ -347,8 +347,8 @@ class Nemesis:
     data_dir: Callable[[str], Path]
     seed: int = 0
     kinds: tuple[str, ...] = KINDS
-    hold: tuple[float, float] = (0.7, 1.8)  # long enough for an election (0.3-0.6 s) in most
-    gap: tuple[float, float] = (0.3, 0.7)
+    hold: tuple[float, float] = (0.6, 1.6)  # long enough for an election (0.3-0.6 s) in most
+    gap: tuple[float, float] = (0.2, 0.6)
     windows: list[Window] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
