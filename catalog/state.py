@@ -40,7 +40,7 @@ class CatalogState(SQLiteStateMachine):
         "CREATE INDEX IF NOT EXISTS books_topic ON books(topic_key, item_number)",
         "CREATE TABLE IF NOT EXISTS idempotency (key TEXT PRIMARY KEY, result TEXT NOT NULL)",
     )
-    digest_tables = (("books", "item_number"),)
+    digest_tables = ("books", "idempotency")
 
     def seed(self, books: list[dict[str, Any]]) -> None:
         """Load the initial catalogue into a brand-new replica (identical on every replica)."""

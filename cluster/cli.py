@@ -97,6 +97,35 @@ def resolve(args: argparse.Namespace, use_cluster_file: bool) -> ClusterConfig:
     return config
 
 
+def verify(config: ClusterConfig) -> int:
+    """``pygmy verify``: ask each replica to recompute its digest; compare within each tier."""
+    import requests
+
+    auth = {"Authorization": f"Bearer {config.secret()}"}
+    bad = 0
+    for tier in ("catalog", "order"):
+        seen: dict[int, set[str]] = {}
+        for name, url in config.peers(tier).items():
+            try:
+                r = requests.get(f"{url}/verify", headers=auth, timeout=(2, 600))
+                v = r.json() if r.status_code == 200 else None
+            except (requests.RequestException, ValueError):
+                v = None
+            if v is None:
+                print(f"{name:10} unreachable")
+                bad += 1
+                continue
+            seen.setdefault(v["applied_index"], set()).add(v["recomputed"])
+            verdict = "ok" if v["ok"] else f"MISMATCH: maintained {v['state_digest']}, rows give {v['recomputed']}"
+            bad += not v["ok"]
+            print(f"{name:10} applied {v['applied_index']:>8}  digest {v['recomputed']}  {verdict}")
+        for index, digests in seen.items():
+            if len(digests) > 1:
+                print(f"{tier}: replicas at index {index} DIFFER: {sorted(digests)}")
+                bad += 1
+    return 1 if bad else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pygmy", description="Pygmy, a replicated online bookstore")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -112,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(cmd, help=text)
         p.add_argument("name", help="e.g. catalog-2, order-1, frontend-1")
         p.add_argument("--data-dir", default=os.environ.get("PYGMY_DATA_DIR", "data"))
+    p = sub.add_parser("verify", help="every replica's state digest against a full recompute, and replicas "
+                                      "of a tier against each other (exit 1 on a mismatch)")
+    p.add_argument("--data-dir", default=os.environ.get("PYGMY_DATA_DIR", "data"))
     client_cli.add_commands(sub)
     return parser
 
@@ -139,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(f"started {args.name} (pid {launcher.start(config, args.name)})")
             return 0
+        if args.command == "verify":
+            config = ClusterConfig.load(args.data_dir)
+            config.data_dir = args.data_dir
+            return verify(config)
         return client_cli.run(args)
     except (launcher.LaunchError, RuntimeError, ValueError) as exc:
         print(f"pygmy {args.command}: {exc}", file=sys.stderr)

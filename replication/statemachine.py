@@ -3,6 +3,12 @@
 Catalog and order keep their business state in one SQLite file per replica. Every change goes
 through ``apply(index, command)``, which runs the service's command inside one transaction that also
 records ``applied_index``, so a replica killed at any moment restarts exactly at a log position.
+
+The state digest is a multiset hash kept up to date by SQLite triggers: the sum modulo 2**256 of
+SHA-256 of every row of the digested tables. An insert adds its row's hash, a delete subtracts it,
+an update does both, in the same transaction as the command. Reading it is O(1), maintaining it
+O(1) per changed row, and it travels inside snapshots. ``full_digest()`` recomputes it from the
+rows, as verification (``pygmy verify``).
 """
 
 from __future__ import annotations
@@ -17,6 +23,25 @@ from typing import Any
 from replication.storage import transaction
 
 META_SCHEMA = "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL)"
+DIGEST_SCHEMA = "CREATE TABLE IF NOT EXISTS digest (id INTEGER PRIMARY KEY CHECK (id = 0), value TEXT NOT NULL)"
+_MODULUS = 1 << 256
+_ZERO = "0" * 64
+
+
+def row_hash(table: str, values: tuple[Any, ...]) -> int:
+    """A row's contribution to the digest: SHA-256 of its table and values (``repr`` of SQLite's
+    int, float, str, bytes and None is the same in every process)."""
+    return int.from_bytes(hashlib.sha256(repr((table, values)).encode()).digest(), "big")
+
+
+def _mix(current: str, sign: int, table: str, *values: Any) -> str:
+    """SQL ``pygmy_digest_mix(digest, +1|-1, table, col...)``: add or remove one row's hash."""
+    return format((int(current, 16) + sign * row_hash(table, values)) % _MODULUS, "064x")
+
+
+def _show(value: str) -> str:
+    """What status shows: the first 16 hex digits of the 256-bit sum."""
+    return value[:16]
 
 
 class StateMachine(ABC):
@@ -41,14 +66,22 @@ class StateMachine(ABC):
     def digest(self) -> str:
         """Hash of the business state; equal applied indexes give equal digests."""
 
+    def applied_and_digest(self) -> tuple[int, str]:
+        """Both, of the same state (status shows them side by side)."""
+        return self.applied_index(), self.digest()
+
+    @abstractmethod
+    def full_digest(self) -> tuple[int, str, str]:
+        """``(applied index, digest, digest recomputed from the whole state)``: verification."""
+
 
 class SQLiteStateMachine(StateMachine):
     """Generic SQLite plumbing; subclasses give the schema, the commands and what the digest covers."""
 
     #: SQL run once on an empty database (tables of the service).
     schema: tuple[str, ...] = ()
-    #: ``(table, order-by columns)`` pairs whose rows make up the business state for the digest.
-    digest_tables: tuple[tuple[str, str], ...] = ()
+    #: The tables whose rows make up the replicated state, all of it (idempotency keys included).
+    digest_tables: tuple[str, ...] = ()
 
     def __init__(self, path: Path | str) -> None:
         self.path = str(path)
@@ -62,6 +95,47 @@ class SQLiteStateMachine(StateMachine):
                 conn.execute(stmt)
             conn.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('applied_index', 0)")
             conn.commit()
+            self._install_digest(conn)
+
+    def _install_digest(self, conn: sqlite3.Connection) -> None:
+        """Create the digest row and its triggers once; a database from before them (or whose
+        triggers changed) gets its digest computed from the rows, once, here."""
+        with transaction(conn):
+            conn.execute(DIGEST_SCHEMA)
+            fresh = conn.execute("INSERT OR IGNORE INTO digest(id, value) VALUES (0, ?)", (_ZERO,)).rowcount
+            existing = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='trigger'")}
+            wanted = dict(self._triggers(conn))
+            if fresh or set(wanted) != existing:
+                for name in existing:
+                    conn.execute(f"DROP TRIGGER {name}")
+                for sql in wanted.values():
+                    conn.execute(sql)
+                conn.execute("UPDATE digest SET value=? WHERE id=0", (self._sum_rows(conn),))
+
+    def _triggers(self, conn: sqlite3.Connection) -> list[tuple[str, str]]:
+        out = []
+        for table in self.digest_tables:
+            cols = [r[1] for r in conn.execute(f"PRAGMA table_info({table})")]
+            new = ", ".join(f"NEW.{c}" for c in cols)
+            old = ", ".join(f"OLD.{c}" for c in cols)
+            mix = "UPDATE digest SET value = {} WHERE id = 0;"
+            add, sub = f"pygmy_digest_mix(value, 1, '{table}', {new})", f"pygmy_digest_mix(value, -1, '{table}', {old})"
+            out += [
+                (f"digest_{table}_insert", f"CREATE TRIGGER digest_{table}_insert AFTER INSERT ON {table} "
+                                           f"BEGIN {mix.format(add)} END"),
+                (f"digest_{table}_delete", f"CREATE TRIGGER digest_{table}_delete AFTER DELETE ON {table} "
+                                           f"BEGIN {mix.format(sub)} END"),
+                (f"digest_{table}_update", f"CREATE TRIGGER digest_{table}_update AFTER UPDATE ON {table} "
+                                           f"BEGIN {mix.format(sub)} {mix.format(add)} END"),
+            ]
+        return out
+
+    def _sum_rows(self, conn: sqlite3.Connection) -> str:
+        total = 0
+        for table in self.digest_tables:
+            for row in conn.execute(f"SELECT * FROM {table}"):  # noqa: S608 (names are ours)
+                total += row_hash(table, tuple(row))
+        return format(total % _MODULUS, "064x")
 
     # -- connections -------------------------------------------------------------------------
     def _conn(self) -> sqlite3.Connection:
@@ -75,6 +149,9 @@ class SQLiteStateMachine(StateMachine):
             # after a crash, and a process kill loses no committed transaction even at NORMAL.
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.execute("PRAGMA foreign_keys=ON")
+            # INSERT OR REPLACE deletes the row it replaces: the delete trigger must see that too.
+            conn.execute("PRAGMA recursive_triggers=ON")
+            conn.create_function("pygmy_digest_mix", -1, _mix, deterministic=True)
             self._local.conn = conn
         return conn
 
@@ -128,13 +205,21 @@ class SQLiteStateMachine(StateMachine):
             source.close()
 
     def digest(self) -> str:
-        h = hashlib.sha256()
+        """O(1): the maintained sum, not a scan."""
+        return _show(self._conn().execute("SELECT value FROM digest WHERE id=0").fetchone()[0])
+
+    def applied_and_digest(self) -> tuple[int, str]:
         with transaction(self._conn(), "DEFERRED") as conn:
-            for table, order in self.digest_tables:
-                h.update(table.encode())
-                for row in conn.execute(f"SELECT * FROM {table} ORDER BY {order}"):  # noqa: S608 (names are ours)
-                    h.update(repr(tuple(row)).encode())
-        return h.hexdigest()[:16]
+            applied = conn.execute("SELECT value FROM meta WHERE key='applied_index'").fetchone()[0]
+            return int(applied), _show(conn.execute("SELECT value FROM digest WHERE id=0").fetchone()[0])
+
+    def full_digest(self) -> tuple[int, str, str]:
+        """``(applied index, maintained digest, digest recomputed from every row)`` of one read
+        snapshot, taken without the write lock (WAL: the applier goes on meanwhile)."""
+        with transaction(self._conn(), "DEFERRED") as conn:
+            applied = conn.execute("SELECT value FROM meta WHERE key='applied_index'").fetchone()[0]
+            kept = conn.execute("SELECT value FROM digest WHERE id=0").fetchone()[0]
+            return int(applied), _show(kept), _show(self._sum_rows(conn))
 
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)

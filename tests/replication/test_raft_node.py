@@ -24,7 +24,7 @@ CONFIG = ReplicationConfig(keep_entries=50, compact_slack=20)
 
 class KV(SQLiteStateMachine):
     schema = ("CREATE TABLE IF NOT EXISTS kv (k TEXT PRIMARY KEY, v INTEGER NOT NULL)",)
-    digest_tables = (("kv", "k"),)
+    digest_tables = ("kv",)
 
     def execute(self, conn: sqlite3.Connection, index: int, command: dict[str, Any]) -> Any:
         row = conn.execute("SELECT v FROM kv WHERE k=?", (command["k"],)).fetchone()

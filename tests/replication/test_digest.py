@@ -1,0 +1,129 @@
+"""The incremental state digest always equals a digest recomputed from every row: under random
+command sequences, snapshots, restarts and commands that fail half-way, on both services' states."""
+
+from __future__ import annotations
+
+import itertools
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from catalog.books import DEFAULT_BOOKS
+from catalog.state import CatalogState
+from order.state import OrderState
+
+ITEMS = st.integers(1, 8)  # 8 is not in the catalogue: 404s are commands too
+KEYS = st.sampled_from([f"k{i}" for i in range(6)])  # few keys: repeats exercise idempotency
+
+CATALOG_COMMANDS = st.one_of(
+    st.fixed_dictionaries({"op": st.just("decrement"), "item": ITEMS, "quantity": st.integers(1, 600), "key": KEYS}),
+    st.fixed_dictionaries({"op": st.just("update"), "item": ITEMS, "stock_delta": st.integers(-1200, 50),
+                           "cost": st.one_of(st.none(), st.floats(0, 100).map(lambda c: round(c, 2))),
+                           "key": st.one_of(st.none(), KEYS)}),
+    st.fixed_dictionaries({"op": st.just("restock"), "amount": st.integers(1, 5),
+                           "items": st.one_of(st.none(), st.lists(ITEMS, max_size=3))}),
+)
+ORDER_COMMANDS = st.one_of(
+    st.fixed_dictionaries({"op": st.just("intent"), "key": KEYS, "item": ITEMS, "quantity": st.integers(1, 3),
+                           "created_at": st.just("2026-11-23T12:00:00.000+00:00")}),
+    st.fixed_dictionaries({"op": st.just("confirm"), "key": KEYS, "title": st.text(max_size=5),
+                           "cost": st.floats(0, 100).map(lambda c: round(c, 2))}),
+    st.fixed_dictionaries({"op": st.just("fail"), "key": KEYS, "code": st.sampled_from([404, 409]),
+                           "message": st.text(max_size=5)}),
+)
+FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+_dirs = itertools.count()
+
+
+def fresh(kind: str, tmp_path: Path) -> CatalogState | OrderState:
+    path = tmp_path / f"{kind}-{next(_dirs)}" / "state.db"
+    if kind == "catalog":
+        state = CatalogState(path)
+        state.seed(DEFAULT_BOOKS)
+        return state
+    return OrderState(path)
+
+
+def agrees(state: CatalogState | OrderState) -> str:
+    applied, kept, recomputed = state.full_digest()
+    assert kept == recomputed, f"maintained {kept} != recomputed {recomputed} at index {applied}"
+    assert state.applied_and_digest() == (applied, kept)
+    return kept
+
+
+@pytest.mark.parametrize(("kind", "commands"), [("catalog", CATALOG_COMMANDS), ("order", ORDER_COMMANDS)])
+def test_random_commands_snapshots_and_restarts_keep_the_digest_exact(tmp_path: Path, kind: str, commands: Any) -> None:
+    @FAST
+    @given(st.lists(st.tuples(commands, st.sampled_from(["apply", "apply", "apply", "snapshot", "restart"])),
+                    max_size=25))
+    def run(steps: list[tuple[dict[str, Any], str]]) -> None:
+        state, twin = fresh(kind, tmp_path), fresh(kind, tmp_path)
+        agrees(state)
+        for index, (command, action) in enumerate(steps, start=1):
+            state.apply(index, command)
+            twin.apply(index, command)
+            if action == "snapshot":  # a follower restored from our snapshot has our digest, no rescan
+                restored = fresh(kind, tmp_path)
+                restored.restore(index, state.snapshot())
+                assert agrees(restored) == agrees(state)
+            elif action == "restart":  # reopened from disk
+                state.close()
+                state = type(state)(state.path)
+            assert agrees(state) == agrees(twin)  # same commands, same digest
+        state.close()
+        twin.close()
+
+    run()
+
+
+def test_different_states_have_different_digests(tmp_path: Path) -> None:
+    a, b = fresh("catalog", tmp_path), fresh("catalog", tmp_path)
+    assert agrees(a) == agrees(b)
+    a.apply(1, {"op": "update", "item": 1, "stock_delta": 1})
+    b.apply(1, {"op": "update", "item": 2, "stock_delta": 1})
+    assert agrees(a) != agrees(b)
+    a.apply(2, {"op": "update", "item": 2, "stock_delta": 1})
+    b.apply(2, {"op": "update", "item": 1, "stock_delta": 1})
+    assert agrees(a) != agrees(b), "the version column records which command changed each book"
+    c, d = fresh("catalog", tmp_path), fresh("catalog", tmp_path)
+    c.apply(1, {"op": "decrement", "item": 1, "quantity": 1, "key": "x"})
+    d.apply(1, {"op": "decrement", "item": 1, "quantity": 1, "key": "y"})
+    assert agrees(c) != agrees(d), "idempotency keys are part of the replicated state"
+
+
+class Breaking(CatalogState):
+    """Writes a row, then fails: the transaction (and the digest change with it) must roll back."""
+
+    def execute(self, conn: sqlite3.Connection, index: int, command: dict[str, Any]) -> Any:
+        result = super().execute(conn, index, command)
+        if command.get("break"):
+            raise RuntimeError("half-way")
+        return result
+
+
+def test_a_command_that_fails_half_way_changes_neither_state_nor_digest(tmp_path: Path) -> None:
+    state = Breaking(tmp_path / "s.db")
+    state.seed(DEFAULT_BOOKS)
+    before = agrees(state)
+    with pytest.raises(RuntimeError):
+        state.apply(1, {"op": "decrement", "item": 1, "quantity": 5, "key": "k", "break": True})
+    assert agrees(state) == before and state.applied_index() == 0
+    state.apply(1, {"op": "decrement", "item": 1, "quantity": 5, "key": "k"})
+    assert agrees(state) != before
+
+
+def test_a_database_from_before_the_triggers_gets_its_digest_on_open(tmp_path: Path) -> None:
+    state = fresh("catalog", tmp_path)
+    state.apply(1, {"op": "update", "item": 3, "stock_delta": 7, "key": "u"})
+    expected = agrees(state)
+    conn = state._conn()
+    for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type='trigger'").fetchall():
+        conn.execute(f"DROP TRIGGER {name}")
+    conn.execute("DROP TABLE digest")
+    state.close()
+    reopened = CatalogState(state.path)
+    assert agrees(reopened) == expected
