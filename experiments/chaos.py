@@ -253,6 +253,7 @@ def final_state(config: ClusterConfig, secret: str, items: list[int], max_order:
                         elif r.status_code != 404:
                             raise RuntimeError(f"{status['name']} /orders/{n}: {r.status_code} {r.text[:200]}")
                     entry["orders"] = orders
+                entry["verify"] = s.get(f"{url}/verify", headers=auth, timeout=60).json()
                 replicas[status["name"]] = entry
     return {"converged": True, "replicas": replicas}
 

@@ -8,7 +8,7 @@ and digest after healing), and checks SPEC's guarantees:
   That covers "no read returns a value older than a write acknowledged before it began", across
   frontends and workers, and "stock never negative" for every value read.
 - ``converged``: after healing every tier has one leader and its replicas one applied index and one
-  state digest.
+  state digest, which equals the digest recomputed from every row on each replica.
 - ``lost-buy``: every acknowledged buy is a confirmed order with its book and quantity on every order
   replica.
 - ``doubled-buy``: no order number was given to two buys; per book, no more confirmed orders than
@@ -97,6 +97,11 @@ def check(run: Path, timeout: float = 300) -> dict[str, Any]:
                     for name, r in replicas.items() if name.startswith(tier)}
             if len(seen) != 1:
                 anomaly("converged", f"{tier} replicas differ after healing: {sorted(seen)}")
+        for name, r in replicas.items():
+            v = r.get("verify")
+            if v is not None and not v["ok"]:
+                anomaly("converged", f"{name}: maintained digest {v['state_digest']} but its rows give "
+                                     f"{v['recomputed']}")
 
     for db, verdict_ in final.get("integrity", {}).items():
         if verdict_ != "ok":

@@ -77,6 +77,8 @@ def broken(mutate: Any) -> tuple[dict[str, Any], ...]:
     ("stock-equation", lambda h, n, f: f["replicas"]["catalog-3"]["books"]["1"].update(stock=10)),
     ("converged", lambda h, n, f: f["replicas"]["catalog-2"]["status"].update(state_digest="other")),
     ("converged", lambda h, n, f: f.update(converged=False, status={})),
+    ("converged", lambda h, n, f: f["replicas"]["order-3"].update(
+        verify={"ok": False, "state_digest": "abc", "recomputed": "abd"})),
     ("own-order", lambda h, n, f: h["ops"].append(
         op("order", 0, 120, 130, {"status": 404, "item": None, "quantity": None}, order_number=1))),
     ("nemesis", lambda h, n, f: n["errors"].append("loss: iptables failed")),

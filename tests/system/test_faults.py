@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from harness import Cluster, free_port_base
+from harness import Cluster, free_port_base, pygmy
 
 from client.api import PygmyClient, PygmyError
 
@@ -147,6 +147,9 @@ def check_invariants(c: Cluster, load: Load) -> None:
     for tier in ("catalog", "order"):
         digests = {r["state_digest"] for r in st[tier]["replicas"]}
         assert len(digests) == 1, f"{tier} replicas diverged: {st[tier]['replicas']}"
+    # Every maintained digest equals one recomputed from the rows, on every replica.
+    verified = pygmy("verify", "--data-dir", str(c.data_dir))
+    assert verified.returncode == 0, verified.stdout + verified.stderr
     for r in st["order"]["replicas"]:
         # 1. No acknowledged buy is lost, on any replica; and no order exists that nobody was given.
         confirmed = []
