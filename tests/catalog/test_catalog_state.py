@@ -1,0 +1,303 @@
+"""CatalogState on its own: every command through ``apply`` (the replicated command path), in-process.
+
+Decrements are idempotent by key and never take stock below zero; updates change stock and cost
+(once per key when they carry one); restocks refill only the sold-out books they name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from catalog.state import CatalogState, book_dict, cents, error
+
+BOOKS = [
+    {"item_number": 1, "title": "How to get a good grade in 677 in 20 minutes a day",
+     "topic": "distributed systems", "stock": 10, "cost": 20.0},
+    {"item_number": 2, "title": "RPCs for Dummies", "topic": "distributed systems", "stock": 0, "cost": 15.0},
+    {"item_number": 3, "title": "Xen and the Forgotten Art of Virtualization", "topic": "Graduate School",
+     "stock": 3, "cost": 30.0},
+    {"item_number": 4, "title": "Cooking for the Impatient Graduate Student", "topic": "graduate school",
+     "stock": 0, "cost": 12.5},
+    {"item_number": 5, "title": "Spring in the Pioneer Valley", "topic": "graduate school", "stock": 0,
+     "cost": 0.29},
+]
+
+
+def book(item: int, stock: int, version: int = 0, cost: float | None = None) -> dict[str, Any]:
+    b = BOOKS[item - 1]
+    return {"item_number": item, "title": b["title"], "topic": b["topic"], "stock": stock,
+            "cost": b["cost"] if cost is None else cost, "version": version}
+
+
+class Log:
+    """Applies commands at consecutive log indexes, as a replica's applier does."""
+
+    def __init__(self, state: CatalogState) -> None:
+        self.state = state
+        self.index = 0
+
+    def __call__(self, command: dict[str, Any] | None) -> Any:
+        self.index += 1
+        return self.state.apply(self.index, command)
+
+
+def decrement(item: int, quantity: int, key: str) -> dict[str, Any]:
+    return {"op": "decrement", "item": item, "quantity": quantity, "key": key}
+
+
+def update(item: int, **fields: Any) -> dict[str, Any]:
+    return {"op": "update", "item": item, **fields}
+
+
+def restock(amount: int, items: list[int] | None) -> dict[str, Any]:
+    cmd: dict[str, Any] = {"op": "restock", "amount": amount}
+    if items is not None:
+        cmd["items"] = items
+    return cmd
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Iterator[CatalogState]:
+    s = CatalogState(tmp_path / "catalog.db")
+    s.seed(BOOKS)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def log(state: CatalogState) -> Log:
+    return Log(state)
+
+
+def stocks(state: CatalogState) -> list[int]:
+    return [state.book(n)["stock"] for n in range(1, 6)]
+
+
+# -- seeding and reads ------------------------------------------------------------------------------
+def test_seed_loads_the_books_once(state: CatalogState, log: Log) -> None:
+    assert [state.book(n) for n in range(1, 6)] == [book(n, b["stock"]) for n, b in enumerate(BOOKS, 1)]
+    assert state.book(6) is None
+    state.seed([{"item_number": 9, "title": "X", "topic": "y", "stock": 1, "cost": 1.0}])
+    assert state.book(9) is None  # a replica with books is never seeded again
+    assert state.book(5)["cost"] == 0.29 and state.read("SELECT cost_cents FROM books WHERE item_number=5")[0][0] == 29
+
+
+def test_an_empty_replica_past_index_zero_is_not_seeded(tmp_path: Path) -> None:
+    s = CatalogState(tmp_path / "c.db")
+    s.apply(1, None)  # it has applied log entries: its books come from the log or a snapshot
+    s.seed(BOOKS)
+    assert s.book(1) is None
+    s.close()
+
+
+def test_book_at_gives_the_applied_index(state: CatalogState, log: Log) -> None:
+    assert state.book_at(1) == (0, book(1, 10))
+    log(None)
+    log(decrement(3, 1, "k"))
+    assert state.book_at(1) == (2, book(1, 10))  # unchanged since seeding, but read at index 2
+    assert state.book_at(3) == (2, book(3, 2, version=2))
+    assert state.book_at(42) == (2, None)
+
+
+def test_sold_out_lists_books_with_no_stock_in_item_order(state: CatalogState, log: Log) -> None:
+    assert state.sold_out() == [2, 4, 5]
+    log(decrement(3, 3, "k"))
+    assert state.sold_out() == [2, 3, 4, 5]
+
+
+def test_search_normalises_the_topic(state: CatalogState, log: Log) -> None:
+    assert state.search_at("Graduate-School") == (0, [
+        {"item_number": 3, "title": BOOKS[2]["title"]},
+        {"item_number": 4, "title": BOOKS[3]["title"]},
+        {"item_number": 5, "title": BOOKS[4]["title"]},
+    ])
+    log(None)
+    assert state.search_at("distributed_systems") == (1, [
+        {"item_number": 1, "title": BOOKS[0]["title"]}, {"item_number": 2, "title": BOOKS[1]["title"]},
+    ])
+    assert state.search_at("cooking") == (1, [])
+
+
+# -- decrement --------------------------------------------------------------------------------------
+def test_decrement_takes_stock_and_versions_the_book(state: CatalogState, log: Log) -> None:
+    log(None)
+    assert log(decrement(1, 4, "k1")) == {"ok": True, "book": book(1, 6, version=2)}
+    assert state.book(1) == book(1, 6, version=2)
+    assert stocks(state) == [6, 0, 3, 0, 0]
+
+
+def test_decrement_of_the_whole_stock_sells_out(state: CatalogState, log: Log) -> None:
+    assert log(decrement(3, 3, "k")) == {"ok": True, "book": book(3, 0, version=1)}
+    assert state.sold_out() == [2, 3, 4, 5]
+
+
+def test_decrement_beyond_the_stock_is_refused_and_changes_nothing(state: CatalogState, log: Log) -> None:
+    assert log(decrement(3, 4, "k")) == {
+        "ok": False, "error": {"code": 409, "message": "out of stock: 3 left of item 3, 4 wanted"}}
+    assert log(decrement(2, 1, "j")) == {
+        "ok": False, "error": {"code": 409, "message": "out of stock: 0 left of item 2, 1 wanted"}}
+    assert state.book(3) == book(3, 3) and state.book(2) == book(2, 0)
+
+
+def test_decrement_of_an_unknown_book_is_404(state: CatalogState, log: Log) -> None:
+    assert log(decrement(99, 1, "k")) == {
+        "ok": False, "error": {"code": 404, "message": "no book with item number 99"}}
+    assert stocks(state) == [10, 0, 3, 0, 0]
+
+
+def test_a_decrement_key_applies_once_and_repeats_its_first_answer(state: CatalogState, log: Log) -> None:
+    first = log(decrement(1, 4, "k"))
+    log(update(1, stock_delta=5))
+    # The retry (after a timeout or failover) answers what the first did, and takes no more stock.
+    assert log(decrement(1, 4, "k")) == first == {"ok": True, "book": book(1, 6, version=1)}
+    assert state.book(1) == book(1, 11, version=2)
+    assert log(decrement(1, 4, "other"))["book"]["stock"] == 7
+
+
+def test_a_refused_decrement_key_stays_refused(state: CatalogState, log: Log) -> None:
+    refused = log(decrement(2, 1, "k"))
+    log(restock(5, [2]))
+    assert log(decrement(2, 1, "k")) == refused  # the buyer was told 409; a retry must not sell
+    assert state.book(2)["stock"] == 5
+    missing = log(decrement(99, 1, "m"))
+    assert log(decrement(99, 1, "m")) == missing
+
+
+# -- update -----------------------------------------------------------------------------------------
+def test_update_changes_stock_and_cost(state: CatalogState, log: Log) -> None:
+    log(None)
+    assert log(update(3, stock_delta=7, cost=31.5)) == {"ok": True, "book": book(3, 10, version=2, cost=31.5)}
+    assert state.book(3) == book(3, 10, version=2, cost=31.5)
+
+
+def test_update_without_a_cost_keeps_it(state: CatalogState, log: Log) -> None:
+    assert log(update(3, stock_delta=-1)) == {"ok": True, "book": book(3, 2, version=1)}
+    assert log(update(3, stock_delta=1, cost=None)) == {"ok": True, "book": book(3, 3, version=2)}
+
+
+def test_update_of_the_cost_alone_keeps_the_stock(state: CatalogState, log: Log) -> None:
+    assert log(update(1, cost=0.29)) == {"ok": True, "book": book(1, 10, version=1, cost=0.29)}
+    assert state.read("SELECT cost_cents FROM books WHERE item_number=1")[0][0] == 29
+    assert log(update(1, stock_delta=None, cost=0.0)) == {"ok": True, "book": book(1, 10, version=2, cost=0.0)}
+
+
+def test_update_down_to_exactly_zero_is_allowed(state: CatalogState, log: Log) -> None:
+    assert log(update(3, stock_delta=-3)) == {"ok": True, "book": book(3, 0, version=1)}
+    assert state.sold_out() == [2, 3, 4, 5]
+
+
+def test_update_below_zero_is_refused_and_changes_nothing(state: CatalogState, log: Log) -> None:
+    assert log(update(3, stock_delta=-4, cost=1.0)) == {
+        "ok": False, "error": {"code": 409, "message": "stock would go negative: 3 in stock, delta -4"}}
+    assert state.book(3) == book(3, 3)
+
+
+def test_update_of_an_unknown_book_is_404(state: CatalogState, log: Log) -> None:
+    assert log(update(99, stock_delta=1)) == {
+        "ok": False, "error": {"code": 404, "message": "no book with item number 99"}}
+
+
+def test_an_update_key_applies_once(state: CatalogState, log: Log) -> None:
+    first = log(update(1, stock_delta=5, key="u"))
+    assert first == {"ok": True, "book": book(1, 15, version=1)}
+    assert log(update(1, stock_delta=5, key="u")) == first
+    assert state.book(1) == book(1, 15, version=1)
+    refused = log(update(3, stock_delta=-9, key="v"))
+    log(update(3, stock_delta=10))
+    assert log(update(3, stock_delta=-9, key="v")) == refused  # its answer stays the first one
+    assert state.book(3)["stock"] == 13
+
+
+def test_an_update_without_a_key_applies_every_time(state: CatalogState, log: Log) -> None:
+    log(update(1, stock_delta=5))
+    log(update(1, stock_delta=5, key=None))
+    log(update(1, stock_delta=5, key=""))
+    assert state.book(1) == book(1, 25, version=3)
+    assert state.read("SELECT COUNT(*) FROM idempotency")[0][0] == 0
+
+
+def test_update_and_decrement_keys_share_one_table(state: CatalogState, log: Log) -> None:
+    first = log(decrement(1, 1, "same"))
+    assert log(update(1, stock_delta=100, key="same")) == first
+    assert state.book(1)["stock"] == 9
+
+
+# -- restock ----------------------------------------------------------------------------------------
+def test_restock_refills_only_the_named_sold_out_books(state: CatalogState, log: Log) -> None:
+    log(None)
+    # 3 is named but not sold out (skipped), 2 is sold out but not named (left), 9 does not exist.
+    assert log(restock(7, [5, 3, 4, 9])) == {"ok": True, "items": [4, 5], "index": 2}
+    assert [state.book(n) for n in (2, 3, 4, 5)] == [book(2, 0), book(3, 3), book(4, 7, version=2),
+                                                     book(5, 7, version=2)]
+
+
+def test_restock_naming_nothing_restocks_nothing(state: CatalogState, log: Log) -> None:
+    assert log(restock(7, [])) == {"ok": True, "items": [], "index": 1}
+    assert stocks(state) == [10, 0, 3, 0, 0]
+
+
+def test_an_old_restock_without_names_refills_every_sold_out_book(state: CatalogState, log: Log) -> None:
+    assert log(restock(4, None)) == {"ok": True, "items": [2, 4, 5], "index": 1}
+    assert stocks(state) == [10, 4, 3, 4, 4]
+    assert [state.book(n)["version"] for n in range(1, 6)] == [0, 1, 0, 1, 1]
+
+
+def test_a_book_sold_again_before_the_restock_applies_is_skipped(state: CatalogState, log: Log) -> None:
+    log(update(2, stock_delta=1))  # restocked by hand between proposing and applying
+    assert log(restock(5, [2, 4])) == {"ok": True, "items": [4], "index": 2}
+    assert stocks(state) == [10, 1, 3, 5, 0]
+
+
+# -- the command path ---------------------------------------------------------------------------------
+def test_an_unknown_command_is_refused_and_applies_nothing(state: CatalogState, log: Log) -> None:
+    log(None)
+    with pytest.raises(ValueError, match=r"^unknown catalog command 'burn'$"):
+        state.apply(2, {"op": "burn", "item": 1})
+    assert state.applied_index() == 1
+
+
+def test_a_replayed_log_entry_changes_nothing(state: CatalogState, log: Log) -> None:
+    log(decrement(1, 1, "a"))
+    log(decrement(1, 1, "b"))
+    assert state.apply(2, decrement(1, 1, "c")) is None
+    assert state.applied_index() == 2 and state.book(1)["stock"] == 8
+
+
+def test_replicas_applying_the_same_log_have_the_same_digest(tmp_path: Path) -> None:
+    replicas = [CatalogState(tmp_path / f"r{i}.db") for i in range(3)]
+    for r in replicas:
+        r.seed(BOOKS)
+    assert len({r.digest() for r in replicas}) == 1
+    commands = [decrement(1, 2, "a"), update(3, stock_delta=1, cost=9.99), restock(2, [2])]
+    for r in replicas[:2]:
+        lg = Log(r)
+        for cmd in commands:
+            lg(cmd)
+    lg = Log(replicas[2])
+    for cmd in commands[:2]:
+        lg(cmd)
+    assert replicas[0].digest() == replicas[1].digest() != replicas[2].digest()
+    for r in replicas:
+        r.close()
+
+
+def test_a_snapshot_carries_the_books_and_the_keys(state: CatalogState, log: Log, tmp_path: Path) -> None:
+    first = log(decrement(1, 2, "a"))
+    other = CatalogState(tmp_path / "other.db")
+    other.restore(state.applied_index(), state.snapshot())
+    assert other.digest() == state.digest() and other.applied_index() == 1
+    assert other.apply(2, decrement(1, 2, "a")) == first  # the key came along: no second decrement
+    assert other.book(1)["stock"] == 8
+    other.close()
+
+
+# -- helpers ------------------------------------------------------------------------------------------
+def test_helpers() -> None:
+    assert cents(0.29) == 29 and cents(12.5) == 1250 and cents(19.999) == 2000 and cents(0) == 0
+    assert error(503, "busy") == {"ok": False, "error": {"code": 503, "message": "busy"}}
+    row = {"item_number": 7, "title": "T", "topic": "t", "stock": 2, "cost_cents": 1999, "version": 4}
+    assert book_dict(row) == {"item_number": 7, "title": "T", "topic": "t", "stock": 2, "cost": 19.99, "version": 4}

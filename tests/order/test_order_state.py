@@ -1,0 +1,206 @@
+"""OrderState on its own: every command through ``apply`` (the replicated command path), in-process.
+
+A buy is an ``intent`` (pending, numbered in log order, keyed by its idempotency key), then a
+``confirm`` or a ``fail``; each is applied at most once per key, whatever the log replays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from order.state import CONFIRMED, FAILED, PENDING, OrderState, order_dict
+
+AT = "2026-01-02T03:04:05.678+00:00"
+
+
+class Log:
+    """Applies commands at consecutive log indexes, as a replica's applier does."""
+
+    def __init__(self, state: OrderState) -> None:
+        self.state = state
+        self.index = 0
+
+    def __call__(self, command: dict[str, Any] | None) -> Any:
+        self.index += 1
+        return self.state.apply(self.index, command)
+
+
+def intent(key: str, item: int = 3, quantity: int = 1, created_at: str = AT) -> dict[str, Any]:
+    return {"op": "intent", "key": key, "item": item, "quantity": quantity, "created_at": created_at}
+
+
+def confirm(key: str, title: str = "RPCs for Dummies", cost: float = 15.0) -> dict[str, Any]:
+    return {"op": "confirm", "key": key, "title": title, "cost": cost}
+
+
+def fail(key: str, code: int = 409, message: str = "out of stock") -> dict[str, Any]:
+    return {"op": "fail", "key": key, "code": code, "message": message}
+
+
+def pending_order(number: int, key: str, item: int = 3, quantity: int = 1) -> dict[str, Any]:
+    return {"order_number": number, "item_number": item, "title": None, "quantity": quantity,
+            "cost": None, "total": None, "created_at": AT, "status": "pending", "key": key}
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Iterator[OrderState]:
+    s = OrderState(tmp_path / "order.db")
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def log(state: OrderState) -> Log:
+    return Log(state)
+
+
+def test_status_names() -> None:
+    assert (PENDING, CONFIRMED, FAILED) == ("pending", "confirmed", "failed")
+
+
+def test_an_intent_is_a_pending_order_numbered_from_one(state: OrderState, log: Log) -> None:
+    assert state.order(1) is None and state.pending() == []
+    assert log(intent("k1", item=5, quantity=2)) == pending_order(1, "k1", item=5, quantity=2)
+    assert state.order(1) == pending_order(1, "k1", item=5, quantity=2)
+    assert state.pending() == [pending_order(1, "k1", item=5, quantity=2)]
+    assert state.applied_index() == 1
+
+
+def test_orders_are_numbered_in_log_order(state: OrderState, log: Log) -> None:
+    numbers = [log(intent(f"k{i}"))["order_number"] for i in range(5)]
+    assert numbers == [1, 2, 3, 4, 5]
+    assert [o["key"] for o in state.pending()] == ["k0", "k1", "k2", "k3", "k4"]
+    assert state.order(6) is None and state.order(0) is None
+
+
+def test_a_repeated_intent_returns_the_first_order_unchanged(state: OrderState, log: Log) -> None:
+    log(intent("a", item=1, quantity=1))
+    log(intent("b", item=2, quantity=2))
+    # A client retrying a buy under the same key, even with other fields: still order 1, as first recorded.
+    assert log(intent("a", item=7, quantity=9, created_at="later")) == pending_order(1, "a", item=1, quantity=1)
+    assert [o["order_number"] for o in state.pending()] == [1, 2]
+    assert log(intent("c"))["order_number"] == 3  # the repeat used no number
+
+
+def test_confirm_records_title_cost_and_total(state: OrderState, log: Log) -> None:
+    log(intent("k", quantity=3))
+    confirmed = log(confirm("k", title="Cooking for the Impatient Graduate Student", cost=12.5))
+    assert confirmed == {
+        "order_number": 1, "item_number": 3, "title": "Cooking for the Impatient Graduate Student",
+        "quantity": 3, "cost": 12.5, "total": 37.5, "created_at": AT, "status": "confirmed", "key": "k",
+    }
+    assert state.order(1) == confirmed
+    assert state.pending() == []
+
+
+def test_cost_is_kept_in_whole_cents(state: OrderState, log: Log) -> None:
+    log(intent("k", quantity=3))
+    # 0.29 * 100 is 28.999999999999996 in floating point: rounded, not truncated.
+    assert log(confirm("k", cost=0.29))["cost"] == 0.29
+    assert state.read("SELECT cost_cents FROM orders")[0][0] == 29
+    assert state.order(1)["total"] == 0.87
+    log(intent("j", quantity=1))
+    assert log(confirm("j", cost=19.999))["cost"] == 20.0
+
+
+def test_confirm_applies_once(state: OrderState, log: Log) -> None:
+    log(intent("k"))
+    first = log(confirm("k", title="T", cost=10.0))
+    assert log(confirm("k", title="Other", cost=99.0)) == first
+    assert log(fail("k")) == first  # a late failure cannot undo a confirmed buy
+    assert state.order(1) == first
+
+
+def test_fail_records_the_catalogs_answer(state: OrderState, log: Log) -> None:
+    log(intent("k", item=9, quantity=2))
+    failed = log(fail("k", code=404, message="no book with item number 9"))
+    assert failed == {
+        "order_number": 1, "item_number": 9, "title": None, "quantity": 2, "cost": None, "total": None,
+        "created_at": AT, "status": "failed", "key": "k",
+        "error": {"code": 404, "message": "no book with item number 9"},
+    }
+    assert state.order(1) == failed
+    assert state.pending() == []
+
+
+def test_fail_applies_once(state: OrderState, log: Log) -> None:
+    log(intent("k"))
+    first = log(fail("k", code=409, message="out of stock: 0 left"))
+    assert log(fail("k", code=404, message="other")) == first
+    assert log(confirm("k")) == first  # a late success cannot turn a failed buy into a sale
+    assert log(intent("k")) == first
+    assert state.order(1) == first
+
+
+def test_commands_touch_only_their_own_key(state: OrderState, log: Log) -> None:
+    log(intent("a"))
+    log(intent("b"))
+    log(intent("c"))
+    log(confirm("b"))
+    log(fail("c"))
+    assert [o["key"] for o in state.pending()] == ["a"]
+    assert [state.order(n)["status"] for n in (1, 2, 3)] == ["pending", "confirmed", "failed"]
+    assert "error" not in state.order(1) and "error" not in state.order(2)
+
+
+def test_pending_lists_only_pending_orders_in_number_order(state: OrderState, log: Log) -> None:
+    for key in ("a", "b", "c", "d"):
+        log(intent(key))
+    log(confirm("a"))
+    log(fail("c"))
+    assert state.pending() == [pending_order(2, "b"), pending_order(4, "d")]
+
+
+def test_a_replayed_log_entry_changes_nothing(state: OrderState, log: Log) -> None:
+    log(intent("a"))
+    log(intent("b"))
+    # After a crash the log replays entries the state already holds: nothing is applied twice.
+    assert state.apply(2, intent("c")) is None
+    assert state.apply(1, confirm("a")) is None
+    assert state.applied_index() == 2
+    assert state.pending() == [pending_order(1, "a"), pending_order(2, "b")]
+
+
+def test_a_no_op_entry_only_advances_the_applied_index(state: OrderState, log: Log) -> None:
+    log(intent("a"))
+    before = state.digest()
+    assert log(None) is None
+    assert state.applied_index() == 2
+    assert state.digest() == before
+    assert log(intent("b"))["order_number"] == 2
+
+
+def test_an_unknown_command_is_refused_and_applies_nothing(state: OrderState, log: Log) -> None:
+    log(intent("a"))
+    with pytest.raises(ValueError, match=r"^unknown order command 'refund'$"):
+        state.apply(2, {"op": "refund", "key": "a"})
+    assert state.applied_index() == 1
+    assert state.order(1) == pending_order(1, "a")
+
+
+def test_replicas_applying_the_same_log_have_the_same_digest(tmp_path: Path) -> None:
+    replicas = [OrderState(tmp_path / f"r{i}.db") for i in range(3)]
+    logs = [Log(r) for r in replicas]
+    commands = [intent("a"), intent("b", quantity=2), confirm("a", cost=15.0), fail("b")]
+    for lg in logs[:2]:
+        for cmd in commands:
+            lg(cmd)
+    for cmd in commands[:3]:
+        logs[2](cmd)
+    digests = [r.digest() for r in replicas]
+    assert digests[0] == digests[1]
+    assert digests[2] != digests[0]  # "b" is still pending there
+    assert len(digests[0]) == 16 and int(digests[0], 16) >= 0
+    for r in replicas:
+        r.close()
+
+
+def test_order_dict_of_a_confirmed_row_has_no_error() -> None:
+    row = {"order_number": 4, "item_number": 2, "title": "T", "quantity": 2, "cost_cents": 1999,
+           "created_at": AT, "status": "confirmed", "key": "k", "error_code": None, "error_message": None}
+    assert order_dict(row) == {"order_number": 4, "item_number": 2, "title": "T", "quantity": 2, "cost": 19.99,
+                               "total": 39.98, "created_at": AT, "status": "confirmed", "key": "k"}
