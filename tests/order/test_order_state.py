@@ -174,6 +174,16 @@ def test_a_no_op_entry_only_advances_the_applied_index(state: OrderState, log: L
     assert log(intent("b"))["order_number"] == 2
 
 
+def test_an_outcome_without_an_intent_is_a_no_op_with_no_result(state: OrderState, log: Log) -> None:
+    log(intent("a"))
+    # Never proposed by the order service, but were one in the log it must not stop every replica's
+    # apply loop: it is applied as nothing.
+    assert log(confirm("nobody")) is None
+    assert log(fail("nobody")) is None
+    assert state.applied_index() == 3
+    assert state.pending() == [pending_order(1, "a")] and state.order(2) is None
+
+
 def test_an_unknown_command_is_refused_and_applies_nothing(state: OrderState, log: Log) -> None:
     log(intent("a"))
     with pytest.raises(ValueError, match=r"^unknown order command 'refund'$"):
