@@ -1,0 +1,398 @@
+"""The lease protocol's leader side in detail: tokens, releases, revocation arithmetic, the pushes.
+
+Written against the mutants of ``catalog.invalidation`` that the scenario tests in
+``test_invalidation.py`` let through (docs/testing.md, "Mutation score"). A fake clock stands in for
+``time`` inside the module, so every wait is exact; pushes are replaced by a recorder, except in the
+last tests, which send real HTTP to a server on a thread of this process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY
+
+import catalog.invalidation as inv_mod
+from catalog.invalidation import LEASE, Invalidator, book_key
+from replication.node import ProposalTimeout
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.slept: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def perf_counter(self) -> float:
+        return time.perf_counter()
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+
+
+class FakeNode:
+    def __init__(self) -> None:
+        self.current_term = 1
+        self.applied = 0
+        self.timeouts: list[float | None] = []
+
+    def term(self) -> int:
+        return self.current_term
+
+    def wait_applied(self, index: int, timeout: float | None) -> bool:
+        self.timeouts.append(timeout)
+        return self.applied >= index
+
+
+class Pushes:
+    """Records every push; ``fail`` names the urls whose pushes fail, ``during`` runs inside a push."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.threads: list[str] = []
+        self.fail: set[str] = set()
+        self.during: Callable[[], None] | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, url: str, body: dict[str, Any]) -> bool:
+        with self._lock:
+            self.calls.append((url, body))
+            self.threads.append(threading.current_thread().name)
+        if self.during is not None:
+            self.during()
+        return url not in self.fail
+
+    def releases(self) -> list[tuple[str, dict[str, Any]]]:
+        return [(url, body) for url, body in self.calls if "releases" in body]
+
+
+Env = tuple[FakeClock, FakeNode, Invalidator, Pushes]
+
+
+@pytest.fixture
+def env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
+    clock = FakeClock()
+    monkeypatch.setattr(inv_mod, "time", clock)
+    node = FakeNode()
+    inv = Invalidator(node, "secret")  # type: ignore[arg-type]
+    pushes = Pushes()
+    monkeypatch.setattr(inv, "_push", pushes)
+    yield clock, node, inv, pushes
+    inv.stop()
+
+
+def settled(inv: Invalidator) -> None:
+    """Wait for every push the invalidator submitted (releases are not waited for by the code)."""
+    inv._pool.shutdown(wait=True)
+
+
+def until(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 5
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in 5 s"
+        time.sleep(0.005)
+
+
+def woke(clock: FakeClock) -> float:
+    """Until when the caller slept, on the fake clock (``now`` if it did not sleep)."""
+    return clock.now + sum(clock.slept)
+
+
+def test_book_key() -> None:
+    assert book_key(17) == "book:17"
+
+
+# -- terms and tokens ---------------------------------------------------------------------------------
+def test_a_new_leader_waits_one_lease_before_its_first_write(env: Env) -> None:
+    clock, _node, inv, _pushes = env
+    clock.now = 100.0
+    inv.hold(["book:1"])
+    assert clock.slept == [pytest.approx(LEASE)]  # exactly until 100 + LEASE: every lease of an older term is over
+    clock.slept.clear()
+    clock.now = 100.0 + LEASE
+    inv.hold(["book:2"])
+    assert clock.slept == []
+
+
+def test_the_grant_names_the_token_of_the_next_write(env: Env) -> None:
+    """``next_token`` tells a worker which holds are finished: exactly those below the next write's."""
+    _clock, _node, inv, _pushes = env
+    first = inv.hold(["book:1"])
+    grant = inv.subscribe("w", "http://w")
+    assert grant["next_token"] == first + 1
+    second = inv.hold(["book:2"])
+    assert second == grant["next_token"] and first >> 32 == second >> 32 == 1
+    assert inv.subscribe("w", "http://w")["holds"] == [[first, ["book:1"]], [second, ["book:2"]]]
+    inv.release(first, 5)
+    assert inv.subscribe("w", "http://w") == {"continued": True, "holds": [[second, ["book:2"]]],
+                                              "next_token": second + 1}
+
+
+def test_a_lease_renewed_at_its_very_end_is_not_continued(env: Env) -> None:
+    """At its expiry instant a worker is no longer pushed to, so a renewal then must flush."""
+    clock, _node, inv, pushes = env
+    clock.now = -1.0
+    inv.hold(["book:0"])  # the new term's wait is over by t=0
+    clock.now = 0.0
+    assert inv.subscribe("w", "http://w")["continued"] is False
+    clock.now = LEASE - 0.01
+    assert inv.subscribe("w", "http://w")["continued"] is True  # lease now until 2 * LEASE - 0.01
+    clock.now = inv._subs["w"][1]
+    inv.hold(["book:1"])
+    assert pushes.calls == []  # its lease ends right now: not a target
+    assert inv.subscribe("w", "http://w")["continued"] is False
+
+
+# -- releases -----------------------------------------------------------------------------------------
+def test_a_release_is_pushed_with_its_index_to_live_workers_only(env: Env) -> None:
+    clock, _node, inv, pushes = env
+    clock.now = -1.0
+    inv.subscribe("old", "http://old")  # expired by t=0
+    clock.now = 0.0
+    inv.subscribe("w1", "http://w1")  # until LEASE
+    clock.now = 0.1
+    inv.subscribe("w2", "http://w2")  # until 0.1 + LEASE
+    token = inv.hold(["book:1", "book:2"])
+    assert sorted(url for url, _ in pushes.calls) == ["http://w1", "http://w2"]
+    assert all(body == {"holds": [[token, ["book:1", "book:2"]]]} for _, body in pushes.calls)
+    clock.now = LEASE  # w1's lease ends now
+    inv.release(token, 42)
+    settled(inv)
+    assert pushes.releases() == [("http://w2", {"releases": [[token, ["book:1", "book:2"], 42]]})]
+    assert all(name.startswith("invalidate") for name in pushes.threads)
+
+
+def test_releasing_an_unknown_or_finished_token_does_nothing(env: Env) -> None:
+    _clock, _node, inv, pushes = env
+    inv.subscribe("w", "http://w")
+    token = inv.hold(["book:1"])
+    inv.release(token, 3)
+    inv.release(token, 4)  # already released
+    inv.release(token + 99, 5)  # never held
+    settled(inv)
+    assert [body["releases"][0][2] for _, body in pushes.releases()] == [3]
+
+
+def test_no_release_is_pushed_after_stop(env: Env) -> None:
+    _clock, _node, inv, pushes = env
+    inv.subscribe("w", "http://w")
+    token = inv.hold(["book:1"])
+    inv.stop()
+    inv.release(token, 3)  # the pool is shut down: submitting would raise
+    assert pushes.releases() == [] and inv._pending == {}
+
+
+def test_a_write_that_sets_no_index_releases_at_zero(env: Env) -> None:
+    """The body of ``holding`` sets ``write.index`` when it changed something; left alone it is 0."""
+    _clock, _node, inv, pushes = env
+    inv.subscribe("w", "http://w")
+    with inv.holding(["book:1"]) as write:
+        assert write.index == 0
+    settled(inv)
+    assert inv._pending == {}
+    assert [body["releases"][0][2] for _, body in pushes.releases()] == [0]
+
+
+def test_a_timed_out_write_is_released_at_its_index_once_applied(env: Env) -> None:
+    _clock, node, inv, pushes = env
+    inv.subscribe("w", "http://w")
+    node.applied = 7
+    with pytest.raises(ProposalTimeout), inv.holding(["book:1"]):
+        raise ProposalTimeout("slow", index=7)
+    until(lambda: len(pushes.releases()) == 1)  # released from the pool's thread, once applied
+    assert inv._pending == {}
+    assert [body["releases"][0][1:] for _, body in pushes.releases()] == [[["book:1"], 7]]
+    assert node.timeouts and all(t is not None and 0 < t <= 0.5 for t in node.timeouts)  # notices stop
+
+
+def test_a_timed_out_write_is_never_released_by_a_later_term(env: Env) -> None:
+    _clock, node, inv, pushes = env
+    inv.subscribe("w", "http://w")
+    node.applied = 7
+    with pytest.raises(ProposalTimeout), inv.holding(["book:1"]):
+        node.current_term = 2  # we lost the leadership: the new term's grants end the hold
+        raise ProposalTimeout("slow", index=7)
+    settled(inv)  # the releasing thread has given up (a release it tried would have emptied _pending)
+    assert list(inv._pending.values()) == [["book:1"]] and pushes.releases() == []
+
+
+def test_stop_cancels_queued_pushes_and_does_not_wait_for_running_ones(env: Env) -> None:
+    _clock, _node, inv, pushes = env
+    gate = threading.Event()
+    pushes.during = lambda: gate.wait(5)
+    urls = [f"http://w{i}" for i in range(40)]
+    for i, url in enumerate(urls):
+        inv.subscribe(f"w{i}", url)
+    inv._pending[1 << 32 | 99] = ["book:1"]  # a write that needs no hold push for this test
+    inv.release(1 << 32 | 99, 5)  # 40 pushes: some run (and block), the rest queue
+    stopper = threading.Thread(target=inv.stop)
+    stopper.start()
+    stopper.join(1.0)
+    alive = stopper.is_alive()
+    gate.set()
+    stopper.join(5)
+    assert not alive, "stop waited for running pushes"
+    settled(inv)
+    assert 0 < len(pushes.calls) < len(urls), "queued pushes ran after stop"
+
+
+# -- revocation ---------------------------------------------------------------------------------------
+def started(env: Env) -> Env:
+    clock, _node, inv, _pushes = env
+    clock.now = -1.0
+    inv.hold(["book:0"])  # the new term's wait is over by t=0
+    clock.now = 0.0
+    clock.slept.clear()
+    return env
+
+
+def test_a_worker_that_renews_during_a_failed_push_is_waited_out_to_its_new_lease(
+        env: Env, caplog: pytest.LogCaptureFixture) -> None:
+    clock, _node, inv, pushes = started(env)
+    inv.subscribe("w", "http://w")  # until LEASE
+    pushes.fail.add("http://w")
+
+    def renew() -> None:
+        clock.now = 0.2
+        inv.subscribe("w", "http://w")  # until 0.2 + LEASE, granted while the push was out
+
+    pushes.during = renew
+    clock.now = 0.1
+    with caplog.at_level(logging.WARNING, logger="catalog.invalidation"):
+        inv.hold(["book:1"])
+    assert woke(clock) == pytest.approx(0.2 + LEASE)
+    assert [r.getMessage() for r in caplog.records] == ["hold not acknowledged by w; waiting out their lease"]
+    assert inv._revoked == {"w": pytest.approx(0.2 + LEASE)} and "w" not in inv._subs
+
+
+def test_the_warning_names_every_worker_a_hold_missed(env: Env, caplog: pytest.LogCaptureFixture) -> None:
+    clock, _node, inv, pushes = started(env)
+    for w in ("w1", "w2", "w3"):
+        inv.subscribe(w, f"http://{w}")
+    pushes.fail.update({"http://w1", "http://w3"})
+    with caplog.at_level(logging.WARNING, logger="catalog.invalidation"):
+        inv.hold(["book:1"])
+    assert [r.getMessage() for r in caplog.records] == ["hold not acknowledged by w1, w3; waiting out their lease"]
+
+
+def test_a_failed_push_waits_out_the_lease_it_saw_even_if_a_new_term_cleared_the_tables(env: Env) -> None:
+    clock, node, inv, pushes = started(env)
+    inv.subscribe("w", "http://w")  # until LEASE
+    pushes.fail.add("http://w")
+
+    def new_term() -> None:
+        node.current_term = 2
+        inv.subscribe("x", "http://x")  # the first act of term 2 clears the leases and revocations
+
+    pushes.during = new_term
+    clock.now = 0.1
+    inv.hold(["book:1"])
+    assert woke(clock) == pytest.approx(LEASE), "the write went ahead while w could still use its cache"
+
+
+def test_a_worker_whose_lease_ran_out_during_the_push_is_not_waited_for(env: Env) -> None:
+    clock, _node, inv, pushes = started(env)
+    inv.subscribe("w", "http://w")  # until LEASE
+    pushes.fail.add("http://w")
+
+    def slow() -> None:
+        clock.now = LEASE + 0.1
+
+    pushes.during = slow
+    clock.now = 0.1
+    inv.hold(["book:1"])
+    assert clock.slept == []
+    assert inv._revoked == {}  # nothing left to wait for: forgotten
+    pushes.during = None
+    clock.now = LEASE + 0.2
+    inv.hold(["book:2"])
+    assert clock.slept == []
+
+
+def test_a_push_that_never_answers_counts_as_failed(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock, _node, inv, pushes = started(env)
+    monkeypatch.setattr(inv_mod, "PUSH_TIMEOUT", 0.05)  # the wait is PUSH_TIMEOUT + 0.2 s, real time
+    gate = threading.Event()
+    pushes.during = lambda: gate.wait(5)
+    inv.subscribe("w", "http://w")
+    began = time.monotonic()
+    try:
+        inv.hold(["book:1"])
+        took = time.monotonic() - began
+    finally:
+        gate.set()
+    assert took < 1.0
+    assert "w" in inv._revoked and clock.slept == [pytest.approx(LEASE)]
+
+
+def test_publish_time_is_observed(env: Env) -> None:
+    _clock, _node, inv, _pushes = started(env)
+    before = REGISTRY.get_sample_value("pygmy_invalidation_seconds_sum") or 0.0
+    count = REGISTRY.get_sample_value("pygmy_invalidation_seconds_count") or 0.0
+    inv.hold(["book:1"])
+    assert 0 <= REGISTRY.get_sample_value("pygmy_invalidation_seconds_sum") - before < 1.0
+    assert REGISTRY.get_sample_value("pygmy_invalidation_seconds_count") == count + 1
+
+
+# -- the push itself, over real HTTP ------------------------------------------------------------------
+class Worker(BaseHTTPRequestHandler):
+    status = 200
+    delay = 0.0
+    seen: list[tuple[str, str | None, Any]] = []
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        Worker.seen.append((self.path, self.headers.get("authorization"), body))
+        time.sleep(Worker.delay)
+        self.send_response(Worker.status)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def worker() -> Iterator[str]:
+    Worker.status, Worker.delay, Worker.seen = 200, 0.0, []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Worker)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_push_posts_the_body_with_the_secret(worker: str) -> None:
+    inv = Invalidator(FakeNode(), "s3cret")  # type: ignore[arg-type]
+    try:
+        body = {"holds": [[5, ["book:1"]]]}
+        assert inv._push(worker, body) is True
+        assert Worker.seen == [("/invalidate", "Bearer s3cret", body)]
+        Worker.status = 503
+        assert inv._push(worker, body) is False
+    finally:
+        inv.stop()
+
+
+def test_a_push_to_a_slow_or_absent_worker_fails(worker: str) -> None:
+    inv = Invalidator(FakeNode(), "s")  # type: ignore[arg-type]
+    try:
+        Worker.delay = inv_mod.PUSH_TIMEOUT + 0.5
+        began = time.monotonic()
+        assert inv._push(worker, {"holds": []}) is False
+        assert time.monotonic() - began < inv_mod.PUSH_TIMEOUT + 0.4
+        with ThreadingHTTPServer(("127.0.0.1", 0), Worker) as closed:
+            port = closed.server_address[1]
+        assert inv._push(f"http://127.0.0.1:{port}", {"holds": []}) is False  # connection refused
+    finally:
+        inv.stop()
