@@ -19,13 +19,11 @@ everything and the replicas converge, the run records each replica's final state
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import os
 import random
 import shutil
-import sqlite3
 import sys
 import tempfile
 import threading
@@ -40,7 +38,7 @@ import requests
 from cluster.config import ClusterConfig
 from cluster.local import LocalCluster, free_port_base
 from experiments import chaos_check, lincheck, nemesis
-from experiments.linearizability import DEFINITE_FAILURES, Workload, cents
+from experiments.linearizability import DEFINITE_FAILURES, Workload
 
 RESULTS = Path(__file__).resolve().parent / "results" / "chaos"
 #: How long a client keeps retrying one update or keyed buy (same key) before calling it unknown.
@@ -81,7 +79,7 @@ class ChaosWorkload(Workload):
         self._stop_at = time.monotonic() + seconds
         return super().run(seconds, drain)
 
-    def _retrying(self, send: Any) -> requests.Response | None:
+    def _send(self, send: Any) -> requests.Response | None:
         """``send(attempt)`` until a definite answer (the same key every time), for up to
         ``RETRY_FOR`` seconds, and no longer than ``DRAIN`` seconds past the end of the run."""
         deadline = min(time.monotonic() + RETRY_FOR, self._stop_at + DRAIN)
@@ -94,31 +92,8 @@ class ChaosWorkload(Workload):
             time.sleep(0.1)
         return None
 
-    def _writer(self, k: int) -> None:
-        item = self.items[k % len(self.items)]
-        client = next(self._clients)
-        auth = {"Authorization": f"Bearer {self.secret}"}
-        cost = self.history.initial[item]["cost"] + (k // len(self.items)) * 100_000
-        with requests.Session() as s:
-            for i in itertools.count():
-                if self._stop.wait(self.write_pause if i else 0):
-                    return
-                cost += 1
-                delta = 0 if item in self.scarce else 1 + i % 3
-                body = {"stock_delta": delta, "cost": cost / 100}
-                key = f"chaos-u-{uuid.uuid4().hex}"
-                op = self.history.invoke(client, "update", item, {"stock_delta": delta, "cost": cost, "key": key})
-                r = self._retrying(lambda a, body=body, key=key, i=i: self._call(
-                    s, "POST", f"{self._url(k, i + a)}/update/{item}", json=body,
-                    headers={**auth, "Idempotency-Key": key}))
-                if r is None:
-                    self.history.unknown(op)
-                elif r.status_code == 200:
-                    book = r.json()
-                    self.history.ok(op, {"cost": cents(book["cost"]), "stock": book["stock"]})
-                else:
-                    self.history.drop(op)
-                    self.errors.append(f"update {item}: {r.status_code} {r.text[:200]}")
+    def _delta(self, item: int, i: int) -> int:
+        return 0 if item in self.scarce else super()._delta(item, i)
 
     def _buyer(self, k: int) -> None:
         client = next(self._clients)
@@ -136,7 +111,7 @@ class ChaosWorkload(Workload):
                     return self._call(s, "POST", f"{self._url(k, i + a)}/buy/{item}", json={"quantity": 1},
                                       headers={"Idempotency-Key": key} if key else {})
 
-                r = send(0) if keyless else self._retrying(send)
+                r = send(0) if keyless else self._send(send)
                 if r is None or r.status_code >= 500:
                     self.history.unknown(op)
                 elif r.status_code == 200:
@@ -309,7 +284,8 @@ def run(duration: float, seed: int, out: Path, kinds: tuple[str, ...] = nemesis.
             finally:
                 logs = cluster.logs_tail(lines=60)
                 cluster.stop()
-            final["integrity"] = integrity(config)  # every database whole, after all the full disks
+            # Every database whole, after all the full disks and kills.
+            final["integrity"] = nemesis.integrity({n: config.replica_dir(n) for n in config.names()})
         history.save(out / "history.json")
         (out / "nemesis.json").write_text(json.dumps({
             "seed": seed, "duration": duration, "kinds": list(kinds),
@@ -318,18 +294,6 @@ def run(duration: float, seed: int, out: Path, kinds: tuple[str, ...] = nemesis.
         (out / "final.json").write_text(json.dumps(final, indent=1))
         if not final["converged"]:
             (out / "logs.txt").write_text(logs)
-    return out
-
-
-def integrity(config: ClusterConfig) -> dict[str, str]:
-    """SQLite's ``PRAGMA integrity_check`` of every replica's log and state, once stopped."""
-    out = {}
-    for name in config.names():
-        for db in ("raft.db", "state.db"):
-            path = config.replica_dir(name) / db
-            if path.exists():
-                with contextlib.closing(sqlite3.connect(path, timeout=10)) as conn:
-                    out[f"{name}/{db}"] = conn.execute("PRAGMA integrity_check").fetchone()[0]
     return out
 
 

@@ -110,6 +110,14 @@ class Workload:
         except requests.RequestException:
             return None
 
+    def _delta(self, item: int, i: int) -> int:
+        """The stock a writer's ``i``-th update of ``item`` adds."""
+        return 1 + i % 3
+
+    def _send(self, send: Any) -> requests.Response | None:
+        """One request (``send(attempt)``); subclasses may retry it under the same key."""
+        return send(0)
+
     def _writer(self, k: int) -> None:
         item = self.items[k % len(self.items)]
         client = next(self._clients)
@@ -121,11 +129,12 @@ class Workload:
                 if self._stop.wait(self.write_pause if i else 0):
                     return
                 cost += 1
-                delta = 1 + i % 3
+                delta, key = self._delta(item, i), f"lin-{uuid.uuid4().hex}"
                 body = {"stock_delta": delta, "cost": cost / 100}
-                op = self.history.invoke(client, "update", item, {"stock_delta": delta, "cost": cost})
-                r = self._call(s, "POST", f"{self._url(k, i)}/update/{item}", json=body,
-                               headers={**auth, "Idempotency-Key": f"lin-{uuid.uuid4().hex}"})
+                op = self.history.invoke(client, "update", item, {"stock_delta": delta, "cost": cost, "key": key})
+                r = self._send(lambda a, body=body, key=key, i=i: self._call(
+                    s, "POST", f"{self._url(k, i + a)}/update/{item}", json=body,
+                    headers={**auth, "Idempotency-Key": key}))
                 if r is None or r.status_code >= 500:
                     self.history.unknown(op)
                 elif r.status_code == 200:

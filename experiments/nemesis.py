@@ -88,6 +88,17 @@ def fill(path: Path) -> None:
                     raise
 
 
+def integrity(dirs: dict[str, Path]) -> dict[str, str]:
+    """``PRAGMA integrity_check`` of each replica's log and state (``{name: data dir}``), once stopped."""
+    out = {}
+    for name, path in dirs.items():
+        for db in ("raft.db", "state.db"):
+            if (path / db).exists():
+                with contextlib.closing(sqlite3.connect(path / db, timeout=10)) as conn:
+                    out[f"{name}/{db}"] = conn.execute("PRAGMA integrity_check").fetchone()[0]
+    return out
+
+
 def unfill(path: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         (path / "filler").unlink()

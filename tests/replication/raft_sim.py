@@ -391,3 +391,16 @@ class Cluster:
                         agree = True
                     if agree and la[idx] != lb[idx]:
                         raise SafetyError(f"log matching violated between {a} and {b} at {idx}")
+
+
+def make_leader(core: RaftCore) -> RaftCore:
+    """Drive ``core`` through pre-vote and vote with every peer granting."""
+    for _ in range(500):
+        core.tick()
+        if core.role != "follower":
+            break
+    for _ in range(2):
+        for m in core.ready().messages:
+            core.step(Message(m.type + "_resp", m.dst, core.id, m.term, success=True))
+    assert core.is_leader()
+    return core

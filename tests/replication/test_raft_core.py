@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from raft_sim import SIM_CONFIG, Cluster
+from raft_sim import SIM_CONFIG, Cluster, make_leader
 
 from replication.core import APPEND, CoreConfig, Entry, HardState, Message, RaftCore
 
@@ -193,18 +193,6 @@ def test_message_json_round_trip():
     assert Message.from_dict(m.to_dict()) == m
     hb = Message("heartbeat", "a", "b", 3)
     assert hb.to_dict() == {"type": "heartbeat", "src": "a", "dst": "b", "term": 3}
-
-
-def make_leader(core: RaftCore) -> None:
-    """Drive ``core`` through pre-vote and vote with every peer granting."""
-    for _ in range(500):
-        core.tick()
-        if core.role != "follower":
-            break
-    for _ in range(2):
-        for m in core.ready().messages:
-            core.step(Message(m.type + "_resp", m.dst, core.id, m.term, success=True))
-    assert core.is_leader()
 
 
 def test_old_term_entries_commit_only_with_a_current_term_entry():

@@ -9,6 +9,7 @@ there, so they are pinned here one message at a time.
 from __future__ import annotations
 
 import pytest
+from raft_sim import make_leader
 
 from replication.core import (
     APPEND,
@@ -39,19 +40,6 @@ def log(*terms: int, start: int = 1) -> list[Entry]:
 def follower(entries: list[Entry], term: int, commit: int, **kw) -> RaftCore:
     return RaftCore("b", ["a", "b", "c"], hard_state=HardState(term, None, commit), entries=entries,
                     config=CFG, rng=1, **kw)
-
-
-def make_leader(core: RaftCore) -> RaftCore:
-    """Drive ``core`` through pre-vote and vote with every peer granting."""
-    for _ in range(100):
-        core.tick()
-        if core.role != "follower":
-            break
-    for _ in range(2):
-        for m in core.ready().messages:
-            core.step(Message(m.type + "_resp", m.dst, core.id, m.term, success=True))
-    assert core.is_leader()
-    return core
 
 
 def leader(peers: str = "abc", entries: list[Entry] | None = None, term: int = 0, commit: int = 0,
@@ -526,15 +514,20 @@ def test_granting_a_vote_restarts_the_election_timer() -> None:
     assert core.role == "precandidate"
 
 
-def test_a_starting_node_ignores_vote_requests_for_one_election_timeout() -> None:
-    core = wide_follower(min_timeout=CFG_WIDE.election_ticks_min + 2)
-    for _ in range(CFG_WIDE.election_ticks_min - 1):
-        core.tick()
+def ignored_then_granted(core: RaftCore) -> None:
+    """A vote request is ignored now, and granted one tick later."""
     core.step(Message("vote", "c", "b", 2, index=1, log_term=1))
     assert core.term == 1 and core.ready().messages == []
     core.tick()
     core.step(Message("vote", "c", "b", 2, index=1, log_term=1))
     assert core.term == 2 and core.ready().messages == [Message("vote_resp", "b", "c", 2, success=True)]
+
+
+def test_a_starting_node_ignores_vote_requests_for_one_election_timeout() -> None:
+    core = wide_follower(min_timeout=CFG_WIDE.election_ticks_min + 2)
+    for _ in range(CFG_WIDE.election_ticks_min - 1):
+        core.tick()
+    ignored_then_granted(core)
 
 
 def test_a_follower_ignores_vote_requests_while_it_hears_its_leader() -> None:
@@ -545,11 +538,7 @@ def test_a_follower_ignores_vote_requests_while_it_hears_its_leader() -> None:
     core.ready()
     for _ in range(CFG_WIDE.election_ticks_min - 1):
         core.tick()
-    core.step(Message("vote", "c", "b", 2, index=1, log_term=1))
-    assert core.term == 1 and core.ready().messages == []
-    core.tick()
-    core.step(Message("vote", "c", "b", 2, index=1, log_term=1))
-    assert core.term == 2 and core.ready().messages == [Message("vote_resp", "b", "c", 2, success=True)]
+    ignored_then_granted(core)
 
 
 def test_without_check_quorum_vote_requests_are_never_ignored() -> None:

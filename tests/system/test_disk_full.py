@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sqlite3
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,33 +37,21 @@ def wait_for(cond: Callable[[], object], timeout: float, what: str) -> None:
     raise AssertionError(f"not within {timeout} s: {what}")
 
 
-def mount_tmpfs(path: Path, size: str = "64m") -> None:
-    try:
-        nemesis.mount_tmpfs(path, size)
-    except RuntimeError as exc:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {exc}")
-
-
 @pytest.fixture
 def tmpfs_cluster(tmp_path: Path) -> Iterator[Cluster]:
     data = tmp_path / "d"
-    mounted: list[Path] = []
-    try:
-        for name in NAMES:
-            mount_tmpfs(data / name)
-            mounted.append(data / name)
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(nemesis.tmpfs_disks([data / name for name in NAMES]))
+        except RuntimeError as exc:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {exc}")
         c = Cluster(data, free_port_base(), ["--frontends", "2", "--frontend-workers", "2"]).start(reset=True)
         try:
             yield c
         finally:
             c.stop()
-        for name in NAMES:  # every database whole, after all this
-            for db in ("raft.db", "state.db"):
-                with contextlib.closing(sqlite3.connect(data / name / db)) as conn:
-                    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok", f"{name}/{db}"
-    finally:
-        for path in reversed(mounted):
-            subprocess.run(["umount", "-l", str(path)], check=False)
+        verdicts = nemesis.integrity({name: data / name for name in NAMES})  # every database whole
+        assert len(verdicts) == 2 * len(NAMES) and set(verdicts.values()) == {"ok"}, verdicts
 
 
 def test_full_disks_on_leaders_and_followers_degrade_and_recover(tmpfs_cluster: Cluster) -> None:
