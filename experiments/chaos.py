@@ -234,8 +234,9 @@ def final_state(config: ClusterConfig, secret: str, items: list[int], max_order:
 
 
 def run(duration: float, seed: int, out: Path, kinds: tuple[str, ...] = nemesis.KINDS,
-        env: dict[str, str] | None = None) -> Path:
-    """One chaos run; writes history.json, nemesis.json and final.json to ``out`` and returns it."""
+        env: dict[str, str] | None = None, hold: tuple[float, float] | None = None) -> Path:
+    """One chaos run; writes history.json, nemesis.json and final.json to ``out`` and returns it.
+    ``hold``: how long each fault lasts (s, uniform), if not the nemesis' default."""
     missing = nemesis.missing_tools()
     if missing:
         raise RuntimeError(f"the nemesis needs {', '.join(missing)} (network namespaces and iptables)")
@@ -266,7 +267,8 @@ def run(duration: float, seed: int, out: Path, kinds: tuple[str, ...] = nemesis.
                         return None
 
                 nem = nemesis.Nemesis(net, lambda tier: leader_of(config, tier), cluster.kill, cluster.restart,
-                                      pid, config.replica_dir, seed=seed, kinds=kinds)
+                                      pid, config.replica_dir, seed=seed, kinds=kinds,
+                                      **({"hold": hold} if hold else {}))
                 nem.start()
                 stopper = threading.Timer(duration, nem.stop)
                 stopper.start()

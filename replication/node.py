@@ -632,9 +632,10 @@ class ReplicaNode:
             if now >= next_tick:
                 next_tick = now + tick_s  # far behind (e.g. a stall): do not storm
             self._process_ready(next_tick - tick_s)
-            if self.fault is not None and now - self._fault_at >= fault_grace_s:
-                # Only after a whole election timeout without a fault: a follower with a full
-                # disk that has nothing to write for one pass is not yet working again.
+            if self.fault is not None and self._caught_up and now - self._fault_at >= fault_grace_s:
+                # Only once it has caught up with a leader (or leads), which takes writing what it
+                # missed, and an election timeout without a new fault: a follower with a full disk
+                # that merely had nothing to write for a while is not working again.
                 log.warning("%s: working again after %s", self.name, self.fault)
                 self.fault = None
                 self._fault_backoff = _FAULT_BACKOFF_MIN
