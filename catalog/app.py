@@ -14,6 +14,7 @@ from catalog.state import CatalogState
 from cluster.config import ClusterConfig
 from cluster.web import fail, int_field, json_body, parse_item, update_fields
 from replication.service import ReplicaRuntime
+from replication.transport import subscriber_address
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +78,12 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
     def subscribe() -> Response:
         body = json_body(required=True)
         sub_id, url = body.get("id"), body.get("url")
-        if not isinstance(sub_id, str) or not isinstance(url, str) or not url.startswith("http"):
-            fail(400, "id and url (http://host:port) are required")
+        if not isinstance(sub_id, str) or not isinstance(url, str):
+            fail(400, "id and url (tcp://host:port, where the worker takes pushes) are required")
+        try:
+            subscriber_address(url)
+        except ValueError as exc:
+            fail(400, str(exc))
         rt.leader_only()
         if not rt.node.can_serve_reads():
             # Grant leases only under our leader lease: then no other leader can exist right now,

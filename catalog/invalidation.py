@@ -26,11 +26,10 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from typing import Any
 
-import requests
-from prometheus_client import Histogram
+from prometheus_client import Counter, Histogram
 
 from replication.node import NotLeader, ProposalTimeout, ReplicaNode
-from replication.router import pooled_session
+from replication.transport import FrameClient, subscriber_address
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +37,12 @@ PUBLISH_SECONDS = Histogram(
     "pygmy_invalidation_seconds", "Time a write waits for every leased frontend worker to hold its keys",
     buckets=(0.0002, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
 )
+
+PUSH_BATCH = Histogram(
+    "pygmy_invalidation_batch_size", "Holds and releases carried by one push frame to one worker",
+    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64),
+)
+PUSH_FAILURES = Counter("pygmy_invalidation_push_failures", "Push frames a worker did not acknowledge")
 
 LEASE = 0.4
 PUSH_TIMEOUT = 0.3
@@ -72,15 +77,18 @@ class Invalidator:
         self._seq = 0
         self._lock = threading.Lock()
         self._ready_at = 0.0
-        self._session = pooled_session(64)
-        self._headers = {"Authorization": f"Bearer {secret}"}
+        self._secret = secret
+        self._channels: dict[str, _Channel] = {}  # url -> connection to that worker
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="invalidate")
         self._stopping = threading.Event()
 
     def stop(self) -> None:
         self._stopping.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._session.close()
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for ch in channels:
+            ch.close()
 
     def _sync_term(self) -> None:
         """Start fresh tables, and the lease wait, the first time we act in a new leadership term.
@@ -221,9 +229,69 @@ class Invalidator:
             return max((self._revoked.get(sid, 0.0) for sid in failed), default=0.0)
 
     def _push(self, url: str, body: dict[str, Any]) -> bool:
+        """Deliver ``body`` to one worker; True once it acknowledged (pushes to the same worker that
+        meet here go out together, in one frame)."""
+        with self._lock:
+            channel = self._channels.get(url)
+            if channel is None:
+                # Channels of workers that no longer hold or owe a lease are closed as others open.
+                live = {u for u, _ in self._subs.values()}
+                for old in [u for u in self._channels if u not in live]:
+                    self._channels.pop(old).close()
+                channel = self._channels[url] = _Channel(url, self._secret, self.node.name)
+        return channel.push(body)
+
+
+class _Channel:
+    """The connection to one frontend worker. Pushes are combined: whoever finds the channel free
+    sends everything queued so far as one frame (holds and releases of many writes) and hands the
+    worker's answer to every push in it; pushes that arrive meanwhile wait for the next frame."""
+
+    def __init__(self, url: str, secret: str, name: str) -> None:
+        self.client = FrameClient(subscriber_address(url), secret, name, connect_timeout=0.1)
+        self._cond = threading.Condition()
+        self._queue: list[tuple[dict[str, Any], list[bool]]] = []  # (body, [done, ok])
+        self._busy = False
+
+    def push(self, body: dict[str, Any]) -> bool:
+        mine = [False, False]
+        deadline = time.monotonic() + 2 * PUSH_TIMEOUT + 0.1
+        with self._cond:
+            self._queue.append((body, mine))
+            while not mine[0]:
+                if not self._busy:
+                    self._busy = True
+                    batch, self._queue = self._queue, []
+                    self._cond.release()
+                    try:
+                        ok = self._send(batch)
+                    finally:
+                        self._cond.acquire()
+                        self._busy = False
+                    for _, state in batch:
+                        state[0], state[1] = True, ok
+                    self._cond.notify_all()
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False  # still queued: it may go out later, which only holds a key longer
+                self._cond.wait(left)
+        return mine[1]
+
+    def _send(self, batch: list[tuple[dict[str, Any], list[bool]]]) -> bool:
+        frame = {"holds": [h for body, _ in batch for h in body.get("holds", ())],
+                 "releases": [r for body, _ in batch for r in body.get("releases", ())]}
+        PUSH_BATCH.observe(len(frame["holds"]) + len(frame["releases"]))
         try:
-            r = self._session.post(url + "/invalidate", json=body, headers=self._headers,
-                                   timeout=(0.1, PUSH_TIMEOUT))
-            return r.status_code == 200
-        except requests.RequestException:
-            return False
+            ok = self.client.call(frame, PUSH_TIMEOUT) == {"ok": True}
+        except OSError:
+            ok = False
+        except Exception:  # never leave the pushes of this frame without an answer
+            log.exception("push to %s failed unexpectedly", self.client.address)
+            ok = False
+        if not ok:
+            PUSH_FAILURES.inc()
+        return ok
+
+    def close(self) -> None:
+        self.client.close()

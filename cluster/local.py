@@ -44,7 +44,8 @@ def free_port_base(replicas: int = 5, frontends: int = 2) -> int:
     for _ in range(200):
         base = random.randrange(20000, 55000, 10)
         ports = [base + i for i in range(frontends)]
-        ports += [base + off + k for off in (100, 200) for k in range(1, replicas + 1)]
+        # Replicas: HTTP and the peer transport (replication.transport.RAFT_PORT_OFFSET above it).
+        ports += [base + off + k for off in (100, 150, 200, 250) for k in range(1, replicas + 1)]
         if all(_port_free(p) for p in ports):
             return base
     raise RuntimeError("no free port base found")

@@ -24,7 +24,7 @@ MAX_HEADERS = 16 * 1024
 
 access_log = logging.getLogger("pygmy.access")
 #: Internal routes hit many times a second; their routine answers are logged at DEBUG only.
-QUIET_PATHS = frozenset({"/raft/messages", "/subscribe"})
+QUIET_PATHS = frozenset({"/raft/read_index", "/subscribe"})
 
 
 class ApiError(Exception):

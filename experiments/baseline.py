@@ -41,6 +41,12 @@ def create_app() -> Any:
     def lookup(n: int) -> Any:
         return jsonify({**BOOK, "item_number": n})
 
+    @app.post("/buy/<int:n>")
+    def buy(n: int) -> Any:
+        """A static order: the bare POST the write-path benchmark divides by."""
+        return jsonify({"order_number": 1, "item_number": n, "title": BOOK["title"], "quantity": 1,
+                        "cost": BOOK["cost"], "total": BOOK["cost"]})
+
     @app.get("/health")
     def health() -> Any:
         return jsonify({"ok": True})

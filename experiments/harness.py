@@ -18,6 +18,7 @@ import platform
 import random
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -260,6 +261,7 @@ class Job:
     token: str | None = None
     seed: int = 0
     timeout: float = 10.0
+    threads: int = 1  # closed-loop clients in this process, each with its own connection
 
 
 OPS = ("search", "lookup", "buy", "update")
@@ -280,12 +282,34 @@ def _chooser(job: Job, rng: random.Random) -> Callable[[], int]:
 
 
 def _worker(job: Job) -> list[tuple[str, float, float, int]]:
-    """One client process: returns (op, start s after start_at, latency s, HTTP status or 0) per request.
+    """One client process: returns (op, start s after start_at, latency s, HTTP status or 0) per request,
+    from ``job.threads`` closed-loop threads (one, the process itself, by default)."""
+    start_at = job.start_at
+    if _READY is not None and _START is not None:
+        with _READY.get_lock():
+            _READY.value += 1
+        while _START.value == 0:
+            time.sleep(0.002)
+        start_at = _START.value
+    if job.threads <= 1:
+        return _client_loop(job, start_at, job.seed)
+    results: list[list[tuple[str, float, float, int]]] = [[] for _ in range(job.threads)]
 
-    Open loop: a request's start is its *scheduled* time, so waiting behind a slow reply counts
-    against the system (no coordinated omission).
-    """
-    rng = random.Random(job.seed)
+    def run(k: int) -> None:
+        results[k] = _client_loop(job, start_at, job.seed * 100 + k)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(job.threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [r for rs in results for r in rs]
+
+
+def _client_loop(job: Job, start_at: float, seed: int) -> list[tuple[str, float, float, int]]:
+    """One client's loop. Open loop: a request's start is its *scheduled* time, so waiting behind a
+    slow reply counts against the system (no coordinated omission)."""
+    rng = random.Random(seed)
     item = _chooser(job, rng)
     ops, weights = zip(*job.mix.items(), strict=True)
     out: list[tuple[str, float, float, int]] = []
@@ -296,13 +320,6 @@ def _worker(job: Job) -> list[tuple[str, float, float, int]]:
             "buy": lambda: c.buy(item(), key=uuid.uuid4().hex),
             "update": lambda: c.update(item(), stock_delta=1),
         }
-        start_at = job.start_at
-        if _READY is not None and _START is not None:
-            with _READY.get_lock():
-                _READY.value += 1
-            while _START.value == 0:
-                time.sleep(0.002)
-            start_at = _START.value
         time.sleep(max(0.0, start_at - time.time()))
         t0, offset = time.perf_counter(), time.time() - start_at  # monotonic clock, start_at timebase
         i = 0
@@ -377,12 +394,13 @@ class Records:
 def run_load(url: str, clients: int, mix: dict[str, float], *, count: int | None = None,
              duration: float | None = None, rate: float | None = None, items: int = 7,
              zipf: float | None = None, token: str | None = None, seed: int = 1,
-             start_delay: float | None = None,
+             start_delay: float | None = None, threads: int = 1,
+             topics: tuple[str, ...] = DEFAULT_TOPICS,
              on_start: Callable[[float, Callable[[float], None]], None] | None = None) -> Records:
     """Run ``clients`` client processes against ``url`` and gather every request.
 
     ``rate`` is the total open-loop rate (split evenly, schedules interleaved); without it each
-    process runs a closed loop. ``on_start(start_at)`` runs in this process while the load runs
+    process runs a closed loop (``threads`` clients in each). ``on_start(start_at)`` runs in this process while the load runs
     (the fault experiments kill replicas from there); calling its second argument ``stop(t)`` ends
     the run ``t`` seconds after ``start_at`` (before ``duration`` if that comes first).
     """
@@ -391,7 +409,8 @@ def run_load(url: str, clients: int, mix: dict[str, float], *, count: int | None
     start_at = time.time() + (start_delay if start_delay is not None else 0.5 + 0.02 * clients)
     per = rate / clients if rate else None
     jobs = [Job(url=url, mix=mix, start_at=start_at, count=count, duration=duration, rate=per,
-                phase=(k / rate if rate else 0.0), items=items, zipf=zipf, token=token, seed=seed * 1000 + k)
+                phase=(k / rate if rate else 0.0), items=items, zipf=zipf, token=token, seed=seed * 1000 + k,
+                threads=threads, topics=topics)
             for k in range(clients)]
     ctx = mp.get_context("fork")
     _STOP = ctx.Value("d", float("inf"), lock=False)

@@ -34,6 +34,7 @@ from typing import Any
 import requests
 
 from cluster.config import ClusterConfig, parse_name
+from replication.transport import RAFT_PORT_OFFSET
 
 ROOT = Path(__file__).resolve().parent.parent
 TOXIPROXY = ROOT / "build" / "toxiproxy" / "toxiproxy-server"
@@ -233,7 +234,8 @@ class Network:
         if self._toxiproxy is None:
             self._toxiproxy = Toxiproxy(self.gateway, self._log_dir / "toxiproxy.log")
             for name in self.replicas():
-                self._toxiproxy.proxy(name, self.proxy_port(name), f"{self.config.address(name)}:{self.port(name)}")
+                for port in self.ports(name):
+                    self._toxiproxy.proxy(f"{name}-{port}", self.proxy_port(port), f"{self.config.address(name)}:{port}")
         return self._toxiproxy
 
     def close(self) -> None:
@@ -261,9 +263,14 @@ class Network:
         tier, k = parse_name(name)
         return self.config.local_port(tier, k)
 
-    def proxy_port(self, name: str) -> int:
-        """Where Toxiproxy listens (on the gateway) for the delayed links into ``name``."""
-        return 20000 + self.port(name) % 10000
+    def ports(self, name: str) -> list[int]:
+        """Every port ``name`` listens on: HTTP, and a replica's peer transport."""
+        port = self.port(name)
+        return [port] if name.startswith("frontend") else [port, port + RAFT_PORT_OFFSET]
+
+    def proxy_port(self, port: int) -> int:
+        """Where Toxiproxy listens (on the gateway) for the delayed links into ``port``."""
+        return 20000 + port % 10000
 
     def ns(self, name: str) -> str:
         ns = self.config.namespace(name)
@@ -293,8 +300,8 @@ class Network:
 
     def cut_one_way(self, a: str, b: str) -> None:
         """``a`` cannot send requests to ``b``; ``b``'s requests to ``a`` (and their replies) go through."""
-        self._run({a: [["iptables", "-A", "OUTPUT", "-d", self.config.address(b), "-p", "tcp", "--dport",
-                        str(self.port(b)), "-j", "DROP"]]})
+        self._run({a: [["iptables", "-A", "OUTPUT", "-d", self.config.address(b), "-p", "tcp", "-m", "multiport",
+                        "--dports", ",".join(map(str, self.ports(b))), "-j", "DROP"]]})
 
     def lossy(self, name: str, probability: float) -> None:
         """Drop this fraction of ``name``'s packets to and from other services (not the host's)."""
@@ -305,14 +312,16 @@ class Network:
 
     def delay(self, name: str, ms: int, jitter: int) -> None:
         """Every other service's connections to ``name`` go through Toxiproxy with this latency."""
-        self.toxiproxy.latency(name, ms, jitter)
+        target = self.config.address(name)
+        rules = []
+        for port in self.ports(name):
+            self.toxiproxy.latency(f"{name}-{port}", ms, jitter)
+            rules += [["iptables", "-t", "nat", "-A", "OUTPUT", "-d", target, "-p", "tcp", "--dport", str(port), "-j",
+                       "DNAT", "--to-destination", f"{self.gateway}:{self.proxy_port(port)}"],
+                      # NAT applies to new connections only: end the kept-alive ones so they reconnect.
+                      ["ss", "-K", "dst", target, "dport", "=", str(port)]]
         self._delayed.add(name)
-        target, port = self.config.address(name), str(self.port(name))
-        self._run({other: [
-            ["iptables", "-t", "nat", "-A", "OUTPUT", "-d", target, "-p", "tcp", "--dport", port, "-j", "DNAT",
-             "--to-destination", f"{self.gateway}:{self.proxy_port(name)}"],
-            # NAT applies to new connections only: end the kept-alive ones so they reconnect.
-            ["ss", "-K", "dst", target, "dport", "=", port]] for other in self.names if other != name})
+        self._run({other: rules for other in self.names if other != name})
 
     def heal(self) -> None:
         """Remove every rule and toxic: the network is whole again. The namespaces hold only our
@@ -325,7 +334,8 @@ class Network:
                     sh("ip", "netns", "exec", self.ns(name), "sh", "-c", "; ".join(shlex.join(c) for c in cmds),
                        check=False)
             for name in self._delayed:
-                self.toxiproxy.clear(name)
+                for port in self.ports(name):
+                    self.toxiproxy.clear(f"{name}-{port}")
             self._delayed.clear()
 
 

@@ -1,7 +1,7 @@
 """A frontend worker's lease with the catalog leader, and the listener its holds arrive on.
 
-Each Gunicorn worker runs its own listener (a small HTTP server on a free port) and renews its own
-lease, because the catalog must reach every worker's cache, not whichever worker the shared
+Each Gunicorn worker runs its own listener (a ``FrameServer`` on a free port: one long-lived
+connection from the catalog leader, frames of holds and releases) and renews its own lease, because the catalog must reach every worker's cache, not whichever worker the shared
 listening socket happens to pick. Before it proposes a write, the catalog leader pushes a *hold* on
 the keys to every unexpired lease (one it cannot reach it waits out instead, at most one lease);
 after the write is applied it pushes the *release* with the write's log index. So while our lease
@@ -11,19 +11,17 @@ we stop using the cache until we hold a lease again.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
 import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from cluster.web import secret_refusal
 from frontend.cache import ReadCache
 from replication.router import TierRouter, TierUnavailable
+from replication.transport import FrameServer
 
 log = logging.getLogger(__name__)
 
@@ -49,30 +47,22 @@ class Subscription:
                  frontend: str) -> None:
         self.cache, self.catalog = cache, catalog
         self.id = f"{frontend}/{os.getpid()}/{uuid.uuid4().hex[:6]}"
-        self._expected = f"Bearer {secret}".encode()
         self._valid_until = 0.0
         self._holder: tuple[str, int] | None = None  # (leader, term) that granted our lease
         self._stop = threading.Event()
-        self._server = ThreadingHTTPServer((bind, 0), self._handler_class())
-        self._server.daemon_threads = True
-        self.url = f"http://{advertised_host(bind, advertise)}:{self._server.server_address[1]}"
-        self._threads = [
-            threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
-                             name="invalidation-listener", daemon=True),
-            threading.Thread(target=self._renew_loop, name="lease-renewal", daemon=True),
-        ]
+        self._server = FrameServer(bind, 0, secret, self._on_push, name=f"listener-{self.id}")
+        self.url = f"tcp://{advertised_host(bind, advertise)}:{self._server.address[1]}"
+        self._thread = threading.Thread(target=self._renew_loop, name="lease-renewal", daemon=True)
         self.pushes = 0
 
     def start(self) -> None:
-        for t in self._threads:
-            t.start()
+        self._server.start()
+        self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
-        self._server.shutdown()
-        self._server.server_close()
-        for t in self._threads:
-            t.join(timeout=2)
+        self._server.stop()
+        self._thread.join(timeout=2)
 
     def valid(self) -> bool:
         return time.monotonic() < self._valid_until
@@ -113,6 +103,14 @@ class Subscription:
             self._stop.wait(RENEW_EVERY if ok else RENEW_EVERY / 2)
 
     # -- pushes -----------------------------------------------------------------------------------
+    def _on_push(self, peer: str, frame: Any) -> dict[str, Any]:
+        """A frame from the catalog leader (authenticated by the transport): applied, then acknowledged."""
+        try:
+            self.apply_push(frame)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return {"error": {"code": 400, "message": "malformed invalidation"}}
+        return {"ok": True}
+
     def apply_push(self, body: dict[str, Any]) -> None:
         """Holds first, then releases: one push may carry both, for different writes."""
         for token, keys in body.get("holds", []):
@@ -120,39 +118,3 @@ class Subscription:
         for token, keys, version in body.get("releases", []):
             self.cache.release(int(token), [str(k) for k in keys], int(version))
         self.pushes += 1
-
-    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
-        sub = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            # Headers and body go out in separate writes: without TCP_NODELAY the body would wait
-            # for the catalog's delayed ACK (~40 ms) on every push over a kept-alive connection.
-            disable_nagle_algorithm = True
-
-            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-                length = int(self.headers.get("Content-Length") or 0)
-                raw = self.rfile.read(min(length, 1 << 20))
-                if self.path != "/invalidate":
-                    return self._reply(404, {"error": {"code": 404, "message": "no such resource"}})
-                refused = secret_refusal(self.headers.get("Authorization"), sub._expected)
-                if refused:
-                    return self._reply(refused[0], {"error": {"code": refused[0], "message": refused[1]}})
-                try:
-                    sub.apply_push(json.loads(raw))
-                except (ValueError, KeyError, TypeError):
-                    return self._reply(400, {"error": {"code": 400, "message": "malformed invalidation"}})
-                self._reply(200, {"ok": True})
-
-            def _reply(self, code: int, body: dict[str, Any]) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-                pass
-
-        return Handler

@@ -5,8 +5,10 @@ Threads, all owned and joined by ``stop()``:
 - the event loop: the only thread touching the core, the log store and (for writes) the state
   machine. It drains an inbox of peer messages and proposals, ticks every ``tick_ms``, then handles
   the core's ``Ready``: persist (durably) -> send -> apply -> advance;
-- one sender per peer: coalesces queued messages into one POST ``/raft/messages`` (drops on error:
-  Raft retransmits);
+- one sender per peer: coalesces queued messages into one frame on a long-lived connection
+  (``replication.transport``; drops on error: Raft retransmits);
+- the frame server's accept thread and one reader per connected peer: they put what arrives in the
+  inbox;
 - one notifier: runs leader listeners, so a listener may itself call ``propose``.
 """
 
@@ -32,6 +34,7 @@ from replication.log_store import LogStore
 from replication.router import pooled_session
 from replication.statemachine import StateMachine
 from replication.storage import describe, is_storage_fault
+from replication.transport import FrameClient, FrameServer, raft_address
 
 log = logging.getLogger("pygmy.replication")
 #: Longest a leader not yet sure of its lease waits for it before refusing a read index.
@@ -79,13 +82,11 @@ class ReplicationConfig(CoreConfig):
     #: Compact only once this many more entries accumulated (amortises the DELETE).
     compact_slack: int = 2_000
     connect_timeout: float = 0.2
-    read_timeout: float = 0.5
-    snapshot_read_timeout: float = 10.0
-    #: Cap on messages per POST (heartbeats and appends are coalesced up to it).
+    #: Longest a frame may take to leave (a peer that stopped reading: the connection is dropped).
+    send_timeout: float = 0.5
+    snapshot_send_timeout: float = 10.0
+    #: Cap on messages per frame (heartbeats and appends are coalesced up to it).
     max_batch_messages: int = 64
-    #: How long ``/raft/messages`` waits to carry the receiver's replies back in its HTTP response.
-    #: Replies riding on the response halve the HTTP requests per round (heartbeat or commit).
-    reply_wait: float = 0.05
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ReplicationConfig:
@@ -123,25 +124,13 @@ class _Proposal:
         self.done.set()
 
 
-class _ReplySlot:
-    """Replies for one peer that an open ``/raft/messages`` request will carry back."""
-
-    __slots__ = ("peer", "messages", "done", "closed")
-
-    def __init__(self, peer: str) -> None:
-        self.peer = peer
-        self.messages: list[Message] = []
-        self.done = threading.Event()
-        self.closed = False
-
-
 class _Sender:
     """Delivers messages to one peer on its own thread, so a slow peer delays nobody else."""
 
-    def __init__(self, node: ReplicaNode, peer: str, url: str) -> None:
-        self.node, self.peer, self.url = node, peer, url.rstrip("/") + "/raft/messages"
+    def __init__(self, node: ReplicaNode, peer: str, address: tuple[str, int]) -> None:
+        self.node, self.peer = node, peer
         self.queue: queue.Queue[Message | None] = queue.Queue()
-        self.session = pooled_session(pool=2)
+        self.client = FrameClient(address, node.secret, node.name, node.config.connect_timeout)
         self.thread = threading.Thread(target=self._run, name=f"raft-send-{node.name}->{peer}", daemon=True)
 
     def _run(self) -> None:
@@ -166,28 +155,19 @@ class _Sender:
                 snaps = [m for m in batch if m.type == SNAPSHOT]
                 rest = [m for m in batch if m.type != SNAPSHOT]
                 if rest:
-                    self._post(rest, cfg.read_timeout)
+                    self._send(rest, cfg.send_timeout)
                 for m in snaps:
-                    self._post([m], cfg.snapshot_read_timeout)
+                    self._send([m], cfg.snapshot_send_timeout)
             except Exception:
                 log.exception("%s -> %s: sending failed; dropping the batch", self.node.name, self.peer)
             if stop:
                 break
-        self.session.close()
+        self.client.close()
 
-    def _post(self, msgs: list[Message], read_timeout: float) -> None:
+    def _send(self, msgs: list[Message], timeout: float) -> None:
         try:
-            resp = self.session.post(
-                self.url,
-                json={"messages": [m.to_dict() for m in msgs]},
-                headers={"Authorization": f"Bearer {self.node.secret}"},
-                timeout=(self.node.config.connect_timeout, read_timeout),
-            )
-            if resp.status_code >= 300:
-                log.debug("%s -> %s: HTTP %s", self.node.name, self.peer, resp.status_code)
-                return
-            self.node._deliver(resp.json().get("messages") or [], expected_src=self.peer)
-        except (requests.RequestException, ValueError, AttributeError) as exc:
+            self.client.send({"messages": [m.to_dict() for m in msgs]}, timeout)
+        except OSError as exc:
             log.debug("%s -> %s: %s", self.node.name, self.peer, exc)
 
 
@@ -267,7 +247,12 @@ class ReplicaNode:
         config: ReplicationConfig | None = None,
         *,
         seed: int | None = None,
+        listen: tuple[str, int] | None = None,
+        addresses: Mapping[str, tuple[str, int]] | None = None,
     ) -> None:
+        """``peers`` are the replicas' HTTP URLs; ``addresses`` their peer transport addresses
+        (default: derived from the URLs, ``transport.raft_address``) and ``listen`` where this one
+        accepts its peers (default: its own address)."""
         if name not in peers:
             raise ValueError(f"{name} is not among the peers {list(peers)}")
         self.name = name
@@ -281,9 +266,6 @@ class ReplicaNode:
         self._seed = seed
         self.core = self._load_core()
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._slots: dict[str, list[_ReplySlot]] = {}
-        self._slots_lock = threading.Lock()
-        self._touched_slots: list[_ReplySlot] = []
         self._proposals: dict[int, _Proposal] = {}
         self._apply_cond = threading.Condition()
         #: The core's commit index as of the last ``Ready``, set *before* its messages go out, so a
@@ -304,7 +286,10 @@ class ReplicaNode:
         self._apply_listeners: list[Callable[[int, Any, Any], None]] = []
         self._leader_listeners: list[Callable[[bool, int], None]] = []
         self._notify: queue.Queue[tuple[bool, int] | None] = queue.Queue()
-        self._senders = {p: _Sender(self, p, url) for p, url in self.peers.items() if p != name}
+        addresses = dict(addresses) if addresses else {p: raft_address(url) for p, url in self.peers.items()}
+        self._senders = {p: _Sender(self, p, addresses[p]) for p in self.peers if p != name}
+        self._listen = listen or addresses[name]
+        self._server: FrameServer | None = None
         self._stopping = threading.Event()
         self._loop_thread = threading.Thread(target=self._run, name=f"raft-loop-{name}", daemon=True)
         self._notify_thread = threading.Thread(
@@ -350,6 +335,9 @@ class ReplicaNode:
         if self._started:
             return
         self._started = True
+        self._server = FrameServer(*self._listen, self.secret, self._on_frame, name=self.name,
+                                   members=[p for p in self.peers if p != self.name])
+        self._server.start()
         for s in self._senders.values():
             s.thread.start()
         self._notify_thread.start()
@@ -361,6 +349,8 @@ class ReplicaNode:
             return
         self._stopping.set()
         if self._started:
+            if self._server is not None:
+                self._server.stop()
             self._inbox.put(("stop", None))
             self._loop_thread.join(timeout=10)
             for s in self._senders.values():
@@ -502,36 +492,6 @@ class ReplicaNode:
     def _make_blueprint(self) -> Blueprint:
         bp = Blueprint(f"raft_{self.name}", __name__)
 
-        @bp.post("/raft/messages")
-        def raft_messages() -> tuple[Response, int]:
-            refused = secret_refusal(request.headers.get("Authorization"), f"Bearer {self.secret}".encode())
-            if refused is not None:
-                return jsonify({"error": {"code": refused[0], "message": refused[1]}}), refused[0]
-            request.max_content_length = 1 << 31  # appends and snapshots may be large (app limit aside)
-            body = request.get_json(silent=True)
-            raw = body.get("messages") if isinstance(body, dict) else None
-            if not isinstance(raw, list):
-                return jsonify({"error": {"code": 400, "message": "expected {'messages': [...]}"}}), 400
-            msgs = self._parse(raw)
-            if not msgs:
-                return jsonify({"accepted": 0, "messages": []}), 200
-            src = msgs[0].src
-            slot = _ReplySlot(src) if all(m.src == src for m in msgs) else None
-            if slot is not None:
-                with self._slots_lock:
-                    self._slots.setdefault(src, []).append(slot)
-            self._inbox.put(("msgs", (msgs, slot)))
-            replies: list[Message] = []
-            if slot is not None:
-                slot.done.wait(self.config.reply_wait)
-                with self._slots_lock:
-                    slot.closed = True
-                    waiting = self._slots.get(src, [])
-                    if slot in waiting:
-                        waiting.remove(slot)
-                    replies = list(slot.messages)
-            return jsonify({"accepted": len(msgs), "messages": [m.to_dict() for m in replies]}), 200
-
         @bp.get("/raft/read_index")
         def raft_read_index() -> tuple[Response, int]:
             refused = secret_refusal(request.headers.get("Authorization"), f"Bearer {self.secret}".encode())
@@ -557,11 +517,14 @@ class ReplicaNode:
                 out.append(m)
         return out
 
-    def _deliver(self, raw: list[Any], expected_src: str) -> None:
-        """Replies that came back in the response to one of our POSTs."""
-        for m in self._parse(raw):
-            if m.src == expected_src:
-                self._inbox.put(("msg", m))
+    def _on_frame(self, peer: str, frame: Any) -> None:
+        """A frame from an authenticated connection (a reader thread): its messages from ``peer`` to us
+        go to the event loop; anything else is ignored, as a lost message would be."""
+        raw = frame.get("messages") if isinstance(frame, dict) else None
+        if isinstance(raw, list):
+            msgs = [m for m in self._parse(raw) if m.src == peer]
+            if msgs:
+                self._inbox.put(("msgs", msgs))
 
     # -- event loop ------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -600,9 +563,6 @@ class ReplicaNode:
         for prop in list(self._proposals.values()):
             prop.finish(error=ProposalTimeout(f"{self.name}: {self.fault}; outcome unknown", index=prop.index))
         self._proposals.clear()
-        for slot in self._touched_slots:
-            slot.done.set()
-        self._touched_slots.clear()
         if self._was_leader:
             self._was_leader = False
             self._notify.put((False, int(self._view.get("term", 0))))
@@ -639,21 +599,12 @@ class ReplicaNode:
                 log.warning("%s: working again after %s", self.name, self.fault)
                 self.fault = None
                 self._fault_backoff = _FAULT_BACKOFF_MIN
-            # Replies to the requests just handled are in their slots now: let them go back.
-            for slot in self._touched_slots:
-                slot.done.set()
-            self._touched_slots.clear()
 
     def _handle_input(self, item: tuple[str, Any]) -> bool:
         kind, value = item
-        if kind == "msg":
-            self.core.step(value)
-        elif kind == "msgs":
-            msgs, slot = value
-            for m in msgs:
+        if kind == "msgs":
+            for m in value:
                 self.core.step(m)
-            if slot is not None:
-                self._touched_slots.append(slot)
         elif kind == "propose":
             prop: _Proposal = value
             index = self.core.propose(prop.command)
@@ -723,20 +674,9 @@ class ReplicaNode:
                     m.payload = self.sm.snapshot()
                 m.snapshot_term = self.core.term_at(m.snapshot_index) or 0
                 log.info("%s: sending a snapshot at index %d to %s", self.name, m.snapshot_index, m.dst)
-            if m.type != SNAPSHOT and self._to_open_slot(m):
-                continue
             sender = self._senders.get(m.dst)
             if sender is not None:
                 sender.queue.put(m)
-
-    def _to_open_slot(self, m: Message) -> bool:
-        """Hand ``m`` to a request from its destination that is still waiting for replies."""
-        with self._slots_lock:
-            for slot in self._slots.get(m.dst, ()):
-                if not slot.closed:
-                    slot.messages.append(m)
-                    return True
-        return False
 
     def _apply(self, entries: list[Entry]) -> None:
         for e in entries:

@@ -11,10 +11,11 @@ from typing import Any
 from flask import Flask, Response, jsonify, request
 
 from cluster.config import ClusterConfig
-from cluster.web import create_base_app, error_response, fail, require_secret, secret_refusal
+from cluster.web import create_base_app, error_response, fail, require_secret
 from replication.metrics import ReplicaCollector
 from replication.node import NotLeader, ProposalTimeout, ReadIndexUnavailable, ReplicaNode, ReplicationConfig
 from replication.statemachine import StateMachine
+from replication.transport import RAFT_PORT_OFFSET
 
 #: Longest a read waits for its replica to apply an index the caller already saw.
 READ_WAIT = 0.5
@@ -30,20 +31,12 @@ class ReplicaRuntime:
         self.node = ReplicaNode(
             name=self.name, peers=self.peers, state_machine=state_machine,
             data_dir=config.replica_dir(self.name), secret=self.secret, config=ReplicationConfig.from_env(),
+            listen=(config.bind_address(self.name), config.listen_port(tier, k) + RAFT_PORT_OFFSET),
         )
         self.guard = require_secret(self.secret)
 
     def create_app(self) -> Flask:
         app = create_base_app(self.name, lambda: [ReplicaCollector(self.name, self.node)])
-        expected = f"Bearer {self.secret}".encode()
-
-        @app.before_request
-        def _guard_raft() -> None:
-            """The raft endpoint answers like every other guarded one: 401 without, 403 wrong secret."""
-            if request.path == "/raft/messages":
-                refused = secret_refusal(request.headers.get("Authorization"), expected)
-                if refused:
-                    fail(*refused)
 
         @app.errorhandler(NotLeader)
         def _not_leader(exc: NotLeader) -> Response:

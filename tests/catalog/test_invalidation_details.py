@@ -8,12 +8,11 @@ last tests, which send real HTTP to a server on a thread of this process.
 
 from __future__ import annotations
 
-import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -22,6 +21,7 @@ from prometheus_client import REGISTRY
 import catalog.invalidation as inv_mod
 from catalog.invalidation import LEASE, Invalidator, book_key
 from replication.node import ProposalTimeout
+from replication.transport import FrameServer
 
 
 class FakeClock:
@@ -41,6 +41,7 @@ class FakeClock:
 
 class FakeNode:
     def __init__(self) -> None:
+        self.name = "catalog-1"
         self.current_term = 1
         self.applied = 0
         self.timeouts: list[float | None] = []
@@ -343,56 +344,77 @@ def test_publish_time_is_observed(env: Env) -> None:
     assert REGISTRY.get_sample_value("pygmy_invalidation_seconds_count") == count + 1
 
 
-# -- the push itself, over real HTTP ------------------------------------------------------------------
-class Worker(BaseHTTPRequestHandler):
-    status = 200
+# -- the push itself, over a real connection -------------------------------------------------------
+class Worker:
+    """A fake frontend worker's listener: records frames, answers like the real one (or not at all)."""
+
+    answer: Any = {"ok": True}
     delay = 0.0
-    seen: list[tuple[str, str | None, Any]] = []
+    seen: list[tuple[str, Any]] = []
 
-    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        Worker.seen.append((self.path, self.headers.get("authorization"), body))
+    @staticmethod
+    def handle(peer: str, frame: Any) -> Any:
+        Worker.seen.append((peer, frame))
         time.sleep(Worker.delay)
-        self.send_response(Worker.status)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, *args: Any) -> None:
-        pass
+        return Worker.answer
 
 
 @pytest.fixture
 def worker() -> Iterator[str]:
-    Worker.status, Worker.delay, Worker.seen = 200, 0.0, []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Worker)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    Worker.answer, Worker.delay, Worker.seen = {"ok": True}, 0.0, []
+    server = FrameServer("127.0.0.1", 0, "s3cret", Worker.handle, name="fake-worker")
+    server.start()
+    yield f"tcp://127.0.0.1:{server.address[1]}"
+    server.stop()
 
 
-def test_a_push_posts_the_body_with_the_secret(worker: str) -> None:
+def test_a_push_sends_the_body_with_the_secret_and_needs_an_acknowledgement(worker: str) -> None:
     inv = Invalidator(FakeNode(), "s3cret")  # type: ignore[arg-type]
     try:
         body = {"holds": [[5, ["book:1"]]]}
         assert inv._push(worker, body) is True
-        assert Worker.seen == [("/invalidate", "Bearer s3cret", body)]
-        Worker.status = 503
+        assert Worker.seen == [("catalog-1", {"holds": [[5, ["book:1"]]], "releases": []})]
+        Worker.answer = {"error": {"code": 400, "message": "malformed invalidation"}}
         assert inv._push(worker, body) is False
+    finally:
+        inv.stop()
+    wrong = Invalidator(FakeNode(), "wrong")  # type: ignore[arg-type]
+    try:
+        assert wrong._push(worker, {"holds": [[6, ["book:2"]]]}) is False  # refused at the hello
+        assert len(Worker.seen) == 2
+    finally:
+        wrong.stop()
+
+
+def test_pushes_that_meet_go_out_as_one_frame(worker: str) -> None:
+    """While a frame is on its way, pushes to the same worker queue up and leave together."""
+    inv = Invalidator(FakeNode(), "s3cret")  # type: ignore[arg-type]
+    try:
+        Worker.delay = 0.05
+        results: list[bool] = []
+        threads = [threading.Thread(target=lambda t=t: results.append(inv._push(worker, {"holds": [[t, ["book:1"]]]})))
+                   for t in range(1, 9)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results == [True] * 8
+        tokens = sorted(h[0] for _, frame in Worker.seen for h in frame["holds"])
+        assert tokens == list(range(1, 9)) and len(Worker.seen) < 8
     finally:
         inv.stop()
 
 
 def test_a_push_to_a_slow_or_absent_worker_fails(worker: str) -> None:
-    inv = Invalidator(FakeNode(), "s")  # type: ignore[arg-type]
+    inv = Invalidator(FakeNode(), "s3cret")  # type: ignore[arg-type]
     try:
         Worker.delay = inv_mod.PUSH_TIMEOUT + 0.5
         began = time.monotonic()
         assert inv._push(worker, {"holds": []}) is False
         assert time.monotonic() - began < inv_mod.PUSH_TIMEOUT + 0.4
-        with ThreadingHTTPServer(("127.0.0.1", 0), Worker) as closed:
-            port = closed.server_address[1]
-        assert inv._push(f"http://127.0.0.1:{port}", {"holds": []}) is False  # connection refused
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        assert inv._push(f"tcp://127.0.0.1:{port}", {"holds": []}) is False  # connection refused
     finally:
         inv.stop()

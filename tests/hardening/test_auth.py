@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from typing import Any
 
 import requests
 from harness import Cluster
+
+from replication.transport import encode, raft_address, read_frame
 
 NAMES = [f"{t}-{k}" for t in ("catalog", "order") for k in (1, 2, 3)]
 
@@ -54,12 +57,7 @@ def leader(c: Cluster, tier: str) -> str:
 def test_guarded_endpoints_refuse_and_change_nothing(hard_cluster: Cluster) -> None:
     c = hard_cluster
     cat, order = c.replica_url(leader(c, "catalog")), c.replica_url(leader(c, "order"))
-    cat_f = c.replica_url(next(n for n in NAMES if n.startswith("catalog") and c.replica_url(n) != cat))
-    vote = {"type": "vote", "src": "catalog-9", "dst": "catalog-1", "term": 10**6, "index": 10**9, "log_term": 10**6}
     calls: list[tuple[str, str, dict[str, Any] | None]] = [
-        ("POST", cat + "/raft/messages", {"messages": [vote]}),
-        ("POST", cat_f + "/raft/messages", {"messages": [vote]}),
-        ("POST", order + "/raft/messages", {"messages": []}),
         ("POST", cat + "/subscribe", {"id": "intruder", "url": "http://127.0.0.1:9"}),
         ("GET", cat + "/books/1", None),
         ("GET", cat + "/books?topic=distributed%20systems", None),
@@ -82,12 +80,35 @@ def test_guarded_endpoints_refuse_and_change_nothing(hard_cluster: Cluster) -> N
     assert requests.get(c.url + "/lookup/1", timeout=5).json()["cost"] > 0
 
 
-def test_raft_messages_from_non_members_are_ignored(hard_cluster: Cluster) -> None:
+def hello(c: Cluster, name: str, greeting: dict[str, Any], *frames: Any) -> Any:
+    """Say ``greeting`` on the replica's peer transport, send ``frames``; its first answer, or None."""
+    with socket.create_connection(raft_address(c.replica_url(name)), timeout=5) as s:
+        s.sendall(encode(greeting) + b"".join(encode(f) for f in frames))
+        return read_frame(s.makefile("rb"))
+
+
+def test_the_peer_transport_refuses_without_the_secret_or_membership(hard_cluster: Cluster) -> None:
     c = hard_cluster
-    auth = {"Authorization": f"Bearer {c.secret()}"}
     before = snapshot(c)
     for name in NAMES:
         tier = name.split("-")[0]
+        vote = {"type": "vote", "src": f"{tier}-9", "dst": name, "term": 10**6, "index": 10**9, "log_term": 10**6}
+        for greeting, why in (({"hello": f"{tier}-1"}, "wrong cluster secret"),
+                              ({"hello": f"{tier}-1", "secret": "wrong"}, "wrong cluster secret"),
+                              ({"hello": f"{tier}-9", "secret": c.secret()}, "not a member"),
+                              ({"hello": name, "secret": c.secret()}, "not a member")):  # itself
+            answer = hello(c, name, greeting, {"messages": [{**vote, "src": greeting["hello"]}]})
+            assert answer["error"]["code"] == 403 and why in answer["error"]["message"], (name, greeting, answer)
+    settled(c)
+    unchanged(before, snapshot(c))
+
+
+def test_raft_messages_not_from_the_connected_member_are_ignored(hard_cluster: Cluster) -> None:
+    c = hard_cluster
+    before = snapshot(c)
+    for name in NAMES:
+        tier = name.split("-")[0]
+        member = next(n for n in NAMES if n.startswith(tier) and n != name)
         forged = [
             # A vote request with a huge term from a name outside the membership would depose the leader.
             {"type": "vote", "src": f"{tier}-9", "dst": name, "term": before[name][0] + 100,
@@ -96,8 +117,8 @@ def test_raft_messages_from_non_members_are_ignored(hard_cluster: Cluster) -> No
              "log_term": 1, "commit": 10**9, "entries": []},
             # Addressed to someone else, or claiming to come from the receiver itself.
             {"type": "vote", "src": name, "dst": name, "term": before[name][0] + 100, "index": 0, "log_term": 0},
+            {"type": "vote", "src": member, "dst": member, "term": before[name][0] + 100, "index": 0, "log_term": 0},
         ]
-        r = requests.post(c.replica_url(name) + "/raft/messages", json={"messages": forged}, headers=auth, timeout=5)
-        assert r.status_code == 200 and r.json()["accepted"] == 0, r.text
+        assert hello(c, name, {"hello": member, "secret": c.secret()}, {"messages": forged}) == {"ok": True}
     settled(c)
     unchanged(before, snapshot(c))

@@ -1,8 +1,10 @@
-"""Three threaded ``ReplicaNode``s in one process talking real HTTP (werkzeug servers on free ports)."""
+"""Three threaded ``ReplicaNode``s in one process talking over real sockets: their peer transport on
+free ports, and HTTP (werkzeug servers) for what clients and peers ask over HTTP."""
 
 from __future__ import annotations
 
 import logging
+import socket
 import sqlite3
 import threading
 import time
@@ -10,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import requests
 from flask import Flask
 from werkzeug.serving import make_server
 
 from replication.node import NotLeader, ReadIndexUnavailable, ReplicaNode, ReplicationConfig
 from replication.statemachine import SQLiteStateMachine
+from replication.transport import encode, read_frame
 
 logging.getLogger("werkzeug").setLevel(logging.ERROR)
 SECRET = "test-secret"
@@ -31,6 +33,12 @@ class KV(SQLiteStateMachine):
         value = (row[0] if row else 0) + command.get("add", 0)
         conn.execute("INSERT OR REPLACE INTO kv(k, v) VALUES (?, ?)", (command["k"], value))
         return value
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class Switch:
@@ -53,6 +61,7 @@ class Harness:
         self.switches: dict[str, Switch] = {}
         self.servers = []
         self.peers: dict[str, str] = {}
+        self.addresses: dict[str, tuple[str, int]] = {}
         for i in range(1, n + 1):
             name = f"kv-{i}"
             sw = Switch()
@@ -61,6 +70,7 @@ class Harness:
             self.switches[name] = sw
             self.servers.append(server)
             self.peers[name] = f"http://127.0.0.1:{server.server_port}"
+            self.addresses[name] = ("127.0.0.1", free_port())
         self.nodes: dict[str, ReplicaNode] = {}
         self.sms: dict[str, KV] = {}
         for name in self.peers:
@@ -68,7 +78,7 @@ class Harness:
 
     def start(self, name: str) -> ReplicaNode:
         sm = KV(self.tmp / name / "state.db")
-        node = ReplicaNode(name, self.peers, sm, self.tmp / name, SECRET, CONFIG)
+        node = ReplicaNode(name, self.peers, sm, self.tmp / name, SECRET, CONFIG, addresses=self.addresses)
         app = Flask(name)
         app.register_blueprint(node.blueprint)
         node.start()
@@ -168,18 +178,32 @@ def test_replicate_failover_catch_up_and_snapshot(cluster: Harness) -> None:
     assert back.can_serve_reads()
 
 
-def test_internal_endpoint_requires_secret(cluster: Harness) -> None:
-    url = cluster.peers["kv-1"] + "/raft/messages"
-    r = requests.post(url, json={"messages": []}, timeout=2)
-    assert r.status_code == 401 and r.json()["error"]["code"] == 401
-    r = requests.post(url, json={"messages": []}, headers={"Authorization": "Bearer wrong"}, timeout=2)
-    assert r.status_code == 403
-    # A forged message from a non-member is ignored.
-    bogus = {"type": "vote", "src": "intruder", "dst": "kv-1", "term": 99, "index": 10**6, "log_term": 99}
-    r = requests.post(
-        url, json={"messages": [bogus]}, headers={"Authorization": f"Bearer {SECRET}"}, timeout=2
-    )
-    assert r.status_code == 200 and r.json()["accepted"] == 0
+def test_peer_transport_requires_the_secret_and_a_member(cluster: Harness) -> None:
+    """Without the cluster secret a connection is refused before any message is read; with it, a
+    message from a non-member, or naming another sender than the connection's, changes nothing."""
+    leader = cluster.leader()
+    target = next(n for n in cluster.nodes.values() if n is not leader)
+    term = target.term()
+    bogus = {"type": "vote", "src": "intruder", "dst": target.name, "term": term + 50, "index": 10**6,
+             "log_term": term + 50}
+    with socket.create_connection(cluster.addresses[target.name], timeout=2) as s:
+        s.sendall(encode({"hello": "kv-9", "secret": "wrong"}))
+        s.sendall(encode({"messages": [{**bogus, "src": "kv-9"}]}))
+        reply = read_frame(s.makefile("rb"))
+        assert reply == {"error": {"code": 403, "message": "wrong cluster secret"}}
+        assert s.recv(1) == b""  # closed
+    other = next(n for n in cluster.nodes if n not in (leader.name, target.name))
+    delivered: list = []
+    real_put = target._inbox.put
+    target._inbox.put = lambda item, *a, **k: (delivered.append(item), real_put(item, *a, **k))  # type: ignore[method-assign]
+    stale = {"type": "heartbeat", "src": other, "dst": target.name, "term": 0}  # harmless: an old term
+    with socket.create_connection(cluster.addresses[target.name], timeout=2) as s:
+        s.sendall(encode({"hello": other, "secret": SECRET}))
+        s.sendall(encode({"messages": [bogus, {**bogus, "src": leader.name}, stale]}))  # not who said hello
+        wait_for(lambda: any(kind == "msgs" for kind, _ in delivered), 5, "the frame was read")
+    msgs = [m for kind, value in delivered if kind == "msgs" for m in value]
+    assert [(m.src, m.type, m.term) for m in msgs if m.src != leader.name or m.term > term] == [(other, "heartbeat", 0)]
+    assert target.term() == term
 
 
 def test_leader_listener_and_apply_listener(cluster: Harness) -> None:
@@ -217,23 +241,6 @@ def test_whole_cluster_restart_keeps_committed_state(cluster: Harness) -> None:
     cluster.converge()
     for name in names:
         assert cluster.sms[name].read("SELECT v FROM kv WHERE k='d'")[0][0] == 61
-
-
-def test_raft_endpoint_ignores_app_body_limit(tmp_path) -> None:
-    sm = KV(tmp_path / "s.db")
-    node = ReplicaNode(
-        "kv-1", {"kv-1": "http://127.0.0.1:9", "kv-2": "http://127.0.0.1:9"}, sm, tmp_path, SECRET
-    )
-    app = Flask("limited")
-    app.config["MAX_CONTENT_LENGTH"] = 1024
-    app.register_blueprint(node.blueprint)
-    big = {"type": "heartbeat", "src": "kv-2", "dst": "kv-1", "term": 1, "payload": "QUFB" * 1000}
-    r = app.test_client().post(
-        "/raft/messages", json={"messages": [big]}, headers={"Authorization": f"Bearer {SECRET}"}
-    )
-    assert r.status_code == 200 and r.get_json()["accepted"] == 1
-    node.stop()
-    sm.close()
 
 
 def test_config_from_env() -> None:
@@ -317,15 +324,15 @@ def test_a_sender_survives_an_error(cluster: Harness) -> None:
     leader = cluster.leader()
     follower = next(n for n in cluster.nodes.values() if n is not leader)
     sender = leader._senders[follower.name]
-    real, calls = sender._post, {"n": 0}
+    real, calls = sender._send, {"n": 0}
 
-    def flaky(msgs: list, read_timeout: float) -> None:
+    def flaky(msgs: list, timeout: float) -> None:
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected")
-        real(msgs, read_timeout)
+        real(msgs, timeout)
 
-    sender._post = flaky  # type: ignore[method-assign]
+    sender._send = flaky  # type: ignore[method-assign]
     for _ in range(10):
         leader.propose({"k": "c", "add": 1}, timeout=2)
     cluster.converge(timeout=10)

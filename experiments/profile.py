@@ -1,0 +1,116 @@
+"""Where the CPU goes: py-spy samples every service of a cluster under a load, or idle.
+
+``python -m experiments.profile [--load buy|mix|idle] [--seconds 15] [--out DIR]`` starts a cluster
+(3+3 replicas, 1 frontend x 2 workers, 1,000 books), runs the load, records every Gunicorn worker
+with ``py-spy record --nonblocking --gil`` (only samples holding the GIL: Python CPU, not waits; collapsed stacks and an SVG flame graph per process) and
+prints, per service, the share of samples and the functions with the most samples (inclusive and
+own). ``docs/performance.md`` keeps these summaries, before and after each change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from catalog.books import synthetic
+from experiments import harness as h
+from experiments.writepath import BOOKS, STOCK, TOPICS, cluster_cpu_s
+
+LOADS = {"buy": {"buy": 1.0}, "mix": {"search": 0.4, "lookup": 0.4, "buy": 0.2}, "idle": None}
+
+
+def workers(c: object) -> dict[str, list[int]]:
+    """``{service: [pids of its Gunicorn workers]}``: the children of each master named in a pid file."""
+    out: dict[str, list[int]] = {}
+    for pid_file in sorted((c.data_dir / "run").glob("*.pid")):  # type: ignore[attr-defined]
+        master = int(pid_file.read_text())
+        kids = Path(f"/proc/{master}/task/{master}/children").read_text().split()
+        out[pid_file.stem] = [int(k) for k in kids] or [master]
+    return out
+
+
+def summarize(raw: Path, top: int) -> tuple[int, list[tuple[str, int]], list[tuple[str, int]]]:
+    """(samples, top functions inclusive, top functions by own samples) of a collapsed-stack file."""
+    total, incl, own = 0, collections.Counter(), collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        count = int(n)
+        frames = [f.split(" (")[0] + " (" + f.split(" (")[1].split(":")[0].rsplit("/", 1)[-1] + ")"
+                  if " (" in f else f for f in stack.split(";")[1:]]  # drop the thread name
+        total += count
+        for f in set(frames):
+            incl[f] += count
+        if frames:
+            own[frames[-1]] += count
+    return total, incl.most_common(top), own.most_common(top)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m experiments.profile")
+    p.add_argument("--load", choices=sorted(LOADS), default="buy")
+    p.add_argument("--seconds", type=float, default=15.0)
+    p.add_argument("--clients", default="4x8", help="processes x threads (closed loop)")
+    p.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
+    p.add_argument("--top", type=int, default=12)
+    p.add_argument("--out", type=Path, default=Path("results/profile"))
+    a = p.parse_args(argv)
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    procs, threads = (int(x) for x in a.clients.split("x"))
+    a.out.mkdir(parents=True, exist_ok=True)
+    settings = h.Settings(quick=True, progress=False)
+    with h.cluster(settings, books=synthetic(BOOKS, topics=TOPICS, stock=STOCK)) as c:
+        time.sleep(2)
+        recorders = []
+        for name, pids in workers(c).items():
+            for pid in pids:
+                base = a.out / f"{a.load}-{name}-{pid}"
+                recorders.append((name, base, subprocess.Popen(
+                    [spy, "record", "--nonblocking", "--gil", "--pid", str(pid), "--rate", str(a.rate), "--duration",
+                     str(int(a.seconds)), "--format", "raw", "--output", f"{base}.txt"],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+        cpu0, t0 = cluster_cpu_s(c), time.monotonic()
+        load = LOADS[a.load]
+        done = {}
+        if load is not None:
+            def drive() -> None:
+                done["rec"] = h.run_load(c.url, procs, load, duration=a.seconds, items=BOOKS, threads=threads,
+                                         topics=tuple(f"topic {t}" for t in range(TOPICS)))
+            t = threading.Thread(target=drive)
+            t.start()
+            t.join()
+        else:
+            time.sleep(a.seconds)
+        cpu = cluster_cpu_s(c) - cpu0
+        wall = time.monotonic() - t0
+        for _, _, proc in recorders:
+            proc.wait(timeout=a.seconds + 60)
+    ops = len(done["rec"].op) if done else 0
+    print(f"load {a.load}: {ops} operations in {wall:.1f} s; cluster CPU {cpu:.2f} s "
+          f"({cpu / wall * 100:.0f}% of one core){f', {cpu / ops * 1000:.2f} ms per operation' if ops else ''}")
+    per_service: dict[str, list[Path]] = collections.defaultdict(list)
+    for name, base, _ in recorders:
+        if Path(f"{base}.txt").exists():
+            per_service[name].append(Path(f"{base}.txt"))
+    grand = 0
+    summaries = {}
+    for name, files in per_service.items():
+        merged = a.out / f"{a.load}-{name}.txt"
+        merged.write_text("".join(f.read_text() for f in files))
+        summaries[name] = summarize(merged, a.top)
+        grand += summaries[name][0]
+    for name, (total, incl, own) in sorted(summaries.items(), key=lambda kv: -kv[1][0]):
+        print(f"\n## {name}: {total} samples ({total / max(grand, 1) * 100:.0f}% of all)")
+        print("  inclusive: " + "; ".join(f"{f} {n / total * 100:.0f}%" for f, n in incl))
+        print("  own:       " + "; ".join(f"{f} {n / total * 100:.0f}%" for f, n in own))
+    os.sync()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""The framed transport on real sockets: authentication, replies, reconnection, limits, clean stop."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from replication.transport import FrameClient, FrameError, FrameServer, encode, raft_address, read_frame
+
+SECRET = "s3cret"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def echo():
+    seen: list[tuple[str, Any]] = []
+
+    def handle(peer: str, frame: Any) -> Any:
+        seen.append((peer, frame))
+        return {"echo": frame} if isinstance(frame, dict) and frame.get("want_reply") else None
+
+    server = FrameServer("127.0.0.1", 0, SECRET, handle, name="test")
+    server.start()
+    try:
+        yield server, seen
+    finally:
+        server.stop()
+
+
+def wait_for(cond: Any, what: str, timeout: float = 5) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+def test_frames_arrive_in_order_with_the_senders_name_and_replies_come_back(echo) -> None:
+    server, seen = echo
+    client = FrameClient(server.address, SECRET, "alice")
+    for i in range(100):
+        client.send({"n": i}, timeout=1)
+    assert client.call({"want_reply": True, "n": 100}, timeout=1) == {"echo": {"want_reply": True, "n": 100}}
+    assert [f["n"] for _, f in seen] == list(range(101)) and {p for p, _ in seen} == {"alice"}
+    assert client.connects == 1  # one long-lived connection
+    client.close()
+
+
+def test_a_wrong_secret_is_refused_before_any_frame_is_read(echo) -> None:
+    server, seen = echo
+    client = FrameClient(server.address, "wrong", "mallory")
+    with pytest.raises(OSError):
+        client.send({"n": 1}, timeout=1)  # refused at the hello: nothing is sent
+    with socket.create_connection(server.address, timeout=2) as s:
+        s.sendall(encode({"hello": "mallory"}) + encode({"n": 1}))
+        assert read_frame(s.makefile("rb"))["error"]["code"] == 403
+    assert seen == []
+
+
+def test_an_oversized_or_garbled_frame_closes_the_connection_and_nothing_else(echo) -> None:
+    server, seen = echo
+    for junk in (struct.pack(">I", (1 << 30) + 1), struct.pack(">I", 3) + b"{{{"):
+        with socket.create_connection(server.address, timeout=2) as s:
+            s.sendall(encode({"hello": "bob", "secret": SECRET}) + junk)
+            stream = s.makefile("rb")
+            assert read_frame(stream) == {"ok": True}
+            assert stream.read(1) == b""  # closed
+    client = FrameClient(server.address, SECRET, "carol")
+    assert client.call({"want_reply": True}, timeout=1) == {"echo": {"want_reply": True}}
+    client.close()
+    assert seen == [("carol", {"want_reply": True})]
+
+
+def test_a_client_reconnects_after_the_server_restarts_on_the_same_port() -> None:
+    port = free_port()
+    got: list[Any] = []
+    server = FrameServer("127.0.0.1", port, SECRET, lambda p, f: got.append(f), name="a")
+    server.start()
+    client = FrameClient(("127.0.0.1", port), SECRET, "x")
+    client.send(1, timeout=1)
+    wait_for(lambda: got == [1], "the first frame")
+    server.stop()
+    with pytest.raises(OSError):  # the first send may still be buffered; the next finds the close
+        for _ in range(50):
+            client.send(2, timeout=1)
+            time.sleep(0.01)
+    server = FrameServer("127.0.0.1", port, SECRET, lambda p, f: got.append(f), name="b")
+    server.start()
+    try:
+        client.send(3, timeout=1)
+        wait_for(lambda: got[-1:] == [3], "a frame after the restart")
+        assert client.connects == 2
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_a_call_times_out_on_a_silent_server_and_a_connect_on_nothing_fails_fast() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (backlog) but never answers
+        client = FrameClient(silent.getsockname()[:2], SECRET, "x")
+        started = time.monotonic()
+        with pytest.raises(OSError):
+            client.call({"want_reply": True}, timeout=0.2)
+        assert time.monotonic() - started < 2
+        client.close()
+    with pytest.raises(OSError):
+        FrameClient(("127.0.0.1", free_port()), SECRET, "x").send(1, timeout=0.5)
+
+
+def test_stop_ends_every_thread_it_started() -> None:
+    before = threading.active_count()
+    server = FrameServer("127.0.0.1", 0, SECRET, lambda p, f: None, name="t")
+    server.start()
+    clients = [FrameClient(server.address, SECRET, f"c{i}") for i in range(3)]
+    for c in clients:
+        c.send({"hi": 1}, timeout=1)
+    wait_for(lambda: threading.active_count() >= before + 4, "a reader per connection")
+    server.stop()
+    for c in clients:
+        c.close()
+    wait_for(lambda: threading.active_count() == before, "every thread gone")
+
+
+def test_raft_address_derives_from_the_http_url() -> None:
+    assert raft_address("http://127.0.0.1:8101") == ("127.0.0.1", 8151)
+    assert raft_address("http://catalog-2:8000/") == ("catalog-2", 8050)
+    with pytest.raises(ValueError):
+        raft_address("http://catalog-2")
+
+
+def test_frame_errors_are_os_errors() -> None:
+    assert issubclass(FrameError, OSError)
