@@ -14,7 +14,7 @@ from catalog.state import CatalogState
 from cluster.config import ClusterConfig
 from cluster.web import fail, int_field, json_body, parse_item, update_fields
 from replication.service import ReplicaRuntime
-from replication.transport import subscriber_address
+from replication.transport import SUBSCRIBE_CHANNEL, subscriber_address
 
 log = logging.getLogger(__name__)
 
@@ -73,26 +73,32 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
             fail(result["error"]["code"], result["error"]["message"])
         return jsonify(result["book"])
 
-    @app.post("/subscribe")
-    @rt.guard
-    def subscribe() -> Response:
-        body = json_body(required=True)
-        sub_id, url = body.get("id"), body.get("url")
+    def subscribe(worker: str, body: Any) -> dict[str, Any]:
+        """A frontend worker asks for its cache lease (``SUBSCRIBE_CHANNEL`` of the peer transport, ten
+        times a second per worker: a frame, not an HTTP request). Answers ``{"status", "body"}``."""
+        def answer(code: int, message: str, **extra: Any) -> dict[str, Any]:
+            return {"status": code, "body": {"error": {"code": code, "message": message, **extra}}}
+
+        sub_id, url = (body.get("id"), body.get("url")) if isinstance(body, dict) else (None, None)
         if not isinstance(sub_id, str) or not isinstance(url, str):
-            fail(400, "id and url (tcp://host:port, where the worker takes pushes) are required")
+            return answer(400, "id and url (tcp://host:port, where the worker takes pushes) are required")
         try:
             subscriber_address(url)
         except ValueError as exc:
-            fail(400, str(exc))
-        rt.leader_only()
+            return answer(400, str(exc))
+        if not rt.node.is_leader():
+            leader = rt.node.leader()
+            return answer(421, f"{rt.name} is not the catalog leader", leader=leader[0] if leader else None)
         if not rt.node.can_serve_reads():
             # Grant leases only under our leader lease: then no other leader can exist right now,
             # and a successor's lease wait after its election outlasts every lease we granted.
-            fail(503, f"{rt.name} cannot grant invalidation leases right now (no quorum contact)")
+            return answer(503, f"{rt.name} cannot grant invalidation leases right now (no quorum contact)")
         grant = invalidator.subscribe(sub_id, url)
         # Read after the grant: at least the index of every write released before it.
-        return jsonify({"leader": rt.name, "term": rt.node.term(), "commit_index": state.applied_index(),
-                        "lease": invalidator.lease, **grant})
+        return {"status": 200, "body": {"leader": rt.name, "term": rt.node.term(),
+                                        "commit_index": state.applied_index(), "lease": invalidator.lease, **grant}}
+
+    rt.node.add_channel(SUBSCRIBE_CHANNEL, subscribe)
 
     @app.get("/books/<item>")
     @rt.guard

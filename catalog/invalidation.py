@@ -29,7 +29,7 @@ from typing import Any
 from prometheus_client import Counter, Histogram
 
 from replication.node import NotLeader, ProposalTimeout, ReplicaNode
-from replication.transport import FrameClient, subscriber_address
+from replication.transport import PUSH_CHANNEL, FrameClient, subscriber_address
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +248,7 @@ class _Channel:
     worker's answer to every push in it; pushes that arrive meanwhile wait for the next frame."""
 
     def __init__(self, url: str, secret: str, name: str) -> None:
-        self.client = FrameClient(subscriber_address(url), secret, name, connect_timeout=0.1)
+        self.client = FrameClient(subscriber_address(url), secret, name, PUSH_CHANNEL, connect_timeout=0.1)
         self._cond = threading.Condition()
         self._queue: list[tuple[dict[str, Any], list[bool]]] = []  # (body, [done, ok])
         self._busy = False

@@ -24,7 +24,7 @@ MAX_HEADERS = 16 * 1024
 
 access_log = logging.getLogger("pygmy.access")
 #: Internal routes hit many times a second; their routine answers are logged at DEBUG only.
-QUIET_PATHS = frozenset({"/raft/read_index", "/subscribe"})
+QUIET_PATHS = frozenset({"/raft/read_index"})
 
 
 class ApiError(Exception):
@@ -78,7 +78,7 @@ def create_base_app(name: str, extra_metrics: Callable[[], Iterable[Collector]] 
             level = logging.WARNING  # refused credentials are worth seeing
         elif (request.path in QUIET_PATHS and (code < 400 or code == 421)) or (
                 request.method == "GET" and code < 400):
-            # Lease renewals, raft traffic and successful reads: routine and many per second. A line
+            # Read-index requests and successful reads: routine and many per second. A line
             # each would cost more than a cached lookup itself; PYGMY_LOG_LEVEL=DEBUG shows them.
             level = logging.DEBUG
         else:

@@ -22,7 +22,8 @@ from cluster.web import create_base_app, fail, int_field, json_body, parse_item,
 from frontend import openapi
 from frontend.cache import ReadCache
 from frontend.subscription import Subscription
-from replication.router import Reply, TierRouter, TierUnavailable
+from replication.router import ChannelRouter, Reply, TierRouter, TierUnavailable
+from replication.transport import SUBSCRIBE_CHANNEL
 
 READ_DEADLINE = 5.0
 UPDATE_DEADLINE = 5.0
@@ -60,7 +61,8 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
 
     cache = ReadCache(config.cache_size, enabled=config.cache, on_event=on_cache_event)
     # Always subscribe, cache or not: the invalidation floors are what make follower reads fresh.
-    subscription = Subscription(cache, catalog, secret, config.bind_address(name), config.advertise_host, name)
+    leases = ChannelRouter("catalog", config.peers("catalog"), secret, f"{name}/{os.getpid()}", SUBSCRIBE_CHANNEL)
+    subscription = Subscription(cache, leases, secret, config.bind_address(name), config.advertise_host, name)
     cache.lease_valid = subscription.valid
     app.extensions["pygmy_subscription"] = subscription
 

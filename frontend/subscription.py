@@ -1,8 +1,9 @@
 """A frontend worker's lease with the catalog leader, and the listener its holds arrive on.
 
 Each Gunicorn worker runs its own listener (a ``FrameServer`` on a free port: one long-lived
-connection from the catalog leader, frames of holds and releases) and renews its own lease, because the catalog must reach every worker's cache, not whichever worker the shared
-listening socket happens to pick. Before it proposes a write, the catalog leader pushes a *hold* on
+connection from the catalog leader, frames of holds and releases) and renews its own lease (frames
+on the catalog leader's peer port), because the catalog must reach every worker's cache, not
+whichever worker the shared listening socket happens to pick. Before it proposes a write, the catalog leader pushes a *hold* on
 the keys to every unexpired lease (one it cannot reach it waits out instead, at most one lease);
 after the write is applied it pushes the *release* with the write's log index. So while our lease
 is valid, no write our cache could contradict can have become readable anywhere; once it is not,
@@ -20,8 +21,8 @@ import uuid
 from typing import Any
 
 from frontend.cache import ReadCache
-from replication.router import TierRouter, TierUnavailable
-from replication.transport import FrameServer
+from replication.router import ChannelRouter, TierUnavailable
+from replication.transport import PUSH_CHANNEL, Channel, FrameServer
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +44,14 @@ def advertised_host(bind: str, advertise: str | None) -> str:
 
 
 class Subscription:
-    def __init__(self, cache: ReadCache, catalog: TierRouter, secret: str, bind: str, advertise: str | None,
+    def __init__(self, cache: ReadCache, catalog: ChannelRouter, secret: str, bind: str, advertise: str | None,
                  frontend: str) -> None:
         self.cache, self.catalog = cache, catalog
         self.id = f"{frontend}/{os.getpid()}/{uuid.uuid4().hex[:6]}"
         self._valid_until = 0.0
         self._holder: tuple[str, int] | None = None  # (leader, term) that granted our lease
         self._stop = threading.Event()
-        self._server = FrameServer(bind, 0, secret, self._on_push, name=f"listener-{self.id}")
+        self._server = FrameServer(bind, 0, secret, {PUSH_CHANNEL: Channel(self._on_push)}, name=f"listener-{self.id}")
         self.url = f"tcp://{advertised_host(bind, advertise)}:{self._server.address[1]}"
         self._thread = threading.Thread(target=self._renew_loop, name="lease-renewal", daemon=True)
         self.pushes = 0
@@ -63,6 +64,7 @@ class Subscription:
         self._stop.set()
         self._server.stop()
         self._thread.join(timeout=2)
+        self.catalog.close()
 
     def valid(self) -> bool:
         return time.monotonic() < self._valid_until
@@ -74,7 +76,7 @@ class Subscription:
     def renew(self) -> bool:
         sent = time.monotonic()
         try:
-            reply = self.catalog.write("/subscribe", {"id": self.id, "url": self.url}, deadline=sent + 0.5)
+            reply = self.catalog.call({"id": self.id, "url": self.url}, deadline=sent + 0.5)
         except TierUnavailable:
             return False
         if reply.status != 200:

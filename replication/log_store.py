@@ -87,6 +87,9 @@ class LogStore:
 
         ``snapshot`` (index, term) replaces the whole log (the state machine was restored first);
         ``truncate_from`` drops a conflicting suffix before ``entries`` are written."""
+        entries = list(entries)
+        if hard_state is None and not entries and truncate_from is None and snapshot is None:
+            return  # a Ready with only messages (heartbeats): no transaction, no sync
         c = self._conn
         with transaction(c):
             if snapshot is not None:

@@ -34,7 +34,7 @@ from replication.log_store import LogStore
 from replication.router import pooled_session
 from replication.statemachine import StateMachine
 from replication.storage import describe, is_storage_fault
-from replication.transport import FrameClient, FrameServer, raft_address
+from replication.transport import RAFT_CHANNEL, Channel, FrameClient, FrameServer, raft_address
 
 log = logging.getLogger("pygmy.replication")
 #: Longest a leader not yet sure of its lease waits for it before refusing a read index.
@@ -130,7 +130,7 @@ class _Sender:
     def __init__(self, node: ReplicaNode, peer: str, address: tuple[str, int]) -> None:
         self.node, self.peer = node, peer
         self.queue: queue.Queue[Message | None] = queue.Queue()
-        self.client = FrameClient(address, node.secret, node.name, node.config.connect_timeout)
+        self.client = FrameClient(address, node.secret, node.name, RAFT_CHANNEL, node.config.connect_timeout)
         self.thread = threading.Thread(target=self._run, name=f"raft-send-{node.name}->{peer}", daemon=True)
 
     def _run(self) -> None:
@@ -290,6 +290,7 @@ class ReplicaNode:
         self._senders = {p: _Sender(self, p, addresses[p]) for p in self.peers if p != name}
         self._listen = listen or addresses[name]
         self._server: FrameServer | None = None
+        self._channels = {RAFT_CHANNEL: Channel(self._on_frame, frozenset(p for p in self.peers if p != name))}
         self._stopping = threading.Event()
         self._loop_thread = threading.Thread(target=self._run, name=f"raft-loop-{name}", daemon=True)
         self._notify_thread = threading.Thread(
@@ -335,8 +336,7 @@ class ReplicaNode:
         if self._started:
             return
         self._started = True
-        self._server = FrameServer(*self._listen, self.secret, self._on_frame, name=self.name,
-                                   members=[p for p in self.peers if p != self.name])
+        self._server = FrameServer(*self._listen, self.secret, self._channels, name=self.name)
         self._server.start()
         for s in self._senders.values():
             s.thread.start()
@@ -478,6 +478,13 @@ class ReplicaNode:
             "applied_index": applied,
             "state_digest": digest,
         }
+
+    def add_channel(self, name: str, handle: Callable[[str, Any], Any]) -> None:
+        """Serve another kind of frame connection on the peer port (before ``start``): the catalog's
+        lease renewals. ``handle(client_name, frame)`` runs on the connection's reader thread."""
+        if self._started:
+            raise RuntimeError("channels are added before start()")
+        self._channels[name] = Channel(handle)
 
     def add_leader_listener(self, cb: Callable[[bool, int], None]) -> None:
         """``cb(is_leader, term)`` on every leadership change, from the node's notifier thread."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from requests.adapters import HTTPAdapter
 
 from cluster.logs import HEADER as REQUEST_ID_HEADER
 from cluster.logs import current_request_id
+from replication.transport import FrameClient, FrameError, raft_address
 
 CONNECT_TIMEOUT = 0.25
 #: Reads and writes to a replica; a paused leader must not eat the whole buy deadline.
@@ -54,17 +56,93 @@ def pooled_session(pool: int = 64) -> requests.Session:
     return s
 
 
-class TierRouter:
-    def __init__(self, tier: str, peers: dict[str, str], secret: str, session: requests.Session | None = None) -> None:
+class _LeaderSeeker:
+    """The leader hint of one tier and the loop that finds the leader: shared by HTTP and frames."""
+
+    def __init__(self, tier: str, peers: dict[str, str]) -> None:
         self.tier = tier
         self.peers = dict(peers)
         self.names = list(peers)
+        self.leader_hint: str | None = None
+        self._lock = threading.Lock()
+
+    def _note_leader(self, reply: Reply) -> str | None:
+        leader = reply.body.get("error", {}).get("leader") if reply.status == 421 else None
+        with self._lock:
+            if leader in self.peers:
+                self.leader_hint = leader
+            elif reply.status == 421:
+                self.leader_hint = None
+        return leader
+
+    def _leader_first(self) -> list[str]:
+        with self._lock:
+            hint = self.leader_hint
+        rest = [n for n in self.names if n != hint]
+        return ([hint] if hint else []) + rest
+
+    def _to_leader(self, attempt: Callable[[str, float], Reply], deadline: float) -> Reply:
+        """``attempt(replica, timeout)`` on the leader, following redirects and failing over on
+        connection errors, until ``deadline`` (monotonic)."""
+        last = "no replica tried"
+        tries = 0
+        while True:
+            for name in self._leader_first():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TierUnavailable(self.tier, last)
+                try:
+                    reply = attempt(name, min(READ_TIMEOUT, remaining))
+                except OSError as exc:  # requests' errors are OSErrors too
+                    last = f"{name}: {type(exc).__name__}"
+                    with self._lock:
+                        if self.leader_hint == name:
+                            self.leader_hint = None
+                    continue
+                if reply.status not in RETRY_ELSEWHERE:
+                    with self._lock:
+                        self.leader_hint = name
+                    return reply
+                last = f"{name}: {reply.status} {reply.body.get('error', {}).get('message', '')}"
+                leader = self._note_leader(reply)
+                if leader and leader != name and leader in self.peers:
+                    break  # go straight to the leader it named
+            tries += 1
+            # Between sweeps (e.g. an election in progress) back off a little, bounded by the deadline.
+            time.sleep(min(0.02 * tries, 0.1, max(0.0, deadline - time.monotonic())))
+
+
+class ChannelRouter(_LeaderSeeker):
+    """Calls the leader of a tier on one channel of its peer transport (``replication.transport``):
+    for internal traffic many times a second, such as cache lease renewals, where an HTTP request
+    through Flask would cost more than the work. The leader answers ``{"status", "body"}``."""
+
+    def __init__(self, tier: str, peers: dict[str, str], secret: str, name: str, channel: str) -> None:
+        super().__init__(tier, peers)
+        self._clients = {n: FrameClient(raft_address(url), secret, name, channel, connect_timeout=CONNECT_TIMEOUT)
+                         for n, url in peers.items()}
+
+    def call(self, payload: dict[str, Any], deadline: float) -> Reply:
+        def attempt(name: str, timeout: float) -> Reply:
+            answer = self._clients[name].call(payload, timeout)
+            if not isinstance(answer, dict) or not isinstance(answer.get("body"), dict):
+                raise FrameError(f"{name}: malformed answer")
+            return Reply(int(answer.get("status", 500)), answer["body"], name)
+
+        return self._to_leader(attempt, deadline)
+
+    def close(self) -> None:
+        for client in self._clients.values():
+            client.close()
+
+
+class TierRouter(_LeaderSeeker):
+    def __init__(self, tier: str, peers: dict[str, str], secret: str, session: requests.Session | None = None) -> None:
+        super().__init__(tier, peers)
         self.session = session or pooled_session()
         self.headers = {"Authorization": f"Bearer {secret}"}
-        self.leader_hint: str | None = None
         self._rr = itertools.count()
         self._avoid: dict[str, float] = {}  # replica -> monotonic time until which reads skip it
-        self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(peers)), thread_name_prefix=f"{tier}-status")
 
     def close(self) -> None:
@@ -86,51 +164,11 @@ class TierRouter:
             body = {"error": {"code": resp.status_code, "message": resp.text[:200]}}
         return Reply(resp.status_code, body if isinstance(body, dict) else {"value": body}, name)
 
-    def _note_leader(self, reply: Reply) -> str | None:
-        leader = reply.body.get("error", {}).get("leader") if reply.status == 421 else None
-        with self._lock:
-            if leader in self.peers:
-                self.leader_hint = leader
-            elif reply.status == 421:
-                self.leader_hint = None
-        return leader
-
     # -- writes -----------------------------------------------------------------------------------
     def write(self, path: str, body: dict[str, Any], deadline: float, headers: dict[str, str] | None = None) -> Reply:
         """POST to the leader, following redirects and failing over, until ``deadline`` (monotonic)."""
-        last = "no replica tried"
-        attempt = 0
-        while True:
-            order = self._leader_first()
-            for name in order:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TierUnavailable(self.tier, last)
-                try:
-                    reply = self._call(name, "POST", path, min(READ_TIMEOUT, remaining), json=body, headers=headers or {})
-                except requests.RequestException as exc:
-                    last = f"{name}: {type(exc).__name__}"
-                    with self._lock:
-                        if self.leader_hint == name:
-                            self.leader_hint = None
-                    continue
-                if reply.status not in RETRY_ELSEWHERE:
-                    with self._lock:
-                        self.leader_hint = name
-                    return reply
-                last = f"{name}: {reply.status} {reply.body.get('error', {}).get('message', '')}"
-                leader = self._note_leader(reply)
-                if leader and leader != name and leader in self.peers:
-                    break  # go straight to the leader it named
-            attempt += 1
-            # Between sweeps (e.g. an election in progress) back off a little, bounded by the deadline.
-            time.sleep(min(0.02 * attempt, 0.1, max(0.0, deadline - time.monotonic())))
-
-    def _leader_first(self) -> list[str]:
-        with self._lock:
-            hint = self.leader_hint
-        rest = [n for n in self.names if n != hint]
-        return ([hint] if hint else []) + rest
+        return self._to_leader(
+            lambda name, timeout: self._call(name, "POST", path, timeout, json=body, headers=headers or {}), deadline)
 
     # -- reads ------------------------------------------------------------------------------------
     def read(self, path: str, deadline: float, params: dict[str, Any] | None = None,

@@ -6,11 +6,12 @@ and a buy made a dozen such hops; an idle cluster spent half a core on heartbeat
 A frame on an open connection costs a ``json.dumps`` and one ``sendall``.
 
 Wire format: each frame is a 4-byte big-endian length and that many bytes of UTF-8 JSON. A client
-opens with a hello frame ``{"hello": <its name>, "secret": <the cluster secret>}``; the server checks
-the secret in constant time and answers ``{"ok": true}``, or an error frame and closes the connection,
-so without the secret nothing is read past the hello (the same secret guards the HTTP endpoints).
-Then the client sends frames and the server's handler may answer any frame with one of its own, in
-order, on the same connection.
+opens with a hello frame ``{"hello": <its name>, "secret": <the cluster secret>, "channel": <c>}``;
+the server checks the secret in constant time, that it serves channel ``c`` and, if the channel is
+for members only (Raft's), that the name is one; it answers ``{"ok": true}``, or an error frame and
+closes the connection, so without the secret nothing is read past the hello (the same secret guards
+the HTTP endpoints). Then the client sends frames and the channel's handler may answer any frame
+with one of its own, in order, on the same connection.
 
 A connection that fails in any way is closed and the frames on it are lost: both users tolerate
 that (Raft retransmits; a cache hold that is not acknowledged is waited out).
@@ -25,7 +26,8 @@ import logging
 import socket
 import struct
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -36,10 +38,24 @@ _HEADER = struct.Struct(">I")
 MAX_FRAME = 1 << 30
 #: A new connection must say hello within this long.
 HELLO_TIMEOUT = 2.0
+#: Channels (what a connection carries): Raft between the replicas of a tier (members only); cache
+#: lease renewals from frontend workers to the catalog leader; holds and releases from the catalog
+#: leader to each frontend worker's own listener.
+RAFT_CHANNEL, SUBSCRIBE_CHANNEL, PUSH_CHANNEL = "raft", "subscribe", "push"
 #: Where a replica listens for its peers: its HTTP port plus this (catalog-1 on 8101 listens on 8151).
 RAFT_PORT_OFFSET = 50
 
 Handler = Callable[[str, Any], Any]
+
+
+@dataclass(frozen=True)
+class Channel:
+    """What a server does with the frames of one kind of connection: ``handle(peer_name, frame)``
+    runs on the connection's reader thread, and a non-None result goes back as the reply frame."""
+
+    handle: Handler
+    #: The only names a client may say hello as on this channel (None: any name).
+    members: frozenset[str] | None = None
 
 
 class FrameError(OSError):
@@ -96,17 +112,13 @@ def _close(sock: socket.socket) -> None:
 
 
 class FrameServer:
-    """Accepts authenticated connections; ``handle(peer_name, frame)`` runs on the connection's own
-    reader thread, and a non-None result goes back as the reply frame. ``stop()`` closes the listening
-    socket and every connection and joins every thread it started."""
+    """Accepts authenticated connections on its ``channels`` (more may be added before ``start``).
+    ``stop()`` closes the listening socket and every connection and joins every thread it started."""
 
-    def __init__(self, host: str, port: int, secret: str, handle: Handler, *, name: str,
-                 members: Collection[str] | None = None) -> None:
-        """``members``: the only names a client may say hello as (None: any name)."""
+    def __init__(self, host: str, port: int, secret: str, channels: Mapping[str, Channel], *, name: str) -> None:
         self.name = name
-        self._members = None if members is None else frozenset(members)
+        self.channels = dict(channels)
         self._expected = secret.encode()
-        self._handle = handle
         self._sock = socket.create_server((host, port), backlog=128)  # SO_REUSEADDR: rebinds after a crash
         self.address = self._sock.getsockname()[:2]
         self._lock = threading.Lock()
@@ -148,24 +160,28 @@ class FrameServer:
             stream = conn.makefile("rb")
             conn.settimeout(HELLO_TIMEOUT)
             hello = read_frame(stream)
-            given = hello.get("secret") if isinstance(hello, dict) else None
-            peer = hello.get("hello") if isinstance(hello, dict) else None
+            hello = hello if isinstance(hello, dict) else {}
+            given, peer, channel = hello.get("secret"), hello.get("hello"), self.channels.get(hello.get("channel"))
+            refusal = None
             if not isinstance(given, str) or not isinstance(peer, str) or not hmac.compare_digest(
                     given.encode("utf-8", "replace"), self._expected):
-                log.warning("%s: refused a connection without the cluster secret", self.name)
-                conn.sendall(encode({"error": {"code": 403, "message": "wrong cluster secret"}}))
+                refusal = "wrong cluster secret"
+            elif channel is None:
+                refusal = f"no channel {hello.get('channel')!r} here"
+            elif channel.members is not None and peer not in channel.members:
+                refusal = f"{peer!r} is not a member"
+            if refusal is not None:
+                log.warning("%s: refused a connection: %s", self.name, refusal)
+                conn.sendall(encode({"error": {"code": 403, "message": refusal}}))
                 return
-            if self._members is not None and peer not in self._members:
-                log.warning("%s: refused a connection from %r, not a member", self.name, peer)
-                conn.sendall(encode({"error": {"code": 403, "message": f"{peer!r} is not a member"}}))
-                return
+            assert channel is not None
             conn.sendall(_WELCOME)
             conn.settimeout(None)  # a quiet peer is not a dead one; a new connection replaces it
             while True:
                 frame = read_frame(stream)
                 if frame is None:
                     return
-                reply = self._handle(peer, frame)
+                reply = channel.handle(peer, frame)
                 if reply is not None:
                     conn.sendall(encode(reply))
         except (OSError, ValueError, AttributeError) as exc:
@@ -183,9 +199,10 @@ class FrameClient:
 
     Thread-safe: one caller at a time sends (and, for ``call``, reads the reply)."""
 
-    def __init__(self, address: tuple[str, int], secret: str, name: str, connect_timeout: float = 0.2) -> None:
+    def __init__(self, address: tuple[str, int], secret: str, name: str, channel: str,
+                 connect_timeout: float = 0.2) -> None:
         self.address, self.name = address, name
-        self._hello = encode({"hello": name, "secret": secret})
+        self._hello = encode({"hello": name, "secret": secret, "channel": channel})
         self.connect_timeout = connect_timeout
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None

@@ -21,7 +21,7 @@ from prometheus_client import REGISTRY
 import catalog.invalidation as inv_mod
 from catalog.invalidation import LEASE, Invalidator, book_key
 from replication.node import ProposalTimeout
-from replication.transport import FrameServer
+from replication.transport import PUSH_CHANNEL, Channel, FrameServer
 
 
 class FakeClock:
@@ -362,7 +362,7 @@ class Worker:
 @pytest.fixture
 def worker() -> Iterator[str]:
     Worker.answer, Worker.delay, Worker.seen = {"ok": True}, 0.0, []
-    server = FrameServer("127.0.0.1", 0, "s3cret", Worker.handle, name="fake-worker")
+    server = FrameServer("127.0.0.1", 0, "s3cret", {PUSH_CHANNEL: Channel(Worker.handle)}, name="fake-worker")
     server.start()
     yield f"tcp://127.0.0.1:{server.address[1]}"
     server.stop()

@@ -47,12 +47,12 @@ class Obj:
 def test_lease_renewal_goes_on_after_an_error() -> None:
     grant = Reply(200, {"leader": "catalog-1", "term": 1, "commit_index": 0, "lease": 0.4, "continued": True,
                         "holds": [], "next_token": 1}, "catalog-1")
-    router = Obj(write=FailsOnce(grant))
+    router = Obj(call=FailsOnce(grant), close=lambda: None)
     sub = Subscription(ReadCache(10), router, "s", "127.0.0.1", None, "frontend-1")  # type: ignore[arg-type]
     sub.start()
     try:
         assert eventually(sub.valid), "no lease after the renewal loop's first error"
-        assert router.write.calls >= 2
+        assert router.call.calls >= 2
     finally:
         sub.stop()
 

@@ -58,7 +58,6 @@ def test_guarded_endpoints_refuse_and_change_nothing(hard_cluster: Cluster) -> N
     c = hard_cluster
     cat, order = c.replica_url(leader(c, "catalog")), c.replica_url(leader(c, "order"))
     calls: list[tuple[str, str, dict[str, Any] | None]] = [
-        ("POST", cat + "/subscribe", {"id": "intruder", "url": "http://127.0.0.1:9"}),
         ("GET", cat + "/books/1", None),
         ("GET", cat + "/books?topic=distributed%20systems", None),
         ("POST", cat + "/books/1/decrement", {"quantity": 5, "key": "intruder"}),
@@ -93,10 +92,10 @@ def test_the_peer_transport_refuses_without_the_secret_or_membership(hard_cluste
     for name in NAMES:
         tier = name.split("-")[0]
         vote = {"type": "vote", "src": f"{tier}-9", "dst": name, "term": 10**6, "index": 10**9, "log_term": 10**6}
-        for greeting, why in (({"hello": f"{tier}-1"}, "wrong cluster secret"),
-                              ({"hello": f"{tier}-1", "secret": "wrong"}, "wrong cluster secret"),
-                              ({"hello": f"{tier}-9", "secret": c.secret()}, "not a member"),
-                              ({"hello": name, "secret": c.secret()}, "not a member")):  # itself
+        for greeting, why in (({"hello": f"{tier}-1", "channel": "raft"}, "wrong cluster secret"),
+                              ({"hello": f"{tier}-1", "secret": "wrong", "channel": "raft"}, "wrong cluster secret"),
+                              ({"hello": f"{tier}-9", "secret": c.secret(), "channel": "raft"}, "not a member"),
+                              ({"hello": name, "secret": c.secret(), "channel": "raft"}, "not a member")):  # itself
             answer = hello(c, name, greeting, {"messages": [{**vote, "src": greeting["hello"]}]})
             assert answer["error"]["code"] == 403 and why in answer["error"]["message"], (name, greeting, answer)
     settled(c)
@@ -119,6 +118,31 @@ def test_raft_messages_not_from_the_connected_member_are_ignored(hard_cluster: C
             {"type": "vote", "src": name, "dst": name, "term": before[name][0] + 100, "index": 0, "log_term": 0},
             {"type": "vote", "src": member, "dst": member, "term": before[name][0] + 100, "index": 0, "log_term": 0},
         ]
-        assert hello(c, name, {"hello": member, "secret": c.secret()}, {"messages": forged}) == {"ok": True}
+        assert hello(c, name, {"hello": member, "secret": c.secret(), "channel": "raft"}, {"messages": forged}) == {"ok": True}
     settled(c)
     unchanged(before, snapshot(c))
+
+
+def test_lease_renewals_need_the_secret_and_a_well_formed_request(hard_cluster: Cluster) -> None:
+    """The subscribe channel (frontend workers' cache leases) is open to any name with the secret,
+    refuses everyone without it, answers 400 to a malformed request and 421 (naming the leader) off
+    the leader."""
+    c = hard_cluster
+    lead = leader(c, "catalog")
+    follower = next(n for n in NAMES if n.startswith("catalog") and n != lead)
+    refused = hello(c, lead, {"hello": "x", "secret": "wrong", "channel": "subscribe"}, {"id": "i", "url": "tcp://a:1"})
+    assert refused["error"]["code"] == 403
+    with socket.create_connection(raft_address(c.replica_url(lead)), timeout=5) as s:
+        stream = s.makefile("rb")
+        s.sendall(encode({"hello": "probe", "secret": c.secret(), "channel": "subscribe"}))
+        assert read_frame(stream) == {"ok": True}
+        for bad in ({"id": "i"}, {"id": "i", "url": "http://127.0.0.1:9"}, [1, 2]):
+            s.sendall(encode(bad))
+            assert read_frame(stream)["status"] == 400, bad
+    with socket.create_connection(raft_address(c.replica_url(follower)), timeout=5) as s:
+        stream = s.makefile("rb")
+        s.sendall(encode({"hello": "probe", "secret": c.secret(), "channel": "subscribe"}))
+        assert read_frame(stream) == {"ok": True}
+        s.sendall(encode({"id": "i", "url": "tcp://127.0.0.1:9"}))
+        answer = read_frame(stream)
+        assert answer["status"] == 421 and answer["body"]["error"]["leader"] == lead

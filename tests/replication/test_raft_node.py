@@ -187,7 +187,7 @@ def test_peer_transport_requires_the_secret_and_a_member(cluster: Harness) -> No
     bogus = {"type": "vote", "src": "intruder", "dst": target.name, "term": term + 50, "index": 10**6,
              "log_term": term + 50}
     with socket.create_connection(cluster.addresses[target.name], timeout=2) as s:
-        s.sendall(encode({"hello": "kv-9", "secret": "wrong"}))
+        s.sendall(encode({"hello": "kv-9", "secret": "wrong", "channel": "raft"}))
         s.sendall(encode({"messages": [{**bogus, "src": "kv-9"}]}))
         reply = read_frame(s.makefile("rb"))
         assert reply == {"error": {"code": 403, "message": "wrong cluster secret"}}
@@ -198,7 +198,7 @@ def test_peer_transport_requires_the_secret_and_a_member(cluster: Harness) -> No
     target._inbox.put = lambda item, *a, **k: (delivered.append(item), real_put(item, *a, **k))  # type: ignore[method-assign]
     stale = {"type": "heartbeat", "src": other, "dst": target.name, "term": 0}  # harmless: an old term
     with socket.create_connection(cluster.addresses[target.name], timeout=2) as s:
-        s.sendall(encode({"hello": other, "secret": SECRET}))
+        s.sendall(encode({"hello": other, "secret": SECRET, "channel": "raft"}))
         s.sendall(encode({"messages": [bogus, {**bogus, "src": leader.name}, stale]}))  # not who said hello
         wait_for(lambda: any(kind == "msgs" for kind, _ in delivered), 5, "the frame was read")
     msgs = [m for kind, value in delivered if kind == "msgs" for m in value]

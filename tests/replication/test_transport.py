@@ -10,7 +10,15 @@ from typing import Any
 
 import pytest
 
-from replication.transport import FrameClient, FrameError, FrameServer, encode, raft_address, read_frame
+from replication.transport import (
+    Channel,
+    FrameClient,
+    FrameError,
+    FrameServer,
+    encode,
+    raft_address,
+    read_frame,
+)
 
 SECRET = "s3cret"
 
@@ -29,7 +37,7 @@ def echo():
         seen.append((peer, frame))
         return {"echo": frame} if isinstance(frame, dict) and frame.get("want_reply") else None
 
-    server = FrameServer("127.0.0.1", 0, SECRET, handle, name="test")
+    server = FrameServer("127.0.0.1", 0, SECRET, {"c": Channel(handle)}, name="test")
     server.start()
     try:
         yield server, seen
@@ -47,7 +55,7 @@ def wait_for(cond: Any, what: str, timeout: float = 5) -> None:
 
 def test_frames_arrive_in_order_with_the_senders_name_and_replies_come_back(echo) -> None:
     server, seen = echo
-    client = FrameClient(server.address, SECRET, "alice")
+    client = FrameClient(server.address, SECRET, "alice", "c")
     for i in range(100):
         client.send({"n": i}, timeout=1)
     assert client.call({"want_reply": True, "n": 100}, timeout=1) == {"echo": {"want_reply": True, "n": 100}}
@@ -58,24 +66,41 @@ def test_frames_arrive_in_order_with_the_senders_name_and_replies_come_back(echo
 
 def test_a_wrong_secret_is_refused_before_any_frame_is_read(echo) -> None:
     server, seen = echo
-    client = FrameClient(server.address, "wrong", "mallory")
+    client = FrameClient(server.address, "wrong", "mallory", "c")
     with pytest.raises(OSError):
         client.send({"n": 1}, timeout=1)  # refused at the hello: nothing is sent
-    with socket.create_connection(server.address, timeout=2) as s:
-        s.sendall(encode({"hello": "mallory"}) + encode({"n": 1}))
-        assert read_frame(s.makefile("rb"))["error"]["code"] == 403
+    for hello in ({"hello": "mallory", "channel": "c"}, {"hello": "mallory", "secret": SECRET, "channel": "nope"}):
+        with socket.create_connection(server.address, timeout=2) as s:
+            s.sendall(encode(hello) + encode({"n": 1}))
+            assert read_frame(s.makefile("rb"))["error"]["code"] == 403
     assert seen == []
+
+
+def test_a_members_only_channel_refuses_other_names() -> None:
+    got: list[Any] = []
+    server = FrameServer("127.0.0.1", 0, SECRET, {"raft": Channel(lambda p, f: got.append(p), frozenset({"a"}))},
+                         name="t")
+    server.start()
+    try:
+        with pytest.raises(FrameError, match="not a member"):
+            FrameClient(server.address, SECRET, "b", "raft").send(1, timeout=1)
+        member = FrameClient(server.address, SECRET, "a", "raft")
+        member.send(1, timeout=1)
+        wait_for(lambda: got == ["a"], "the member's frame")
+        member.close()
+    finally:
+        server.stop()
 
 
 def test_an_oversized_or_garbled_frame_closes_the_connection_and_nothing_else(echo) -> None:
     server, seen = echo
     for junk in (struct.pack(">I", (1 << 30) + 1), struct.pack(">I", 3) + b"{{{"):
         with socket.create_connection(server.address, timeout=2) as s:
-            s.sendall(encode({"hello": "bob", "secret": SECRET}) + junk)
+            s.sendall(encode({"hello": "bob", "secret": SECRET, "channel": "c"}) + junk)
             stream = s.makefile("rb")
             assert read_frame(stream) == {"ok": True}
             assert stream.read(1) == b""  # closed
-    client = FrameClient(server.address, SECRET, "carol")
+    client = FrameClient(server.address, SECRET, "carol", "c")
     assert client.call({"want_reply": True}, timeout=1) == {"echo": {"want_reply": True}}
     client.close()
     assert seen == [("carol", {"want_reply": True})]
@@ -84,9 +109,9 @@ def test_an_oversized_or_garbled_frame_closes_the_connection_and_nothing_else(ec
 def test_a_client_reconnects_after_the_server_restarts_on_the_same_port() -> None:
     port = free_port()
     got: list[Any] = []
-    server = FrameServer("127.0.0.1", port, SECRET, lambda p, f: got.append(f), name="a")
+    server = FrameServer("127.0.0.1", port, SECRET, {"c": Channel(lambda p, f: got.append(f))}, name="a")
     server.start()
-    client = FrameClient(("127.0.0.1", port), SECRET, "x")
+    client = FrameClient(("127.0.0.1", port), SECRET, "x", "c")
     client.send(1, timeout=1)
     wait_for(lambda: got == [1], "the first frame")
     server.stop()
@@ -94,7 +119,7 @@ def test_a_client_reconnects_after_the_server_restarts_on_the_same_port() -> Non
         for _ in range(50):
             client.send(2, timeout=1)
             time.sleep(0.01)
-    server = FrameServer("127.0.0.1", port, SECRET, lambda p, f: got.append(f), name="b")
+    server = FrameServer("127.0.0.1", port, SECRET, {"c": Channel(lambda p, f: got.append(f))}, name="b")
     server.start()
     try:
         client.send(3, timeout=1)
@@ -107,21 +132,21 @@ def test_a_client_reconnects_after_the_server_restarts_on_the_same_port() -> Non
 
 def test_a_call_times_out_on_a_silent_server_and_a_connect_on_nothing_fails_fast() -> None:
     with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (backlog) but never answers
-        client = FrameClient(silent.getsockname()[:2], SECRET, "x")
+        client = FrameClient(silent.getsockname()[:2], SECRET, "x", "c")
         started = time.monotonic()
         with pytest.raises(OSError):
             client.call({"want_reply": True}, timeout=0.2)
         assert time.monotonic() - started < 2
         client.close()
     with pytest.raises(OSError):
-        FrameClient(("127.0.0.1", free_port()), SECRET, "x").send(1, timeout=0.5)
+        FrameClient(("127.0.0.1", free_port()), SECRET, "x", "c").send(1, timeout=0.5)
 
 
 def test_stop_ends_every_thread_it_started() -> None:
     before = threading.active_count()
-    server = FrameServer("127.0.0.1", 0, SECRET, lambda p, f: None, name="t")
+    server = FrameServer("127.0.0.1", 0, SECRET, {"c": Channel(lambda p, f: None)}, name="t")
     server.start()
-    clients = [FrameClient(server.address, SECRET, f"c{i}") for i in range(3)]
+    clients = [FrameClient(server.address, SECRET, f"c{i}", "c") for i in range(3)]
     for c in clients:
         c.send({"hi": 1}, timeout=1)
     wait_for(lambda: threading.active_count() >= before + 4, "a reader per connection")
@@ -140,3 +165,39 @@ def test_raft_address_derives_from_the_http_url() -> None:
 
 def test_frame_errors_are_os_errors() -> None:
     assert issubclass(FrameError, OSError)
+
+
+def test_a_channel_router_finds_the_leader_and_follows_its_name() -> None:
+    """Three fake replicas on the subscribe channel: two answer 421 naming the third, which answers."""
+    from replication.router import ChannelRouter, TierUnavailable
+
+    calls: list[str] = []
+
+    def replica(me: str) -> Any:
+        def handle(peer: str, frame: Any) -> Any:
+            calls.append(me)
+            if me != "t-3":
+                return {"status": 421, "body": {"error": {"code": 421, "message": "no", "leader": "t-3"}}}
+            return {"status": 200, "body": {"you": peer, "sent": frame}}
+        return handle
+
+    ports = [free_port() for _ in range(3)]
+    servers = [FrameServer("127.0.0.1", p + 50, SECRET, {"sub": Channel(replica(f"t-{i}"))}, name=f"t-{i}")
+               for i, p in enumerate(ports, start=1)]
+    for s in servers:
+        s.start()
+    router = ChannelRouter("t", {f"t-{i}": f"http://127.0.0.1:{p}" for i, p in enumerate(ports, start=1)},
+                           SECRET, "frontend-1/7", "sub")
+    try:
+        reply = router.call({"x": 1}, deadline=time.monotonic() + 2)
+        assert (reply.status, reply.replica, reply.body) == (200, "t-3", {"you": "frontend-1/7", "sent": {"x": 1}})
+        assert calls == ["t-1", "t-3"]  # straight to the leader it named
+        router.call({"x": 2}, deadline=time.monotonic() + 2)
+        assert calls[-1] == "t-3" and len(calls) == 3  # the hint is kept
+        servers[2].stop()
+        with pytest.raises(TierUnavailable):
+            router.call({"x": 3}, deadline=time.monotonic() + 0.3)
+    finally:
+        router.close()
+        for s in servers:
+            s.stop()
