@@ -275,7 +275,7 @@ def _reap() -> None:
 
 
 def reset(config: ClusterConfig) -> None:
-    """Forget all state in the data dir (replica databases, logs, run files; the secret stays)."""
+    """Forget all state in the data dir (replica databases, logs, run files; secret and admin token stay)."""
     for name in config.names():
         shutil.rmtree(config.replica_dir(name), ignore_errors=True)
     shutil.rmtree(config.run_dir(), ignore_errors=True)
@@ -296,6 +296,7 @@ def up(config: ClusterConfig, reset_state: bool = False, out: object = sys.stdou
     if reset_state:
         reset(config)
     config.secret(create=True)
+    config.admin_token(create=True)
     config.save()
 
     def on_signal(signum: int, frame: object) -> None:

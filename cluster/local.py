@@ -137,10 +137,15 @@ class LocalCluster:
 
     # -- looking at it from outside --------------------------------------------------------------
     def client(self, frontend: int = 1, **kw: Any) -> PygmyClient:
-        return PygmyClient(self.cluster_config().frontend_url(frontend), token=self.secret(), **kw)
+        return PygmyClient(self.cluster_config().frontend_url(frontend), token=self.admin_token(), **kw)
 
     def secret(self) -> str:
+        """The internal secret: what replicas and frontends show each other (``D/secret``)."""
         return (self.data_dir / "secret").read_text().strip()
+
+    def admin_token(self) -> str:
+        """The admin token for ``POST /update`` (``D/admin-token``)."""
+        return (self.data_dir / "admin-token").read_text().strip()
 
     def config(self) -> dict[str, Any]:
         return json.loads((self.data_dir / "run" / "cluster.json").read_text())
