@@ -1,4 +1,4 @@
-"""Every row of the public API table (SPEC section 3), success and error, on a real cluster."""
+"""Every row of the public API table (docs/api.md), success and error, on a real cluster."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Linearizable reads (SPEC 7.4), judged from outside by Porcupine on real processes (#15, #18).
+"""Linearizable reads (guarantee 4, docs/replication.md), judged from outside by Porcupine on real processes (#15, #18).
 
 Two frontends x two Gunicorn workers, 7 writers (one per book), 4 readers and 3 buyers; every
 operation goes into a history that ``tools/lincheck`` checks per book (cost register and stock
