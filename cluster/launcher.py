@@ -104,9 +104,9 @@ def group_alive(pid: int) -> bool:
 def _is_service(pid: int, config: ClusterConfig, name: str) -> bool:
     """Whether process ``pid`` is ``pygmy serve`` of service ``name`` with this data dir.
 
-    Gunicorn retitles its processes (``gunicorn: master [pygmy-NAME]``) when setproctitle is
-    installed, which hides the arguments; the service's stdout, its log file in this data dir, still
-    tells which data dir it belongs to.
+    Gunicorn retitles its processes (``gunicorn: master [pygmy-NAME]``, cut short if the title does
+    not fit) when setproctitle is installed, which hides the arguments; the service's stdout, its own
+    log file in this data dir, still tells which service and data dir it is.
     """
     base = PROC / str(pid)
     tier, k = parse_name(name)
@@ -115,7 +115,7 @@ def _is_service(pid: int, config: ClusterConfig, name: str) -> bool:
         title = " ".join(a for a in args if a)
         is_serve = "serve" in args and tier in args and any(
             args[i] == "--id" and args[i + 1] == str(k) for i in range(len(args) - 1))
-        retitled = title.startswith("gunicorn: ") and title.endswith(f"[pygmy-{name}]")
+        retitled = title.startswith("gunicorn: ")
         if not (is_serve or retitled):
             return False
         data_dirs = [args[i + 1] for i in range(len(args) - 1) if args[i] == "--data-dir"]

@@ -133,8 +133,9 @@ def others() -> Iterator[list[subprocess.Popen[bytes]]]:
             p.wait()
 
 
-def other(procs: list[subprocess.Popen[bytes]], *cmd: str) -> int:
-    procs.append(subprocess.Popen(list(cmd or ("sleep", "60")), start_new_session=True))
+def other(procs: list[subprocess.Popen[bytes]], *cmd: str, stdout: Path | None = None) -> int:
+    with open(stdout or os.devnull, "ab") as out:
+        procs.append(subprocess.Popen(list(cmd or ("sleep", "60")), start_new_session=True, stdout=out))
     return procs[-1].pid
 
 
@@ -142,12 +143,17 @@ def test_running_is_only_this_service_of_this_data_dir(tmp_path: Path, others: l
     """A pid file counts only for a live ``pygmy serve`` of that very service with this data dir."""
     config = ClusterConfig(data_dir=str(tmp_path / "d"))
     config.run_dir().mkdir(parents=True)
+    config.log_dir().mkdir()
     fake = [sys.executable, "-c", "import time; time.sleep(60)", "serve", "catalog", "--id", "2", "--data-dir"]
+    # What Gunicorn's master looks like once setproctitle has replaced its arguments.
+    retitled = ["bash", "-c", 'exec -a "gunicorn: master [pygmy-catalog-2]" sleep 60']
     cases = {
         "sleep 60": other(others),
         "looks like catalog-2 here": other(others, *fake, str(config.root)),
         "catalog-2 of another data dir": other(others, *fake, str(tmp_path / "elsewhere")),
         "a zombie": other(others, "true"),
+        "retitled, logging here": other(others, *retitled, stdout=config.log_dir() / "catalog-2.log"),
+        "retitled, logging elsewhere": other(others, *retitled, stdout=tmp_path / "catalog-2.log"),
     }
     time.sleep(0.5)  # every child has exec'd; `true` has exited and stays a zombie until reaped
     seen = {}
@@ -156,8 +162,8 @@ def test_running_is_only_this_service_of_this_data_dir(tmp_path: Path, others: l
         seen[what] = launcher.running(config, "catalog-2")
         config.pid_file("catalog-1").write_text(f"{pid}\n")
         assert launcher.running(config, "catalog-1") is None, what  # the wrong service
-    assert seen == {"sleep 60": None, "looks like catalog-2 here": cases["looks like catalog-2 here"],
-                    "catalog-2 of another data dir": None, "a zombie": None}
+    ours = ("looks like catalog-2 here", "retitled, logging here")
+    assert seen == {what: pid if what in ours else None for what, pid in cases.items()}
     config.pid_file("catalog-2").write_text(f"{cases['looks like catalog-2 here']}\n")
     os.killpg(cases["looks like catalog-2 here"], signal.SIGKILL)
     assert launcher.running(config, "catalog-2") is None, "SIGKILLed, even before it is reaped"
