@@ -9,10 +9,10 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 from client.api import DEFAULT_URL, PygmyClient, PygmyError
+from cluster.config import ClusterConfig
 
 
 def table(rows: list[list[Any]], header: list[str]) -> str:
@@ -63,17 +63,18 @@ def show_status(st: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def admin_token(args: argparse.Namespace) -> str | None:
-    if args.token:
-        return args.token
-    if os.environ.get("PYGMY_SECRET"):
-        return os.environ["PYGMY_SECRET"]
-    path = Path(args.data_dir) / "secret"
-    return path.read_text().strip() if path.exists() else None
+def admin_token(args: argparse.Namespace) -> str:
+    """``--token``, else the cluster's own setting (``PYGMY_ADMIN_TOKEN``, else ``DATA_DIR/admin-token``)."""
+    return args.token or ClusterConfig(data_dir=args.data_dir).admin_token()
 
 
 def run(args: argparse.Namespace) -> int:
-    client = PygmyClient(args.url, timeout=args.timeout, token=admin_token(args) if args.command == "update" else None)
+    try:
+        token = admin_token(args) if args.command == "update" else None
+    except RuntimeError as exc:
+        print(f"pygmy {args.command}: {exc}", file=sys.stderr)
+        return 1
+    client = PygmyClient(args.url, timeout=args.timeout, token=token)
     try:
         if args.command == "search":
             res = client.search(args.topic)
@@ -124,6 +125,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     p.add_argument("item")
     p.add_argument("--stock-delta", type=int, default=None)
     p.add_argument("--cost", type=float, default=None)
-    p.add_argument("--token", default=None, help="admin token (default: PYGMY_SECRET, else DATA_DIR/secret)")
-    p.add_argument("--data-dir", default="data")
+    p.add_argument("--token", default=None, help="admin token (default: PYGMY_ADMIN_TOKEN, else DATA_DIR/admin-token)")
+    p.add_argument("--data-dir", default=os.environ.get("PYGMY_DATA_DIR", "data"))
     sub.add_parser("status", parents=[common], help="cluster view: leaders, replicas, cache")

@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.id < 1 or args.id > config.replicas(args.tier):
                 raise SystemExit(f"pygmy: --id must be 1..{config.replicas(args.tier)} for {args.tier}")
             config.secret()  # fail early and clearly without one
+            if args.tier == "frontend":
+                config.admin_token()  # only the frontend needs it; refused if it equals the secret
             serve(args.tier, config, args.id)
             return 0
         if args.command in ("kill", "start"):

@@ -1,4 +1,4 @@
-"""Cluster settings: names, ports, URLs, data locations and the shared secret.
+"""Cluster settings: names, ports, URLs, data locations, the internal secret and the admin token.
 
 One ``ClusterConfig`` describes the whole topology. ``pygmy up`` writes it to ``D/run/cluster.json``
 so that ``pygmy start NAME`` restarts a single service with exactly the same settings.
@@ -116,18 +116,38 @@ class ClusterConfig:
         return self.run_dir() / "cluster.json"
 
     def secret(self, create: bool = False) -> str:
-        """``PYGMY_SECRET`` if set, else ``D/secret`` (created with a random value when asked)."""
-        env = os.environ.get("PYGMY_SECRET")
-        if env:
-            return env
-        path = self.root / "secret"
+        """The internal secret between services (replication, leases, invalidation pushes, every
+        replica endpoint): ``PYGMY_SECRET`` if set, else ``D/secret`` (made when ``create``)."""
+        return self._credential("PYGMY_SECRET", "secret", "internal secret", create)
+
+    def admin_token(self, create: bool = False) -> str:
+        """The admin token for ``POST /update``: ``PYGMY_ADMIN_TOKEN`` if set, else ``D/admin-token``
+        (made when ``create``). A setting of its own, and refused if it equals the internal secret,
+        so that whoever may restock and reprice cannot also speak to replicas as one of them."""
+        token = self._credential("PYGMY_ADMIN_TOKEN", "admin-token", "admin token", create)
+        internal = os.environ.get("PYGMY_SECRET") or _read(self.root / "secret")
+        if internal and secrets.compare_digest(token, internal):
+            raise RuntimeError("the admin token must differ from the internal secret (PYGMY_SECRET or "
+                               f"{self.root / 'secret'}): set PYGMY_ADMIN_TOKEN to another value")
+        return token
+
+    def _credential(self, env: str, filename: str, what: str, create: bool) -> str:
+        value = os.environ.get(env)
+        if value:
+            return value
+        path = self.root / filename
         if not path.exists():
             if not create:
-                raise RuntimeError(f"no cluster secret: set PYGMY_SECRET or run 'pygmy up' to create {path}")
+                raise RuntimeError(f"no {what}: set {env} or run 'pygmy up' to create {path}")
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(secrets.token_hex(24))
-            path.chmod(0o600)
-        return path.read_text().strip()
+            # Created 0600 from the start: never readable by others, not even for a moment.
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(24))
+        value = path.read_text().strip()
+        if not value:
+            raise RuntimeError(f"{path} is empty: delete it (pygmy up makes a new {what}) or set {env}")
+        return value
 
     # -- persistence ------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -150,6 +170,13 @@ class ClusterConfig:
         if not path.exists():
             raise RuntimeError(f"{path} not found: start the cluster with 'pygmy up --data-dir {data_dir}' first")
         return cls.from_dict(json.loads(path.read_text()))
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        return None
 
 
 def parse_name(name: str) -> tuple[str, int]:

@@ -2,6 +2,11 @@
 
 Every service runs as ``pygmy serve`` in its own session, so its Gunicorn master is a process group
 leader and ``pygmy kill`` can SIGKILL master and workers at once. Pid files name those leaders.
+
+A pid file outlives its process after a crash or a reboot, and the pid may by then belong to a
+zombie, to a process still exiting from SIGKILL, or to some other program. So a pid file counts only
+if ``/proc`` shows a live member of that process group that is this very service of this data dir
+(``running``); anything else is stale and ``pygmy up`` starts over it.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import requests
@@ -28,14 +35,96 @@ class LaunchError(Exception):
     pass
 
 
-def group_alive(pid: int) -> bool:
+PROC = Path("/proc")
+#: ``PF_EXITING`` in the flags of ``/proc/<pid>/stat``: the process is already in ``do_exit``.
+PF_EXITING = 0x4
+SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
+ZOMBIE = ("Z", "X", "x")  # zombie, dead
+
+
+@dataclass(frozen=True)
+class Proc:
+    pid: int
+    pgrp: int
+    state: str
+    flags: int
+
+
+def _proc(pid: int) -> Proc | None:
+    """One process as ``/proc/<pid>/stat`` shows it, or None once it is gone."""
     try:
-        os.killpg(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+        raw = (PROC / str(pid) / "stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
+    rest = raw[raw.rfind(")") + 2:].split()
+    if len(rest) < 7:
+        return None
+    return Proc(pid, int(rest[2]), rest[0], int(rest[6]))
+
+
+def _groups(pgids: Iterable[int]) -> dict[int, list[Proc]]:
+    """Every process of these process groups, zombies included, from one pass over ``/proc``."""
+    out: dict[int, list[Proc]] = {g: [] for g in pgids}
+    for entry in os.listdir(PROC):
+        if entry.isdigit() and (p := _proc(int(entry))) is not None and p.pgrp in out:
+            out[p.pgrp].append(p)
+    return out
+
+
+def _group(pgid: int) -> list[Proc]:
+    return _groups([pgid])[pgid]
+
+
+def _dying(p: Proc) -> bool:
+    """A zombie, or on its way to be one: exiting, or with SIGKILL pending (it never runs again)."""
+    if p.state in ZOMBIE or p.flags & PF_EXITING:
         return True
-    return True
+    try:
+        status = (PROC / str(p.pid) / "status").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return True
+    pending = 0
+    for line in status.splitlines():
+        if line.startswith(("SigPnd:", "ShdPnd:")):
+            pending |= int(line.split()[1], 16)
+    return bool(pending & SIGKILL_BIT)
+
+
+def alive_groups(pgids: Iterable[int]) -> set[int]:
+    """Those of these process groups with a process alive and not dying (zombies and SIGKILLed
+    processes do not count)."""
+    return {g for g, procs in _groups(pgids).items() if any(not _dying(p) for p in procs)}
+
+
+def group_alive(pid: int) -> bool:
+    return bool(alive_groups([pid]))
+
+
+def _is_service(pid: int, config: ClusterConfig, name: str) -> bool:
+    """Whether process ``pid`` is ``pygmy serve`` of service ``name`` with this data dir.
+
+    Gunicorn retitles its processes (``gunicorn: master [pygmy-NAME]``, cut short if the title does
+    not fit) when setproctitle is installed, which hides the arguments; the service's stdout, its own
+    log file in this data dir, still tells which service and data dir it is.
+    """
+    base = PROC / str(pid)
+    tier, k = parse_name(name)
+    try:
+        args = (base / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        title = " ".join(a for a in args if a)
+        is_serve = "serve" in args and tier in args and any(
+            args[i] == "--id" and args[i + 1] == str(k) for i in range(len(args) - 1))
+        retitled = title.startswith("gunicorn: ")
+        if not (is_serve or retitled):
+            return False
+        data_dirs = [args[i + 1] for i in range(len(args) - 1) if args[i] == "--data-dir"]
+        if data_dirs:
+            return Path(data_dirs[-1]).resolve() == config.root
+        stdout = os.readlink(base / "fd" / "1").removesuffix(" (deleted)")
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return False
+    return Path(stdout) == config.log_dir() / f"{name}.log"
 
 
 def read_pid(config: ClusterConfig, name: str) -> int | None:
@@ -46,8 +135,28 @@ def read_pid(config: ClusterConfig, name: str) -> int | None:
 
 
 def running(config: ClusterConfig, name: str) -> int | None:
+    """The process group named in ``name``'s pid file if it really runs that service, else None.
+
+    Really running: a member of the group is alive, not dying, and is ``pygmy serve`` of ``name``
+    with this data dir. A pid that is gone, a zombie, still exiting, or reused by another program
+    leaves only a stale pid file.
+    """
     pid = read_pid(config, name)
-    return pid if pid and group_alive(pid) else None
+    if not pid or pid < 1:
+        return None
+    return pid if any(not _dying(p) and _is_service(p.pid, config, name) for p in _group(pid)) else None
+
+
+def _wait_exited(pids: list[int], timeout: float = STOP_TIMEOUT) -> None:
+    """Wait until no process of these stale groups is still exiting (SIGKILLed processes release
+    their ports only as they exit); those alive and well, such as a program that reused a pid, are
+    left alone and not waited for."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        groups = _groups(pids).values()
+        if not any(_dying(p) and p.state not in ZOMBIE for procs in groups for p in procs):
+            return
+        time.sleep(0.02)
 
 
 def port_free(host: str, port: int) -> bool:
@@ -148,13 +257,12 @@ def stop_all(config: ClusterConfig, names: list[str]) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT
-    while time.monotonic() < deadline and any(group_alive(p) for p in pids.values()):
+    while time.monotonic() < deadline and alive_groups(pids.values()):
         _reap()
         time.sleep(0.05)
-    for pid in pids.values():
-        if group_alive(pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
+    for pid in alive_groups(pids.values()):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
     _reap()
     for n in names:
         config.pid_file(n).unlink(missing_ok=True)
@@ -167,7 +275,7 @@ def _reap() -> None:
 
 
 def reset(config: ClusterConfig) -> None:
-    """Forget all state in the data dir (replica databases, logs, run files; the secret stays)."""
+    """Forget all state in the data dir (replica databases, logs, run files; secret and admin token stay)."""
     for name in config.names():
         shutil.rmtree(config.replica_dir(name), ignore_errors=True)
     shutil.rmtree(config.run_dir(), ignore_errors=True)
@@ -177,12 +285,18 @@ def reset(config: ClusterConfig) -> None:
 def up(config: ClusterConfig, reset_state: bool = False, out: object = sys.stdout) -> int:
     """Run the whole cluster in the foreground until SIGINT/SIGTERM; print ``ready <url>`` when usable."""
     names = config.names()
-    busy = [n for n in names if running(config, n)]
+    busy = {n: pid for n in names if (pid := running(config, n))}
     if busy:
-        raise LaunchError(f"already running in {config.root}: {', '.join(busy)} (stop it first)")
+        listed = ", ".join(f"{n} (pid {pid})" for n, pid in busy.items())
+        raise LaunchError(f"already running in {config.root}: {listed} (stop it first)")
+    stale = [pid for n in names if (pid := read_pid(config, n))]
+    _wait_exited(stale)
+    for n in names:
+        config.pid_file(n).unlink(missing_ok=True)
     if reset_state:
         reset(config)
     config.secret(create=True)
+    config.admin_token(create=True)
     config.save()
 
     def on_signal(signum: int, frame: object) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 import requests
 
 from client.api import PygmyClient
+from cluster import launcher
 from cluster.config import ClusterConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,20 +105,26 @@ class LocalCluster:
                 self.proc.wait()
         self.kill_all()
 
-    def kill_all(self) -> None:
-        """SIGKILL every service group named in a pid file (the whole cluster crashes at once)."""
+    def kill_all(self, forget: bool = True) -> None:
+        """SIGKILL every service group a pid file names that really runs that service here (never a
+        program that reused a stale pid); ``forget`` deletes the pid files too."""
         run = self.data_dir / "run"
+        config = ClusterConfig(data_dir=str(self.data_dir))
         for pid_file in run.glob("*.pid") if run.exists() else []:
             with contextlib.suppress(ValueError, ProcessLookupError, PermissionError):
-                os.killpg(int(pid_file.read_text()), signal.SIGKILL)
-            pid_file.unlink(missing_ok=True)
+                pid = launcher.running(config, pid_file.stem)
+                if pid:
+                    os.killpg(pid, signal.SIGKILL)
+            if forget:
+                pid_file.unlink(missing_ok=True)
 
     def crash(self) -> None:
-        """SIGKILL ``pygmy up`` and every service: nothing gets to shut down cleanly."""
+        """SIGKILL ``pygmy up`` and every service: nothing gets to shut down cleanly, and the pid
+        files stay behind, as after a real crash."""
         if self.proc and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        self.kill_all()
+        self.kill_all(forget=False)
 
     # -- fault injection as a user does it ------------------------------------------------------
     def kill(self, name: str) -> None:
@@ -130,10 +137,15 @@ class LocalCluster:
 
     # -- looking at it from outside --------------------------------------------------------------
     def client(self, frontend: int = 1, **kw: Any) -> PygmyClient:
-        return PygmyClient(self.cluster_config().frontend_url(frontend), token=self.secret(), **kw)
+        return PygmyClient(self.cluster_config().frontend_url(frontend), token=self.admin_token(), **kw)
 
     def secret(self) -> str:
+        """The internal secret: what replicas and frontends show each other (``D/secret``)."""
         return (self.data_dir / "secret").read_text().strip()
+
+    def admin_token(self) -> str:
+        """The admin token for ``POST /update`` (``D/admin-token``)."""
+        return (self.data_dir / "admin-token").read_text().strip()
 
     def config(self) -> dict[str, Any]:
         return json.loads((self.data_dir / "run" / "cluster.json").read_text())

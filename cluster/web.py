@@ -1,4 +1,4 @@
-"""Flask plumbing every Pygmy service shares: JSON errors, the cluster secret, body parsing."""
+"""Flask plumbing every Pygmy service shares: JSON errors, the secret and token guards, body parsing."""
 
 from __future__ import annotations
 
@@ -120,20 +120,26 @@ def create_base_app(name: str, extra_metrics: Callable[[], Iterable[Collector]] 
     return app
 
 
-def secret_refusal(given: str | None, expected: bytes) -> tuple[int, str] | None:
+INTERNAL = "internal secret"
+ADMIN = "admin token"
+
+
+def secret_refusal(given: str | None, expected: bytes, what: str = INTERNAL) -> tuple[int, str] | None:
     """Why ``given`` (an Authorization header) is refused, or None; the comparison is constant time.
 
-    No credentials: 401. Wrong credentials: 403. Every guarded endpoint, internal or admin, uses this.
+    No credentials: 401. Wrong credentials: 403. Every guarded endpoint uses this; ``what`` names the
+    credential it wants (the internal secret, or the admin token on ``POST /update``).
     """
     if not given:
-        return 401, "this endpoint needs the cluster secret (Authorization: Bearer <secret>)"
+        return 401, f"this endpoint needs the {what} (Authorization: Bearer <{what.replace(' ', '-')}>)"
     if not hmac.compare_digest(given.encode("utf-8", "replace"), expected):
-        return 403, "wrong cluster secret"
+        return 403, f"wrong {what}"
     return None
 
 
-def require_secret(secret: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Guard an internal or admin endpoint with ``Authorization: Bearer <secret>`` (constant time).
+def require_secret(secret: str, what: str = INTERNAL) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Guard an endpoint with ``Authorization: Bearer <secret>`` (constant time): the internal
+    secret on internal endpoints, the admin token on the admin one.
 
     No credentials: 401. Wrong credentials: 403. Either way the request changes nothing.
     """
@@ -142,7 +148,7 @@ def require_secret(secret: str) -> Callable[[Callable[..., Any]], Callable[..., 
     def decorate(view: Callable[..., Any]) -> Callable[..., Any]:
         @wraps(view)
         def guarded(*args: Any, **kwargs: Any) -> Any:
-            refused = secret_refusal(request.headers.get("Authorization"), expected)
+            refused = secret_refusal(request.headers.get("Authorization"), expected, what)
             if refused:
                 fail(*refused)
             return view(*args, **kwargs)

@@ -63,7 +63,7 @@ class ChaosWorkload(Workload):
     scarce: dict[int, int] = field(default_factory=lambda: {6: 20, 7: 20})
 
     def __post_init__(self) -> None:
-        auth = {"Authorization": f"Bearer {self.secret}"}
+        auth = {"Authorization": f"Bearer {self.token}"}
         with requests.Session() as s:
             for item, stock in self.scarce.items():
                 now = s.get(f"{self.urls[0]}/lookup/{item}", timeout=self.timeout).json()["stock"]
@@ -258,7 +258,7 @@ def run(duration: float, seed: int, out: Path, kinds: tuple[str, ...] = nemesis.
             try:
                 cluster.start(reset=True)
                 urls = [config.frontend_url(1), config.frontend_url(2)]
-                load = ChaosWorkload(urls, cluster.secret(), items)
+                load = ChaosWorkload(urls, cluster.admin_token(), items)
 
                 def pid(name: str) -> int | None:
                     try:

@@ -2,7 +2,7 @@
 
 Reads ``history.json`` (every client operation: invoke and complete times, input, output or unknown),
 ``nemesis.json`` (the fault windows) and ``final.json`` (every replica's books, orders, applied index
-and digest after healing), and checks SPEC's guarantees:
+and digest after healing), and checks the guarantees of docs/replication.md:
 
 - ``linearizable``: per book, lookups, updates and buys are linearizable (Porcupine, tools/lincheck).
   That covers "no read returns a value older than a write acknowledged before it began", across

@@ -44,7 +44,7 @@ class Workload:
     """The load of one run; ``errors`` keeps what no guarantee allows (the run fails on any)."""
 
     urls: list[str]
-    secret: str
+    token: str  # the admin token: writers post POST /update
     items: list[int]
     writers: int = 7
     readers: int = 4
@@ -121,7 +121,7 @@ class Workload:
     def _writer(self, k: int) -> None:
         item = self.items[k % len(self.items)]
         client = next(self._clients)
-        auth = {"Authorization": f"Bearer {self.secret}"}
+        auth = {"Authorization": f"Bearer {self.token}"}
         # Writers sharing a book write costs of their own (k apart), so every value names its write.
         cost = self.history.initial[item]["cost"] + (k // len(self.items)) * 100_000
         with requests.Session() as s:
@@ -202,11 +202,11 @@ class Verdict:
                 + (f", client errors {self.errors[:3]}" if self.errors else ""))
 
 
-def run_and_check(urls: list[str], secret: str, seconds: float, out: Path, items: list[int] | None = None,
+def run_and_check(urls: list[str], token: str, seconds: float, out: Path, items: list[int] | None = None,
                   **sizes: Any) -> Verdict:
     """One run: load for ``seconds``, save the history to ``out``, check it (HTML beside it).
     With fewer ``items`` than writers, several writers share a book (each still raises its cost)."""
-    load = Workload(urls, secret, items or list(range(1, 8)), **sizes)
+    load = Workload(urls, token, items or list(range(1, 8)), **sizes)
     history = load.run(seconds)
     history.save(out)
     result = lincheck.check(out, html_dir=out.parent / f"{out.stem}-html", timeout=120)
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             cluster.start(reset=True)
             try:
                 urls = [cluster.url, f"http://127.0.0.1:{base + 1}"]
-                verdict = run_and_check(urls, cluster.secret(), args.duration, args.out / f"run-{n}.json")
+                verdict = run_and_check(urls, cluster.admin_token(), args.duration, args.out / f"run-{n}.json")
             finally:
                 cluster.stop()
         print(f"run {n}: {verdict.summary()}", flush=True)

@@ -26,7 +26,7 @@ def catch_up(c: Any, k: int, clients: int, timeout: float) -> dict[str, Any]:
     at_kill = (h.replica_status(c, victim) or {}).get("applied_index", 0)
     c.kill(victim)
     per = math.ceil(k / clients)
-    rec = h.run_load(c.url, clients, {"update": 1.0}, count=per, token=c.secret(), seed=k)
+    rec = h.run_load(c.url, clients, {"update": 1.0}, count=per, token=c.admin_token(), seed=k)
     target = (h.replica_status(c, h.leader(c, "catalog"), timeout=2) or {}).get("commit_index")
     if target is None:
         raise RuntimeError("cannot read the catalog leader's commit index")

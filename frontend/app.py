@@ -18,7 +18,16 @@ from flask import Flask, Response, g, jsonify, request
 from catalog.books import topic_key
 from cluster import metrics
 from cluster.config import ClusterConfig
-from cluster.web import create_base_app, fail, int_field, json_body, parse_item, require_secret, update_fields
+from cluster.web import (
+    ADMIN,
+    create_base_app,
+    fail,
+    int_field,
+    json_body,
+    parse_item,
+    require_secret,
+    update_fields,
+)
 from frontend import openapi
 from frontend.cache import ReadCache
 from frontend.subscription import Subscription
@@ -46,7 +55,8 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
     app = create_base_app(name)
     catalog = TierRouter("catalog", config.peers("catalog"), secret)
     orders = TierRouter("order", config.peers("order"), secret)
-    admin = require_secret(secret)
+    # Its own token, not the internal secret: whoever may update books cannot act as a replica.
+    admin = require_secret(config.admin_token(), ADMIN)
     if config.read_from not in ("leader", "any"):
         raise ValueError(f"read_from must be 'leader' or 'any', not {config.read_from!r}")
     leader_first = config.read_from == "leader"

@@ -1,4 +1,5 @@
-"""The OpenAPI 3 description of the public API (SPEC section 3), served at ``GET /openapi.json``.
+"""The OpenAPI 3 description of the public API, served at ``GET /openapi.json``: the machine-readable
+half of ``docs/api.md``.
 
 Written by hand rather than generated, so it states the contract (bounds, error shapes) and not
 whatever the code happens to do; ``tests/hardening`` checks that it names every route the frontend
@@ -56,7 +57,8 @@ _REPLICA = {
     "required": ["name", "alive"],
     "properties": {
         "name": {"type": "string"}, "url": {"type": "string"}, "alive": {"type": "boolean"},
-        "role": {"type": "string", "enum": ["leader", "follower", "candidate", "recovering"]},
+        "role": {"type": "string", "enum": ["leader", "follower", "candidate", "recovering", "failed"]},
+        "leader_lease": {"type": "boolean"}, "error": {"type": "string", "nullable": True},
         "term": {"type": "integer"}, "leader": {"type": "string", "nullable": True},
         "commit_index": {"type": "integer"}, "applied_index": {"type": "integer"},
         "state_digest": {"type": "string"},
@@ -93,8 +95,8 @@ _STATUS = {
 #: What each status means on this API; every one of them has the JSON error body.
 ERROR_MEANINGS = {
     400: "Bad input: a malformed number, body, field or header",
-    401: "No cluster secret (Authorization: Bearer <secret>)",
-    403: "Wrong cluster secret",
+    401: "No admin token (Authorization: Bearer <admin token>)",
+    403: "Wrong admin token",
     404: "No such item, order or route",
     405: "Method not allowed on this route",
     409: "Out of stock, or stock would go negative",
@@ -157,8 +159,10 @@ def spec(server_url: str | None = None) -> dict[str, Any]:
         }},
         "/update/{item_number}": {"post": {
             "operationId": "update", "summary": "Restock and/or reprice a book (admin)",
-            "security": [{"clusterSecret": []}],
-            "parameters": [item],
+            "security": [{"adminToken": []}],
+            "parameters": [item, {"name": "Idempotency-Key", "in": "header", "required": False,
+                                  "description": "a retried update with the same key is applied once",
+                                  "schema": {"type": "string", "minLength": 1, "maxLength": 200}}],
             "requestBody": {"required": True, "content": {"application/json": {"schema": {
                 "type": "object", "minProperties": 1,
                 "properties": {"stock_delta": {"type": "integer", "minimum": -1_000_000_000, "maximum": 1_000_000_000},
@@ -196,8 +200,9 @@ def spec(server_url: str | None = None) -> dict[str, Any]:
         "components": {
             "schemas": {"Error": _ERROR},
             "responses": responses,
-            "securitySchemes": {"clusterSecret": {"type": "http", "scheme": "bearer",
-                                                  "description": "the cluster secret (PYGMY_SECRET or D/secret)"}},
+            "securitySchemes": {"adminToken": {"type": "http", "scheme": "bearer",
+                                               "description": "the admin token (PYGMY_ADMIN_TOKEN or D/admin-token); "
+                                                              "not the internal secret between services"}},
         },
     }
     if server_url:

@@ -165,7 +165,7 @@ class FrameServer:
             refusal = None
             if not isinstance(given, str) or not isinstance(peer, str) or not hmac.compare_digest(
                     given.encode("utf-8", "replace"), self._expected):
-                refusal = "wrong cluster secret"
+                refusal = "wrong internal secret"
             elif channel is None:
                 refusal = f"no channel {hello.get('channel')!r} here"
             elif channel.members is not None and peer not in channel.members:

@@ -5,7 +5,9 @@
 #                                      plugin (built with Go, cached), then start the engine
 #   bash scripts/compose.sh engine     start the Docker engine if installed but not running (root)
 #   bash scripts/compose.sh build      base image (debootstrap, cached) + host-built wheels + image, offline
-#   bash scripts/compose.sh up         build, then `docker compose up -d --wait`  (make compose-up)
+#   bash scripts/compose.sh secrets    write a random PYGMY_SECRET and PYGMY_ADMIN_TOKEN to .env (read by docker
+#                                      compose, ignored by git) for each set neither there nor in the environment
+#   bash scripts/compose.sh up         secrets, build, then `docker compose up -d --wait`  (make compose-up)
 #   bash scripts/compose.sh down [-v]  stop the stack; -v also deletes its volumes (make compose-down)
 #   bash scripts/compose.sh test       build, start a throw-away stack on a free port, smoke test, kill the
 #                                      leaders, check service goes on and they catch up, tear down
@@ -15,7 +17,8 @@
 #
 # Environment: PYGMY_IMAGE (pygmy:latest), PYGMY_BASE_IMAGE (default: python:3.11-slim if present
 # locally, else pygmy-base:bookworm built here with debootstrap), PYGMY_HTTP_PORT (8000 for up),
-# COMPOSE_PROJECT_NAME (pygmy for up/down), PYGMY_CACHE_DIR (~/.cache/pygmy), PYGMY_SECRET.
+# COMPOSE_PROJECT_NAME (pygmy for up/down), PYGMY_CACHE_DIR (~/.cache/pygmy), PYGMY_SECRET (the internal
+# secret between services) and PYGMY_ADMIN_TOKEN (for POST /update), both required by docker-compose.yml.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -207,8 +210,24 @@ compose() { docker compose -f "$ROOT/docker-compose.yml" -f "$ROOT/docker-compos
 # Progress lines only where a person watches; the test prints its own summary (and logs on failure).
 quiet_compose() { docker compose --progress quiet -f "$ROOT/docker-compose.yml" -f "$ROOT/docker-compose.override.yml" "$@"; }
 
+# docker-compose.yml has no default secrets. Give each one that is neither in the environment nor in .env
+# (which docker compose reads by itself; ignored by git) a random value there, made once and kept.
+ensure_secrets() {
+    local envf="$ROOT/.env" name value
+    for name in PYGMY_SECRET PYGMY_ADMIN_TOKEN; do
+        [[ -n "${!name:-}" ]] && continue
+        [[ -f "$envf" ]] && grep -Eq "^${name}=.+" "$envf" && continue
+        value=$("$(host_python)" -c 'import secrets; print(secrets.token_hex(24))')
+        [[ -s "$envf" && -n $(tail -c1 "$envf") ]] && echo >>"$envf"  # end a last line left open
+        (umask 077 && printf '%s=%s\n' "$name" "$value" >>"$envf")
+        chmod 600 "$envf"
+        log "created a random $name in .env"
+    done
+}
+
 up() {
     require_compose
+    ensure_secrets
     build
     export COMPOSE_PROJECT_NAME="${COMPOSE_PROJECT_NAME:-pygmy}"
     log "docker compose up (project $COMPOSE_PROJECT_NAME)"
@@ -224,6 +243,8 @@ down() {
         return
     fi
     export COMPOSE_PROJECT_NAME="${COMPOSE_PROJECT_NAME:-pygmy}"
+    # Compose interpolates the whole file even to stop it; the secrets' values do not matter here.
+    export PYGMY_SECRET="${PYGMY_SECRET:-unused}" PYGMY_ADMIN_TOKEN="${PYGMY_ADMIN_TOKEN:-unused-too}"
     compose down --remove-orphans "$@"
 }
 
@@ -249,6 +270,7 @@ test_stack() {
     TEST_PORT="${PYGMY_TEST_PORT:-$(free_port)}"
     export COMPOSE_PROJECT_NAME="$TEST_PROJECT" PYGMY_HTTP_PORT="$TEST_PORT"
     export PYGMY_SECRET="${PYGMY_SECRET:-test-secret-$RANDOM$RANDOM}"
+    export PYGMY_ADMIN_TOKEN="${PYGMY_ADMIN_TOKEN:-test-admin-$RANDOM$RANDOM}"
     # shellcheck disable=SC2317
     cleanup() {
         local rc=$?
@@ -310,7 +332,9 @@ stack_test() {
     trap stack_cleanup EXIT
     trap 'exit 130' INT TERM
     log "docker stack deploy $STACK_NAME on 127.0.0.1:$STACK_PORT"
-    PYGMY_HTTP_PORT="$STACK_PORT" PYGMY_SECRET="${PYGMY_SECRET:-test-secret-$RANDOM$RANDOM}" \
+    export PYGMY_SECRET="${PYGMY_SECRET:-test-secret-$RANDOM$RANDOM}"
+    export PYGMY_ADMIN_TOKEN="${PYGMY_ADMIN_TOKEN:-test-admin-$RANDOM$RANDOM}"
+    PYGMY_HTTP_PORT="$STACK_PORT" \
         docker stack deploy --resolve-image never -c "$ROOT/docker-compose.yml" "$STACK_NAME" >/dev/null 2>&1 \
         || die "docker stack deploy failed"
     "$(host_python)" "$ROOT/scripts/compose_test.py" --url "http://127.0.0.1:$STACK_PORT" --smoke-only --ready-timeout 180
@@ -326,6 +350,7 @@ case "$cmd" in
     ci-setup) ci_setup ;;
     engine) engine ;;
     build) require_compose; build ;;
+    secrets) ensure_secrets ;;
     up) up ;;
     down) down "$@" ;;
     test) test_stack ;;

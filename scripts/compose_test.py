@@ -3,6 +3,7 @@
 Run by ``bash scripts/compose.sh test`` (``make compose-test``) once the stack is healthy:
 
 1. smoke: search, lookup, buy (and an idempotent retry), order, the lookup shows the new stock;
+   ``POST /update`` takes the admin token (``PYGMY_ADMIN_TOKEN``) and refuses the internal secret;
 2. failover: find the catalog and order leaders in the frontend's ``GET /status``, SIGKILL both
    containers with ``docker compose kill``, and check that lookups and buys go on (new leaders, every
    buy acknowledged exactly once, retried with its Idempotency-Key through at most one failover window);
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -123,7 +125,25 @@ def smoke() -> tuple[int, list[dict[str, Any]]]:
     code, book = call("GET", "/lookup/1")
     check(code == 200 and book.get("stock") == stock0 - 1, f"lookup after the buy shows stock {stock0 - 1} ({code} {book})")
     log(f"smoke ok: search, lookup, buy #{order['order_number']} (idempotent retry), order, stock {stock0} -> {stock0 - 1}")
+    admin(book)
     return stock0, [order]
+
+
+def admin(book: dict[str, Any]) -> None:
+    """The admin token updates a book; no token, or the internal secret in its place, is refused."""
+    token, secret = os.environ.get("PYGMY_ADMIN_TOKEN"), os.environ.get("PYGMY_SECRET")
+    if not token:
+        log("PYGMY_ADMIN_TOKEN not set here: admin checks skipped")
+        return
+    same = {"cost": book["cost"]}  # changes nothing the later checks count
+    code, body = call("POST", "/update/1", same)
+    check(code == 401, f"POST /update without a token is refused with 401 ({code} {body})")
+    if secret:
+        code, body = call("POST", "/update/1", same, {"Authorization": f"Bearer {secret}"})
+        check(code == 403, f"the internal secret is not an admin token: 403 ({code} {body})")
+    code, body = call("POST", "/update/1", same, {"Authorization": f"Bearer {token}"})
+    check(code == 200 and body.get("cost") == book["cost"], f"the admin token updates a book ({code} {body})")
+    log("admin ok: /update takes the admin token, refuses none and the internal secret")
 
 
 def failover(compose: list[str], orders: list[dict[str, Any]], args: argparse.Namespace) -> tuple[str, str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from harness import Cluster, pygmy
 
@@ -37,3 +38,21 @@ def test_errors_exit_non_zero_with_message(cluster: Cluster) -> None:
     assert r.returncode != 0 and "403" in r.stderr
     r = pygmy("lookup", "1", "--url", "http://127.0.0.1:1")
     assert r.returncode != 0 and "cannot reach" in r.stderr
+
+
+def test_update_uses_the_admin_token_not_the_internal_secret(cluster: Cluster, tmp_path: Path) -> None:
+    """``pygmy update`` sends ``--token``, else ``PYGMY_ADMIN_TOKEN``, else ``DATA_DIR/admin-token``;
+    the internal secret (``PYGMY_SECRET``) is never taken for it."""
+    u = ["--url", cluster.url]
+    cost = json.loads(pygmy("lookup", "4", "--json", *u).stdout)["cost"]
+    r = pygmy("update", "4", "--cost", str(cost), "--data-dir", str(cluster.data_dir), *u)
+    assert r.returncode == 0, r.stderr
+    r = pygmy("update", "4", "--cost", str(cost), *u, env={"PYGMY_ADMIN_TOKEN": cluster.admin_token()})
+    assert r.returncode == 0, r.stderr
+    r = pygmy("update", "4", "--cost", str(cost), "--data-dir", str(cluster.data_dir), *u,
+              env={"PYGMY_ADMIN_TOKEN": "not-the-token"})
+    assert r.returncode != 0 and "403" in r.stderr and "wrong admin token" in r.stderr
+    r = pygmy("update", "4", "--cost", str(cost), "--data-dir", str(tmp_path), *u, env={"PYGMY_SECRET": cluster.secret()})
+    assert r.returncode != 0 and "no admin token" in r.stderr and "PYGMY_ADMIN_TOKEN" in r.stderr, r.stderr
+    r = pygmy("update", "4", "--cost", str(cost), "--token", cluster.secret(), *u)
+    assert r.returncode != 0 and "403" in r.stderr

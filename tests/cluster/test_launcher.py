@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,6 +15,8 @@ import requests
 from harness import Cluster, free_port_base, pygmy
 
 from client.api import PygmyError
+from cluster import launcher
+from cluster.config import ClusterConfig
 
 
 def groups(data_dir: Path) -> dict[str, int]:
@@ -109,3 +115,127 @@ def test_reset_starts_empty(tmp_path: Path) -> None:
 def test_up_refuses_busy_ports(tmp_path: Path, cluster: Cluster) -> None:
     r = pygmy("up", "--port-base", str(cluster.port_base), "--data-dir", str(tmp_path / "other"), timeout=30)
     assert r.returncode != 0 and "in use" in r.stderr
+
+
+# -- stale pid files: after a crash or a reboot ----------------------------------------------------------
+SERVICES = [f"{t}-{k}" for t in ("catalog", "order") for k in (1, 2, 3)] + ["frontend-1"]
+
+
+@pytest.fixture
+def others() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Programs that are not Pygmy, each leading a process group of its own as a service would;
+    every one is killed and reaped afterwards."""
+    procs: list[subprocess.Popen[bytes]] = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:  # reaps a zombie; a live one leads its own group
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def other(procs: list[subprocess.Popen[bytes]], *cmd: str, stdout: Path | None = None) -> int:
+    with open(stdout or os.devnull, "ab") as out:
+        procs.append(subprocess.Popen(list(cmd or ("sleep", "60")), start_new_session=True, stdout=out))
+    return procs[-1].pid
+
+
+def test_running_is_only_this_service_of_this_data_dir(tmp_path: Path, others: list) -> None:
+    """A pid file counts only for a live ``pygmy serve`` of that very service with this data dir."""
+    config = ClusterConfig(data_dir=str(tmp_path / "d"))
+    config.run_dir().mkdir(parents=True)
+    config.log_dir().mkdir()
+    fake = [sys.executable, "-c", "import time; time.sleep(60)", "serve", "catalog", "--id", "2", "--data-dir"]
+    # What Gunicorn's master looks like once setproctitle has replaced its arguments.
+    retitled = ["bash", "-c", 'exec -a "gunicorn: master [pygmy-catalog-2]" sleep 60']
+    cases = {
+        "sleep 60": other(others),
+        "looks like catalog-2 here": other(others, *fake, str(config.root)),
+        "catalog-2 of another data dir": other(others, *fake, str(tmp_path / "elsewhere")),
+        "a zombie": other(others, "true"),
+        "retitled, logging here": other(others, *retitled, stdout=config.log_dir() / "catalog-2.log"),
+        "retitled, logging elsewhere": other(others, *retitled, stdout=tmp_path / "catalog-2.log"),
+    }
+    time.sleep(0.5)  # every child has exec'd; `true` has exited and stays a zombie until reaped
+    seen = {}
+    for what, pid in cases.items():
+        config.pid_file("catalog-2").write_text(f"{pid}\n")
+        seen[what] = launcher.running(config, "catalog-2")
+        config.pid_file("catalog-1").write_text(f"{pid}\n")
+        assert launcher.running(config, "catalog-1") is None, what  # the wrong service
+    ours = ("looks like catalog-2 here", "retitled, logging here")
+    assert seen == {what: pid if what in ours else None for what, pid in cases.items()}
+    config.pid_file("catalog-2").write_text(f"{cases['looks like catalog-2 here']}\n")
+    os.killpg(cases["looks like catalog-2 here"], signal.SIGKILL)
+    assert launcher.running(config, "catalog-2") is None, "SIGKILLed, even before it is reaped"
+
+
+def test_up_starts_over_pid_files_naming_other_programs(tmp_path: Path, others: list) -> None:
+    """After a reboot the pids in the pid files belong to whatever runs now: not a reason to refuse,
+    and nothing to kill."""
+    data = tmp_path / "d"
+    (data / "run").mkdir(parents=True)
+    gone = other(others, "true")
+    others[-1].wait()  # reaped: no such process any more
+    zombie = other(others, "true")
+    strangers = {name: other(others) for name in SERVICES}
+    strangers["catalog-3"], strangers["order-1"] = gone, zombie
+    for name, pid in strangers.items():
+        (data / "run" / f"{name}.pid").write_text(f"{pid}\n")
+    time.sleep(0.3)
+    c = Cluster(data, free_port_base(), [])
+    try:
+        c.start(reset=False)
+        assert set(groups(data)) == set(SERVICES)
+        assert not set(groups(data).values()) & set(strangers.values())
+        with c.client() as client:
+            assert client.buy(1)["item_number"] == 1
+        r = pygmy("kill", "catalog-3", "--data-dir", str(data))
+        assert r.returncode == 0, r.stderr
+    finally:
+        c.stop()
+    assert all(p.poll() is None for p in others[2:]), "a program named in a stale pid file was signalled"
+
+
+def test_up_right_after_sigkill_of_every_service(tmp_path: Path) -> None:
+    """SIGKILL ``pygmy up`` and every service group, then ``pygmy up`` at once on the same data dir:
+    the old processes may still be exiting, zombies or gone, and their pid files are all still there."""
+    c = Cluster(tmp_path / "d", free_port_base(), []).start(reset=True)
+    try:
+        with c.client() as client:
+            n = client.buy(2, quantity=3)["order_number"]
+        before = groups(c.data_dir)
+        c.crash()
+        assert groups(c.data_dir) == before, "a crash leaves its pid files behind"
+        started = time.monotonic()
+        c.start(reset=False)
+        took = time.monotonic() - started
+        assert set(groups(c.data_dir)) == set(SERVICES)
+        assert not set(groups(c.data_dir).values()) & set(before.values())
+        with c.client() as client:
+            assert client.order(n)["quantity"] == 3
+        assert took < 20, f"pygmy up took {took:.1f} s after the crash"
+    finally:
+        c.stop()
+
+
+def test_up_refuses_while_the_services_really_run(cluster: Cluster) -> None:
+    before = groups(cluster.data_dir)
+    r = pygmy("up", "--port-base", str(free_port_base()), "--data-dir", str(cluster.data_dir), timeout=30)
+    assert r.returncode != 0 and "already running" in r.stderr, r.stderr
+    assert all(name in r.stderr for name in SERVICES), r.stderr
+    assert groups(cluster.data_dir) == before and all(alive(p) for p in before.values())
+    r = pygmy("start", "catalog-1", "--data-dir", str(cluster.data_dir))
+    assert r.returncode != 0 and "already running" in r.stderr, r.stderr
+    with cluster.client() as client:
+        assert client.lookup(1)["item_number"] == 1
+
+
+def test_kill_leaves_a_program_that_reused_the_pid_alone(tmp_path: Path, others: list) -> None:
+    config = ClusterConfig(data_dir=str(tmp_path / "d"))
+    config.save()
+    pid = other(others)
+    config.pid_file("order-2").write_text(f"{pid}\n")
+    r = pygmy("kill", "order-2", "--data-dir", str(config.root))
+    assert r.returncode != 0 and "not running" in r.stderr, r.stderr
+    time.sleep(0.2)
+    assert others[0].poll() is None

@@ -1,4 +1,4 @@
-"""Every row of the public API table (SPEC section 3), success and error, on a real cluster."""
+"""Every row of the public API table (docs/api.md), success and error, on a real cluster."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def test_orders_errors(cluster: Cluster) -> None:
 
 
 def test_update(cluster: Cluster) -> None:
-    auth = {"Authorization": f"Bearer {cluster.secret()}"}
+    auth = {"Authorization": f"Bearer {cluster.admin_token()}"}
     url = cluster.url
     before = requests.get(f"{url}/lookup/1", timeout=5).json()
     r = requests.post(f"{url}/update/1", json={"stock_delta": 5, "cost": 21.5}, headers=auth, timeout=5)
@@ -143,7 +143,7 @@ def test_internal_endpoints_need_the_secret(cluster: Cluster) -> None:
 
 
 def test_update_retried_with_a_key_applies_once(cluster: Cluster) -> None:
-    auth = {"Authorization": f"Bearer {cluster.secret()}", "Idempotency-Key": "restock-42"}
+    auth = {"Authorization": f"Bearer {cluster.admin_token()}", "Idempotency-Key": "restock-42"}
     before = requests.get(f"{cluster.url}/lookup/6", timeout=5).json()["stock"]
     for _ in range(2):
         r = requests.post(f"{cluster.url}/update/6", json={"stock_delta": 10}, headers=auth, timeout=5)

@@ -36,7 +36,7 @@ def lookups(url: str, n: int = 12) -> list[tuple[float, str]]:
 
 def update(c: Cluster, cost: float) -> None:
     r = requests.post(f"{c.url}/update/{ITEM}", json={"cost": cost}, timeout=30,
-                      headers={"Authorization": f"Bearer {c.secret()}"})
+                      headers={"Authorization": f"Bearer {c.admin_token()}"})
     assert r.status_code == 200, r.text
 
 

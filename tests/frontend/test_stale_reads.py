@@ -1,4 +1,4 @@
-"""No stale read after an acknowledgement (SPEC 7.4), checked from outside on real processes.
+"""No stale read after an acknowledgement (guarantee 4, docs/replication.md), checked from outside on real processes.
 
 Two frontends x two Gunicorn workers. Per book, one writer raises the cost and lowers the stock
 with admin updates (so acknowledged values are ordered), buyers lower stock further, and readers on

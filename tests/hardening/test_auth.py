@@ -1,14 +1,18 @@
-"""Internal and admin endpoints refuse requests without the cluster secret (401) or with a wrong one
-(403), with the JSON error body, and change nothing; raft messages from outside the membership are ignored."""
+"""Internal and admin endpoints refuse requests without their credential (401) or with a wrong one
+(403), with the JSON error body, and change nothing; the admin token and the internal secret are
+separate, so the admin token opens no internal endpoint; raft messages from outside the membership
+are ignored."""
 
 from __future__ import annotations
 
+import os
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import requests
-from harness import Cluster
+from harness import Cluster, free_port_base, pygmy
 
 from replication.transport import encode, raft_address, read_frame
 
@@ -79,11 +83,16 @@ def test_guarded_endpoints_refuse_and_change_nothing(hard_cluster: Cluster) -> N
     assert requests.get(c.url + "/lookup/1", timeout=5).json()["cost"] > 0
 
 
-def hello(c: Cluster, name: str, greeting: dict[str, Any], *frames: Any) -> Any:
-    """Say ``greeting`` on the replica's peer transport, send ``frames``; its first answer, or None."""
-    with socket.create_connection(raft_address(c.replica_url(name)), timeout=5) as s:
+def say(address: tuple[str, int], greeting: dict[str, Any], *frames: Any) -> Any:
+    """Say ``greeting`` to a frame listener, send ``frames``; its first answer, or None."""
+    with socket.create_connection(address, timeout=5) as s:
         s.sendall(encode(greeting) + b"".join(encode(f) for f in frames))
         return read_frame(s.makefile("rb"))
+
+
+def hello(c: Cluster, name: str, greeting: dict[str, Any], *frames: Any) -> Any:
+    """Say ``greeting`` on the replica's peer transport, send ``frames``; its first answer, or None."""
+    return say(raft_address(c.replica_url(name)), greeting, *frames)
 
 
 def test_the_peer_transport_refuses_without_the_secret_or_membership(hard_cluster: Cluster) -> None:
@@ -92,8 +101,8 @@ def test_the_peer_transport_refuses_without_the_secret_or_membership(hard_cluste
     for name in NAMES:
         tier = name.split("-")[0]
         vote = {"type": "vote", "src": f"{tier}-9", "dst": name, "term": 10**6, "index": 10**9, "log_term": 10**6}
-        for greeting, why in (({"hello": f"{tier}-1", "channel": "raft"}, "wrong cluster secret"),
-                              ({"hello": f"{tier}-1", "secret": "wrong", "channel": "raft"}, "wrong cluster secret"),
+        for greeting, why in (({"hello": f"{tier}-1", "channel": "raft"}, "wrong internal secret"),
+                              ({"hello": f"{tier}-1", "secret": "wrong", "channel": "raft"}, "wrong internal secret"),
                               ({"hello": f"{tier}-9", "secret": c.secret(), "channel": "raft"}, "not a member"),
                               ({"hello": name, "secret": c.secret(), "channel": "raft"}, "not a member")):  # itself
             answer = hello(c, name, greeting, {"messages": [{**vote, "src": greeting["hello"]}]})
@@ -146,3 +155,90 @@ def test_lease_renewals_need_the_secret_and_a_well_formed_request(hard_cluster: 
         s.sendall(encode({"id": "i", "url": "tcp://127.0.0.1:9"}))
         answer = read_frame(stream)
         assert answer["status"] == 421 and answer["body"]["error"]["leader"] == lead
+
+
+def listeners(c: Cluster, frontend: str = "frontend-1") -> list[tuple[str, int]]:
+    """The addresses of the cache-push listeners of a frontend's workers: the TCP ports its processes
+    listen on (from ``/proc``), less the frontend's own HTTP port."""
+    pgid = int((c.data_dir / "run" / f"{frontend}.pid").read_text())
+    inodes = set()
+    for entry in os.listdir("/proc"):
+        try:
+            if not entry.isdigit() or int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            for fd in os.listdir(f"/proc/{entry}/fd"):
+                link = os.readlink(f"/proc/{entry}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    own = int(c.url.rsplit(":", 1)[1])
+    ports = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        f = line.split()
+        port = int(f[1].split(":")[1], 16)
+        if f[3] == "0A" and f[9] in inodes and port != own:  # 0A: LISTEN
+            ports.add(port)
+    return [("127.0.0.1", p) for p in sorted(ports)]
+
+
+def test_the_admin_token_opens_no_internal_endpoint(hard_cluster: Cluster) -> None:
+    """Whoever holds the admin token can update books at the frontend, and nothing else: every
+    internal endpoint (the peer transport of every replica and its lease channel, read index, replica
+    reads and writes, the digest check, a frontend worker's cache-push listener) refuses it with 403
+    and nothing changes."""
+    c = hard_cluster
+    token = c.admin_token()
+    admin = {"Authorization": f"Bearer {token}"}
+    assert token != c.secret()
+    cat, order = c.replica_url(leader(c, "catalog")), c.replica_url(leader(c, "order"))
+    calls: list[tuple[str, str, dict[str, Any] | None]] = [
+        *[("GET", c.replica_url(n) + "/raft/read_index", None) for n in NAMES],
+        *[("GET", c.replica_url(n) + "/verify", None) for n in NAMES],
+        ("GET", cat + "/books/1", None),
+        ("GET", cat + "/books?topic=distributed%20systems", None),
+        ("POST", cat + "/books/1/decrement", {"quantity": 5, "key": "intruder"}),
+        ("POST", cat + "/books/1/update", {"stock_delta": -5, "cost": 0}),
+        ("POST", order + "/buy", {"item": 1, "quantity": 5, "key": "intruder"}),
+        ("GET", order + "/orders/1", None),
+    ]
+    workers = listeners(c)
+    assert len(workers) == c.config()["frontend_workers"], workers
+    before = snapshot(c)
+    for method, url, body in calls:
+        r = requests.request(method, url, json=body, headers=admin, timeout=5)
+        assert r.status_code == 403, (method, url, r.status_code, r.text)
+        assert r.json()["error"] == {"code": 403, "message": "wrong internal secret"}
+    for name in NAMES:  # a member's name and a vote that would depose the leader, with the admin token
+        tier = name.split("-")[0]
+        member = next(n for n in NAMES if n.startswith(tier) and n != name)
+        vote = {"type": "vote", "src": member, "dst": name, "term": 10**6, "index": 10**9, "log_term": 10**6}
+        answer = hello(c, name, {"hello": member, "secret": token, "channel": "raft"}, {"messages": [vote]})
+        assert answer["error"]["code"] == 403, (name, answer)
+        answer = hello(c, name, {"hello": "frontend-1/1", "secret": token, "channel": "subscribe"},
+                       {"id": "intruder", "url": "tcp://127.0.0.1:9"})
+        assert answer["error"]["code"] == 403, (name, answer)
+    for w in workers:
+        answer = say(w, {"hello": "catalog-1", "secret": token, "channel": "push"}, {"holds": [[1, ["book:1"]]]})
+        assert answer["error"]["code"] == 403, (w, answer)
+    settled(c)
+    unchanged(before, snapshot(c))
+    # The listeners are the real ones: the internal secret gets through (an empty push changes nothing).
+    for w in workers:
+        assert say(w, {"hello": "catalog-1", "secret": c.secret(), "channel": "push"}) == {"ok": True}
+    # And the other way round: the internal secret is no admin token; the admin token is.
+    r = requests.post(c.url + "/update/1", json={"cost": 1}, headers={"Authorization": f"Bearer {c.secret()}"},
+                      timeout=5)
+    assert r.status_code == 403 and r.json()["error"]["message"] == "wrong admin token", r.text
+    cost = requests.get(c.url + "/lookup/1", timeout=5).json()["cost"]
+    r = requests.post(c.url + "/update/1", json={"cost": cost}, headers=admin, timeout=10)
+    assert r.status_code == 200 and r.json()["cost"] == cost, r.text
+
+
+def test_the_admin_token_must_differ_from_the_internal_secret(tmp_path: Path) -> None:
+    same = {"PYGMY_SECRET": "one-value-for-both", "PYGMY_ADMIN_TOKEN": "one-value-for-both"}
+    base = str(free_port_base())
+    for cmd in (["serve", "frontend"], ["up"]):
+        r = pygmy(*cmd, "--port-base", base, "--data-dir", str(tmp_path / "d"), env=same, timeout=30)
+        assert r.returncode != 0 and "admin token must differ from the internal secret" in r.stderr, r.stderr
+    assert not (tmp_path / "d" / "run").exists() or not list((tmp_path / "d" / "run").glob("*.pid"))

@@ -27,7 +27,7 @@ def test_numbers_out_of_range(hard_cluster: Cluster) -> None:
                  "/orders/99999999999999999999", "/orders/abc"):
         json_error(requests.get(url + path, timeout=10), 400)
     json_error(requests.get(url + "/lookup/999999999999999999", timeout=10), 404)  # 18 digits: fits, unknown
-    auth = {"Authorization": f"Bearer {hard_cluster.secret()}"}
+    auth = {"Authorization": f"Bearer {hard_cluster.admin_token()}"}
     for body in ({"stock_delta": 2**70}, {"stock_delta": -(2**70)}, {"cost": 1e308}, {"cost": -1},
                  {"stock_delta": True}, {"stock_delta": 1.5}, {"cost": "1"}, {}, {"other": 1}):
         json_error(requests.post(url + "/update/1", json=body, headers=auth, timeout=10), 400)

@@ -190,7 +190,7 @@ def test_peer_transport_requires_the_secret_and_a_member(cluster: Harness) -> No
         s.sendall(encode({"hello": "kv-9", "secret": "wrong", "channel": "raft"}))
         s.sendall(encode({"messages": [{**bogus, "src": "kv-9"}]}))
         reply = read_frame(s.makefile("rb"))
-        assert reply == {"error": {"code": 403, "message": "wrong cluster secret"}}
+        assert reply == {"error": {"code": 403, "message": "wrong internal secret"}}
         assert s.recv(1) == b""  # closed
     other = next(n for n in cluster.nodes if n not in (leader.name, target.name))
     delivered: list = []

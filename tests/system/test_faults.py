@@ -1,4 +1,5 @@
-"""SPEC section 7 under real faults: SIGKILL, SIGSTOP and restarts of replicas while clients buy and read.
+"""The guarantees (docs/replication.md) under real faults: SIGKILL, SIGSTOP and restarts of replicas
+while clients buy and read.
 
 Everything is checked from outside: order numbers the clients were given, stock on every catalog
 replica, orders on every order replica, and the replicas' state digests.

@@ -1,4 +1,4 @@
-"""Linearizable reads (SPEC 7.4), judged from outside by Porcupine on real processes (#15, #18).
+"""Linearizable reads (guarantee 4, docs/replication.md), judged from outside by Porcupine on real processes (#15, #18).
 
 Two frontends x two Gunicorn workers, 7 writers (one per book), 4 readers and 3 buyers; every
 operation goes into a history that ``tools/lincheck`` checks per book (cost register and stock
@@ -67,11 +67,11 @@ def assert_enough_work(v: Verdict, reads: int = 300, updates: int = 70, buys: in
 
 def test_every_book_is_linearizable_with_no_fault(make_cluster, tmp_path: Path) -> None:
     c = make_cluster()
-    v = run_and_check(urls(c), c.secret(), 15, tmp_path / "history.json")
+    v = run_and_check(urls(c), c.admin_token(), 15, tmp_path / "history.json")
     assert_enough_work(v, reads=200, updates=50, buys=15)
     assert v.ok, v.summary() + "\n" + v.result.output
     # The focused load the mutation tests use finds nothing on a correct build either.
-    v = run_and_check(urls(c), c.secret(), 8, tmp_path / "focused.json", **FOCUSED)
+    v = run_and_check(urls(c), c.admin_token(), 8, tmp_path / "focused.json", **FOCUSED)
     assert_enough_work(v, reads=200, updates=30, buys=10)
     assert v.ok, v.summary() + "\n" + v.result.output
 
@@ -80,7 +80,7 @@ def caught_within(c: Cluster, tmp_path: Path, rounds: int, seconds: float = 8) -
     """Run rounds of focused load until the checker finds a violation (or give up after ``rounds``)."""
     v = None
     for n in range(rounds):
-        v = run_and_check(urls(c), c.secret(), seconds, tmp_path / f"history-{n}.json", **FOCUSED)
+        v = run_and_check(urls(c), c.admin_token(), seconds, tmp_path / f"history-{n}.json", **FOCUSED)
         if not v.result.ok:
             break
     assert v is not None
@@ -126,7 +126,7 @@ def test_lost_pushes_to_one_frontend_hide_no_write(make_cluster, tmp_path: Path,
     c = make_cluster("--read-from", "any", **env)  # follower reads on the correct build too
     faults = push_fault_windows(flag, windows=20, fault=0.4, clear=0.2)
     try:
-        v = run_and_check(urls(c), c.secret(), 12, tmp_path / "history.json")
+        v = run_and_check(urls(c), c.admin_token(), 12, tmp_path / "history.json")
     finally:
         faults.join(30)
         flag.unlink(missing_ok=True)

@@ -1,5 +1,5 @@
-"""SPEC 7.6: a restarted replica catches up on what it missed — only that, unless its log is gone —
-and serves no read from before it caught up."""
+"""Guarantee 6 (docs/replication.md): a restarted replica catches up on what it missed — only that,
+unless its log is gone — and serves no read from before it caught up."""
 
 from __future__ import annotations
 
