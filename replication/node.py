@@ -29,7 +29,7 @@ from flask import Blueprint, Response, jsonify, request
 from prometheus_client import Histogram
 
 from cluster.web import secret_refusal
-from replication.core import CANDIDATE, SNAPSHOT, CoreConfig, Entry, Message, RaftCore, Ready
+from replication.core import CANDIDATE, SNAPSHOT, CoreConfig, Entry, HardState, Message, RaftCore, Ready
 from replication.log_store import LogStore
 from replication.router import pooled_session
 from replication.statemachine import StateMachine
@@ -132,6 +132,13 @@ class _Sender:
         self.queue: queue.Queue[Message | None] = queue.Queue()
         self.client = FrameClient(address, node.secret, node.name, RAFT_CHANNEL, node.config.connect_timeout)
         self.thread = threading.Thread(target=self._run, name=f"raft-send-{node.name}->{peer}", daemon=True)
+
+    def offer(self, m: Message) -> None:
+        """From the event loop: straight onto the wire when that cannot block and nothing is queued
+        (no thread hand-off on the commit path), else to the sender thread."""
+        if m.type != SNAPSHOT and self.queue.empty() and self.client.send_nowait({"messages": [m.to_dict()]}):
+            return
+        self.queue.put(m)
 
     def _run(self) -> None:
         """Supervised: an unexpected error costs the batch in hand (Raft retransmits), not the thread."""
@@ -320,6 +327,7 @@ class ReplicaNode:
                 self.store.abort_install()
             persisted = self.store.load()
         self._applied = self.sm.applied_index()
+        self._durable_vote = (persisted.hard_state.term, persisted.hard_state.vote)
         return RaftCore(
             self.name,
             list(self.peers),
@@ -660,12 +668,18 @@ class ReplicaNode:
                     prop.finish(error=ProposalTimeout("replaced by a snapshot; outcome unknown"))
                     del self._proposals[index]
             self._set_applied(snap.index)
-        self.store.save(
-            rd.hard_state,
-            rd.entries,
-            rd.truncate_from,
-            None if snap is None else (snap.index, snap.term),
-        )
+        hs = rd.hard_state
+        if hs is not None and (hs.term, hs.vote) == self._durable_vote and not (
+                rd.entries or rd.truncate_from is not None or snap is not None):
+            # Only the commit index moved. Raft needs term and vote durable, not commit (a restarted
+            # replica relearns it from the leader), so this costs no synced transaction in the
+            # middle of every round; it is written along with the next entries.
+            hs = None
+        elif hs is None and (rd.entries or rd.truncate_from is not None or snap is not None):
+            hs = HardState(self.core.term, self.core.vote, self.core.commit)
+        self.store.save(hs, rd.entries, rd.truncate_from, None if snap is None else (snap.index, snap.term))
+        if hs is not None:
+            self._durable_vote = (hs.term, hs.vote)
         if rd.truncate_from is not None:
             # Our uncommitted suffix was replaced by another leader's: those commands are lost.
             for index, prop in list(self._proposals.items()):
@@ -683,7 +697,7 @@ class ReplicaNode:
                 log.info("%s: sending a snapshot at index %d to %s", self.name, m.snapshot_index, m.dst)
             sender = self._senders.get(m.dst)
             if sender is not None:
-                sender.queue.put(m)
+                sender.offer(m)
 
     def _apply(self, entries: list[Entry]) -> None:
         for e in entries:

@@ -207,6 +207,7 @@ class FrameClient:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._stream: Any = None
+        self._partial = b""  # the rest of a frame ``send_nowait`` could not finish: goes out first
         self.connects = 0
 
     def _connection(self) -> socket.socket:
@@ -234,10 +235,37 @@ class FrameClient:
             try:
                 sock = self._connection()
                 sock.settimeout(timeout)
+                if self._partial:
+                    sock.sendall(self._partial)
+                    self._partial = b""
                 sock.sendall(data)
             except OSError:
                 self._reset()
                 raise
+
+    def send_nowait(self, obj: Any) -> bool:
+        """Send one frame now if that cannot block: the connection is open and idle and the kernel
+        takes at least part of it (the rest goes out before the next frame). False: nothing was
+        sent; use ``send`` from a thread that may wait. Saves a thread hand-off per message."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            sock = self._sock
+            if sock is None or self._partial:
+                return False
+            data = encode(obj)
+            try:
+                sock.settimeout(0.0)
+                sent = sock.send(data)
+            except BlockingIOError:
+                return False
+            except OSError:
+                self._reset()
+                return False
+            self._partial = data[sent:]
+            return True
+        finally:
+            self._lock.release()
 
     def call(self, obj: Any, timeout: float) -> Any:
         """Send one frame and return the server's reply frame; raises OSError on any failure."""
@@ -246,6 +274,9 @@ class FrameClient:
             try:
                 sock = self._connection()
                 sock.settimeout(timeout)
+                if self._partial:
+                    sock.sendall(self._partial)
+                    self._partial = b""
                 sock.sendall(data)
                 reply = read_frame(self._stream)
                 if reply is None:
@@ -262,6 +293,7 @@ class FrameClient:
         if self._sock is not None:
             _close(self._sock)
         self._sock = self._stream = None
+        self._partial = b""
 
     def close(self) -> None:
         with self._lock:

@@ -333,6 +333,7 @@ def test_a_sender_survives_an_error(cluster: Harness) -> None:
         real(msgs, timeout)
 
     sender._send = flaky  # type: ignore[method-assign]
+    sender.client.send_nowait = lambda obj: False  # type: ignore[method-assign]  # all through the thread
     for _ in range(10):
         leader.propose({"k": "c", "add": 1}, timeout=2)
     cluster.converge(timeout=10)

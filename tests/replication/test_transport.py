@@ -201,3 +201,34 @@ def test_a_channel_router_finds_the_leader_and_follows_its_name() -> None:
         router.close()
         for s in servers:
             s.stop()
+
+
+def test_send_nowait_never_blocks_and_keeps_frames_whole() -> None:
+    """Against a peer that stops reading, ``send_nowait`` fills the kernel buffer and then refuses at
+    once; the part of a frame it left behind goes out first when the peer reads again."""
+    got: list[Any] = []
+    gate = threading.Event()
+
+    def slow(peer: str, frame: Any) -> None:
+        gate.wait(10)
+        got.append(frame["n"])
+
+    server = FrameServer("127.0.0.1", 0, SECRET, {"c": Channel(slow)}, name="slow")
+    server.start()
+    client = FrameClient(server.address, SECRET, "x", "c")
+    try:
+        assert client.send_nowait({"n": -1}) is False  # not connected yet: the caller's thread connects
+        client.send({"n": 0, "pad": ""}, timeout=1)
+        accepted, started = [], time.monotonic()
+        for n in range(1, 10_000):
+            if not client.send_nowait({"n": n, "pad": "x" * 4000}):
+                break
+            accepted.append(n)
+        assert time.monotonic() - started < 5 and 0 < len(accepted) < 9_999  # refused once the buffers filled
+        gate.set()
+        client.send({"n": 10_000}, timeout=5)
+        wait_for(lambda: got[-1:] == [10_000], "every frame, in order", timeout=10)
+        assert got == [0, *accepted, 10_000]
+    finally:
+        client.close()
+        server.stop()
