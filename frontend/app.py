@@ -12,7 +12,6 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import requests
 from flask import Flask, Response, g, jsonify, request
 
 from catalog.books import topic_key
@@ -31,7 +30,7 @@ from cluster.web import (
 from frontend import openapi
 from frontend.cache import ReadCache
 from frontend.subscription import Subscription
-from replication.router import ChannelRouter, Reply, TierRouter, TierUnavailable
+from replication.router import ChannelRouter, HopError, Reply, TierRouter, TierUnavailable
 from replication.transport import SUBSCRIBE_CHANNEL
 
 READ_DEADLINE = 5.0
@@ -155,11 +154,11 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
         return passthrough(reply, BOOK_FIELDS)
 
     def tier_alive(router: TierRouter) -> bool:
-        for url in router.peers.values():
+        for replica in router.names:
             try:
-                if router.session.get(url + "/health", timeout=(0.25, 0.5)).status_code == 200:
+                if router.get(replica, "/health", 0.5).status == 200:
                     return True
-            except requests.RequestException:
+            except HopError:
                 continue
         return False
 
