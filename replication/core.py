@@ -167,6 +167,9 @@ class CoreConfig:
     """Timing (in ticks) and flow-control knobs of the core."""
 
     heartbeat_ticks: int = 5
+    #: Heartbeats while every follower has every entry (an idle cluster): less often, still well
+    #: inside every election timeout and the leader lease (None: ``min(2 x heartbeat, min election / 3)``).
+    idle_heartbeat_ticks: int | None = None
     election_ticks_min: int = 30
     election_ticks_max: int = 60
     #: A leader serves local reads while a majority acknowledged a message it sent within this
@@ -179,6 +182,11 @@ class CoreConfig:
     check_quorum: bool = True
     #: A snapshot not acknowledged within this many ticks is sent again.
     snapshot_timeout_ticks: int = 300
+
+    def effective_idle_heartbeat_ticks(self) -> int:
+        if self.idle_heartbeat_ticks is not None:
+            return self.idle_heartbeat_ticks
+        return max(self.heartbeat_ticks, min(2 * self.heartbeat_ticks, self.election_ticks_min // 3))
 
     def effective_lease_ticks(self) -> int:
         if self.lease_ticks is not None:
@@ -433,6 +441,28 @@ class RaftCore:
         if self._election_elapsed >= self._timeout:
             self._campaign()
 
+    def ticks_until_timer(self) -> int:
+        """How many ticks can pass, with no input, before a ``tick`` does more than count (a
+        heartbeat, a quorum check, an election): a driver may sleep that long and then tick that
+        many times at once, so an idle replica wakes at its heartbeats, not at every tick."""
+        if self.role == LEADER:
+            if any(pr.state == SNAPSHOTTING for pr in self._prs.values()):
+                return 1  # a snapshot's resend timer counts every tick
+            n = min(self._heartbeat_interval() - self._heartbeat_elapsed,
+                    self.cfg.election_ticks_min - self._election_elapsed)
+        else:
+            n = self._timeout - self._election_elapsed
+        return max(1, n)
+
+    def _heartbeat_interval(self) -> int:
+        """Every ``heartbeat_ticks`` while entries are on their way; less often once every follower
+        has all of them: an idle cluster then spends half as much on heartbeats. Followers' election
+        timers and the leader lease are reset by any message, so either interval keeps them."""
+        last = self.last_index
+        if self.commit == last and all(pr.match == last for pr in self._prs.values()):
+            return self.cfg.effective_idle_heartbeat_ticks()
+        return self.cfg.heartbeat_ticks
+
     def _tick_leader(self) -> None:
         self._heartbeat_elapsed += 1
         self._election_elapsed += 1
@@ -450,7 +480,7 @@ class RaftCore:
                 pr.snapshot_elapsed += 1
                 if pr.snapshot_elapsed >= self.cfg.snapshot_timeout_ticks:
                     self._to_probe(pr, pr.match + 1)
-        if self._heartbeat_elapsed >= self.cfg.heartbeat_ticks:
+        if self._heartbeat_elapsed >= self._heartbeat_interval():
             self._heartbeat_elapsed = 0
             for p, pr in self._prs.items():
                 self._send(

@@ -588,7 +588,10 @@ class ReplicaNode:
         max_catch_up = 2 * self.config.election_ticks_max
         fault_grace_s = self.config.election_ticks_max * tick_s
         while True:
-            timeout = max(0.0, next_tick - time.monotonic())
+            # Sleep until the core's next timer, not the next tick (an idle replica wakes at its
+            # heartbeats); ticks that fell due meanwhile are caught up below, in order.
+            wake_at = next_tick + (self.core.ticks_until_timer() - 1) * tick_s
+            timeout = max(0.0, wake_at - time.monotonic())
             try:
                 item = self._inbox.get(timeout=timeout)
                 if not self._handle_input(item):

@@ -209,3 +209,27 @@ def test_old_term_entries_commit_only_with_a_current_term_entry():
     for peer in ("b", "c"):
         core.step(Message("append_resp", peer, "a", 4, index=3, success=True))
     assert core.commit == 3
+
+
+def test_ticks_until_timer_is_a_sleep_that_misses_nothing():
+    """Ticking ``ticks_until_timer() - 1`` times with no input changes nothing observable (no
+    message, no role, term or vote change), for followers, candidates and leaders across many
+    schedules: so a driver may sleep that long and wake only at its heartbeats."""
+    for seed in range(20):
+        c = Cluster(3, seed=seed)
+        elect(c)
+        c.propose(2)
+        c.tick(3)
+        for n in c.nodes.values():
+            core = n.core
+            core.ready()  # drain
+            k = core.ticks_until_timer()
+            assert k >= 1
+            before = (core.role, core.term, core.vote, core.leader, core.commit)
+            for _ in range(k - 1):
+                core.tick()
+            rd = core.ready()
+            assert not rd.messages and (core.role, core.term, core.vote, core.leader, core.commit) == before
+            core.tick()  # the timer itself fires on the k-th tick
+            fired = core.ready()
+            assert fired.messages or core.role != before[0], (seed, n.name, before[0], k)

@@ -753,3 +753,35 @@ def test_entries_truncation_and_commits_are_handed_over_once() -> None:
     b.step(Message(HEARTBEAT, "a", "b", 2, commit=3))
     rd = b.ready()
     assert (rd.truncate_from, rd.entries, rd.committed_entries) == (None, [], [Entry(3, 2)])
+
+
+def _heartbeat_ticks(core: RaftCore, rounds: int, has: int = 1) -> list[int]:
+    """The ticks at which ``rounds`` heartbeat rounds went out (each answered at once by followers
+    whose logs end at ``has``)."""
+    at = []
+    while len(at) < rounds:
+        core.tick()
+        beats = [m for m in core.ready().messages if m.type == HEARTBEAT]
+        if beats:
+            at.append(core.now)
+            for m in beats:
+                core.step(Message(HEARTBEAT_RESP, m.dst, "a", core.term, index=has, conflict_index=has + 1,
+                                  ctx=m.ctx))
+    return at
+
+
+def test_an_idle_leader_heartbeats_less_often_and_a_busy_one_at_the_full_rate() -> None:
+    cfg = CoreConfig(heartbeat_ticks=5, election_ticks_min=30, election_ticks_max=60)
+    assert cfg.effective_idle_heartbeat_ticks() == 10 and cfg.effective_lease_ticks() == 20
+    core = leader(config=cfg)
+    core.ready()
+    for p in "bc":
+        ack(core, p, 1)
+    core.ready()
+    idle = _heartbeat_ticks(core, 4)
+    assert {b - a for a, b in zip(idle, idle[1:], strict=False)} == {10}
+    assert core.is_leader() and core.lease_remaining() > 0  # an idle lease never lapses between rounds
+    core.propose({"x": 1})  # b and c never acknowledge it: in flight
+    core.ready()
+    busy = _heartbeat_ticks(core, 4)
+    assert {b - a for a, b in zip(busy, busy[1:], strict=False)} == {5}
