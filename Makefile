@@ -27,6 +27,7 @@ lint: install
 
 bench: install
 	$(BIN)/python -m experiments.bench $(if $(QUICK),--quick,)
+	$(BIN)/python -m experiments.writepath $(if $(QUICK),--quick,)
 	$(BIN)/python -m experiments.soak $(if $(QUICK),--clients 20 --duration 20,)
 
 # Linearizability runs judged by Porcupine (needs Go): RUNS fresh clusters of DURATION seconds each.

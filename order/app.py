@@ -5,6 +5,11 @@ the order number and the idempotency key), (2) ask the catalog leader to decreme
 the same key (the catalog remembers keys, so a repeat returns the first result), (3) record the
 outcome. Whoever leads the order tier finishes intents a dead leader left half-done, so the
 catalog's decrements always equal the confirmed orders.
+
+A successful buy is answered once (2) is committed: its outcome is decided then, and recoverable
+from the key by anyone, so the confirm (3) follows off the buyer's path. Until it is applied, a
+read of that order finishes it first (on the leader; a follower sends the reader there), so an
+answered order is always found (docs/replication.md, "A buy answered before its confirm").
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
@@ -19,7 +25,7 @@ from flask import Flask, Response, jsonify
 
 from cluster.config import ClusterConfig
 from cluster.web import fail, int_field, json_body, parse_item
-from order.state import CONFIRMED, FAILED, PENDING, OrderState
+from order.state import CONFIRMED, FAILED, PENDING, OrderState, confirmed
 from replication.router import TierRouter, TierUnavailable
 from replication.service import ReplicaRuntime
 
@@ -42,6 +48,8 @@ class BuyProcessor:
         self._wake = threading.Event()
         self._leader_since = float("inf")
         self._thread = threading.Thread(target=self._sweep_loop, name="intent-sweeper", daemon=True)
+        #: Confirms proposed off the buyers' path; a lost one is redone by the sweep.
+        self._confirms = ThreadPoolExecutor(max_workers=4, thread_name_prefix="confirm")
 
     def start(self) -> None:
         self.rt.node.add_leader_listener(self._on_leader_change)
@@ -57,6 +65,7 @@ class BuyProcessor:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5)
+        self._confirms.shutdown(wait=True, cancel_futures=True)
 
     def buy(self, item: int, quantity: int, key: str) -> dict[str, Any]:
         order = self.rt.propose({
@@ -79,8 +88,10 @@ class BuyProcessor:
                 deadline=time.monotonic() + CATALOG_DEADLINE,
             )
             if reply.status == 200:
-                return self.rt.propose({"op": "confirm", "key": key, "title": reply.body["title"],
-                                        "cost": reply.body["cost"]})
+                # Decided: the catalog's decrement under this key is committed. Answer now.
+                title, cost = reply.body["title"], reply.body["cost"]
+                self._confirms.submit(self._confirm, key, title, cost)
+                return confirmed(order, title, cost)
             if reply.status in (404, 409):
                 err = reply.body["error"]
                 return self.rt.propose({"op": "fail", "key": key, "code": reply.status, "message": err["message"]})
@@ -88,6 +99,20 @@ class BuyProcessor:
         finally:
             with self._lock:
                 self._in_flight.discard(key)
+
+    def _confirm(self, key: str, title: str, cost: float) -> None:
+        """Record a decided outcome. If this fails (no longer leader, no quorum), the order stays
+        pending until a read or the sweep finishes it again: the catalog's key gives the same answer."""
+        try:
+            self.rt.propose({"op": "confirm", "key": key, "title": title, "cost": cost})
+        except Exception as exc:
+            log.info("confirm of %s not recorded yet (%s); the sweep will redo it", key, exc)
+
+    def settle(self, order: dict[str, Any]) -> dict[str, Any]:
+        """A read found ``order`` pending: on the leader finish it (the same answer its buyer got, or
+        will get); elsewhere send the reader to the leader."""
+        self.rt.leader_only()
+        return self.finish(order)
 
     def _sweep_loop(self) -> None:
         """Supervised: an error in one sweep (a full disk, a bug) is logged; the next sweep retries."""
@@ -155,6 +180,11 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         n = parse_item(number, "order number")
         rt.ensure_readable()
         order = state.order(n)
+        if order is not None and order["status"] == PENDING:
+            try:
+                order = buys.settle(order)
+            except TierUnavailable as exc:
+                fail(503, f"order {n} is not settled yet and the catalog is unavailable: {exc.last}")
         if order is None or order["status"] != CONFIRMED:
             fail(404, f"no order with number {n}")
         return jsonify(public_order(order))

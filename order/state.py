@@ -27,6 +27,12 @@ def order_dict(row: sqlite3.Row) -> dict[str, Any]:
     return out
 
 
+def confirmed(order: dict[str, Any], title: str, cost: float) -> dict[str, Any]:
+    """A pending order as its ``confirm`` with this title and cost makes it (same rounding)."""
+    cents = int(round(cost * 100))
+    return {**order, "status": CONFIRMED, "title": title, "cost": cents / 100, "total": cents * order["quantity"] / 100}
+
+
 class OrderState(SQLiteStateMachine):
     schema = (
         """CREATE TABLE IF NOT EXISTS orders (
@@ -58,10 +64,11 @@ class OrderState(SQLiteStateMachine):
                     (key, command["item"], command["quantity"], PENDING, command["created_at"]),
                 )
         elif op == "confirm":
-            conn.execute(
-                "UPDATE orders SET status=?, title=?, cost_cents=? WHERE key=? AND status=?",
-                (CONFIRMED, command["title"], int(round(command["cost"] * 100)), key, PENDING),
-            )
+            row = conn.execute("SELECT * FROM orders WHERE key=? AND status=?", (key, PENDING)).fetchone()
+            if row is not None:
+                done = confirmed(order_dict(row), command["title"], command["cost"])
+                conn.execute("UPDATE orders SET status=?, title=?, cost_cents=? WHERE key=? AND status=?",
+                             (CONFIRMED, done["title"], int(round(done["cost"] * 100)), key, PENDING))
         elif op == "fail":
             conn.execute(
                 "UPDATE orders SET status=?, error_code=?, error_message=? WHERE key=? AND status=?",

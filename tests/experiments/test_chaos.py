@@ -11,12 +11,12 @@ import json
 from pathlib import Path
 
 import pytest
+from harness import cluster_env
 
 from experiments import chaos, chaos_check, nemesis
 
 pytestmark = pytest.mark.skipif(bool(nemesis.missing_tools()), reason=f"needs {nemesis.missing_tools()}")
 
-MUTATIONS = Path(__file__).resolve().parent.parent / "mutations"
 
 
 def test_a_quick_run_with_every_fault_finds_no_anomaly(tmp_path: Path) -> None:
@@ -32,7 +32,7 @@ def test_a_quick_run_with_every_fault_finds_no_anomaly(tmp_path: Path) -> None:
 
 
 def test_the_checker_catches_an_isolated_leader_serving_stale_reads(tmp_path: Path) -> None:
-    env = {"PYTHONPATH": str(MUTATIONS), "PYGMY_MUTATION": "stale-leader"}
+    env = cluster_env(PYGMY_MUTATION="stale-leader")
     # Isolations of 2-3 s: long enough that a new leader takes writes while the old one still answers.
     out = chaos.run(20, seed=3, out=tmp_path / "run", kinds=("isolate-catalog-leader",), env=env, hold=(2.0, 3.0))
     result = chaos_check.check(out)

@@ -1,7 +1,7 @@
 """Test-only faults and mutations, loaded into every Pygmy process whose PYTHONPATH names this folder.
 
 Nothing here is part of Pygmy: the tests that need it put this folder on PYTHONPATH for the cluster
-they start (``cluster_env`` in tests/system/test_linearizability.py), so every service process
+they start (``cluster_env`` in tests/harness.py), so every service process
 imports it at start-up (Python's ``sitecustomize`` hook) and Gunicorn's workers inherit it.
 Without the variables below it does nothing.
 
@@ -20,6 +20,9 @@ Without the variables below it does nothing.
 - ``PYGMY_TEST_PUSH_FAULT=<file>`` with ``PYGMY_TEST_PUSH_FAULT_SERVICE=frontend-1``: while the file
   exists, that frontend's workers swallow every push from the catalog (no answer: the catalog's push
   times out, as if the packets were dropped one way), while their renewals and reads go on.
+- ``PYGMY_TEST_DROP_CONFIRMS=<file>``: while the file exists, an order leader answers buys but never
+  records their confirm (as if it died right after answering): the crash instant between a buy's
+  answer and its confirm, held open for as long as a test needs.
 """
 
 from __future__ import annotations
@@ -80,6 +83,20 @@ def _push_fault(flag: str | None, service: str, delay: float) -> None:
     Subscription.apply_push = faulty
 
 
+def _drop_confirms(flag: str) -> None:
+    import order.app as order_app
+
+    confirm = order_app.BuyProcessor._confirm
+
+    def dropped(self, key, title, cost):  # type: ignore[no-untyped-def]
+        if not os.path.exists(flag):
+            confirm(self, key, title, cost)
+
+    order_app.BuyProcessor._confirm = dropped
+
+
+if os.environ.get("PYGMY_TEST_DROP_CONFIRMS"):
+    _drop_confirms(os.environ["PYGMY_TEST_DROP_CONFIRMS"])
 if os.environ.get("PYGMY_MUTATION"):
     _mutate(os.environ["PYGMY_MUTATION"])
 if os.environ.get("PYGMY_TEST_PUSH_FAULT") or os.environ.get("PYGMY_TEST_PUSH_DELAY"):

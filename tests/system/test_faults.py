@@ -76,30 +76,30 @@ def run_faulty_load(c: Cluster, faults: callable, load: Load | None = None) -> L
     load = load or Load()
     stop = threading.Event()
 
+    def answered(client: PygmyClient, item: int, qty: int, key: str) -> dict:
+        """Retry the SAME key until we get an answer (a fault may cut any attempt, retries included)."""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                return client.buy(item, qty, key=key)
+            except PygmyError as e:
+                load.buy_errors.append(str(e))
+                if e.status in (400, 404, 409, 422):
+                    raise
+                time.sleep(0.05)
+        raise AssertionError(f"buy {key} never answered")
+
     def buyer(seed: int) -> None:
         rng = random.Random(seed)
         with PygmyClient(c.url, timeout=10) as client:
             while not stop.is_set():
                 key = f"t-{uuid.uuid4().hex}"
                 item, qty = rng.choice(BOOKS), rng.randint(1, 3)
-                deadline = time.monotonic() + 60
-                while time.monotonic() < deadline:  # retry the SAME key until we get an answer
-                    try:
-                        order = client.buy(item, qty, key=key)
-                    except PygmyError as e:
-                        load.buy_errors.append(str(e))
-                        if e.status in (400, 404, 409, 422):
-                            raise
-                        time.sleep(0.05)
-                        continue
-                    load.answers[key].add(order["order_number"])
-                    load.acked[key] = order
-                    if rng.random() < 0.2:  # an explicit client retry must return the same order
-                        again = client.buy(item, qty, key=key)
-                        load.answers[key].add(again["order_number"])
-                    break
-                else:
-                    raise AssertionError(f"buy {key} never answered")
+                order = answered(client, item, qty, key)
+                load.answers[key].add(order["order_number"])
+                load.acked[key] = order
+                if rng.random() < 0.2:  # an explicit client retry must return the same order
+                    load.answers[key].add(answered(client, item, qty, key)["order_number"])
 
     def reader(seed: int) -> None:
         rng = random.Random(seed)

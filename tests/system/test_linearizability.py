@@ -8,18 +8,16 @@ counter). The same load against a deliberately broken build (a test-only mutatio
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import Cluster, start_cluster
+from harness import Cluster, cluster_env, start_cluster
 
 from experiments import lincheck
 from experiments.linearizability import Verdict, run_and_check
 
-MUTATIONS = Path(__file__).resolve().parent.parent / "mutations"
 TWO_BY_TWO = ("--frontends", "2", "--frontend-workers", "2")
 
 #: Load focused on two books, read by many readers, so a short window of staleness is likely to be
@@ -27,12 +25,6 @@ TWO_BY_TWO = ("--frontends", "2", "--frontend-workers", "2")
 #: How long every push takes where a test says so (tests/mutations/sitecustomize.py).
 PUSH_DELAY = "0.05"
 FOCUSED = {"items": [1, 2], "writers": 4, "readers": 8, "buyers": 2, "write_pause": 0.05}
-
-
-def cluster_env(**extra: str) -> dict[str, str]:
-    """Environment that loads the test-only hooks into every service process."""
-    path = os.pathsep.join(p for p in (str(MUTATIONS), os.environ.get("PYTHONPATH", "")) if p)
-    return {"PYTHONPATH": path, **extra}
 
 
 def urls(c: Cluster) -> list[str]:
