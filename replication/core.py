@@ -8,7 +8,7 @@ That is what lets the tests drive thousands of random schedules through it in-pr
     core.tick() / core.step(msg) / core.propose(cmd)
     rd = core.ready()
     persist rd.snapshot, rd.truncate_from, rd.entries, rd.hard_state   # durably, BEFORE sending
-    send rd.messages
+    send rd.messages                      # (or before persisting, when rd.send_first says so)
     apply rd.committed_entries
     core.advance(rd)
 
@@ -198,7 +198,13 @@ class CoreConfig:
 class Ready:
     """Everything the driver must do after a batch of inputs, in this order:
     install ``snapshot``, persist (``truncate_from``, ``entries``, ``hard_state``) durably, send
-    ``messages``, apply ``committed_entries``, then call ``advance``."""
+    ``messages``, apply ``committed_entries``, then call ``advance``.
+
+    ``send_first``: the driver may send before persisting (then persist, then apply). True only on a
+    leader whose Ready changes no term or vote: its messages are appends and heartbeats, and a leader
+    may replicate entries it has not yet written itself, since it counts its own copy toward no
+    commit before they are (its acknowledgements are stepped only after this Ready is done). Raft
+    thesis 10.2.1; it overlaps the leader's disk write with the followers'."""
 
     hard_state: HardState | None = None
     snapshot: Snapshot | None = None
@@ -206,6 +212,7 @@ class Ready:
     entries: list[Entry] = field(default_factory=list)
     committed_entries: list[Entry] = field(default_factory=list)
     messages: list[Message] = field(default_factory=list)
+    send_first: bool = False
 
     def is_empty(self) -> bool:
         return not (
@@ -781,6 +788,7 @@ class RaftCore:
             self._flush()
         rd = Ready()
         hs = HardState(self.term, self.vote, self.commit)
+        vote_kept = (hs.term, hs.vote) == (self._prev_hs.term, self._prev_hs.vote)
         if hs != self._prev_hs:
             rd.hard_state = hs
             self._prev_hs = hs
@@ -798,6 +806,7 @@ class RaftCore:
             rd.committed_entries = self.entries(self._handed + 1, hi)
             self._handed = hi
         rd.messages, self._msgs = self._msgs, []
+        rd.send_first = (self.role == LEADER and vote_kept and rd.snapshot is None and rd.truncate_from is None)
         return rd
 
     def advance(self, rd: Ready) -> None:

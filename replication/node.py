@@ -29,7 +29,7 @@ from flask import Blueprint, Response, jsonify, request
 from prometheus_client import Histogram
 
 from cluster.web import secret_refusal
-from replication.core import CANDIDATE, SNAPSHOT, CoreConfig, Entry, HardState, Message, RaftCore, Ready
+from replication.core import CANDIDATE, SNAPSHOT, CoreConfig, Entry, Message, RaftCore, Ready
 from replication.log_store import LogStore
 from replication.router import pooled_session
 from replication.statemachine import StateMachine
@@ -648,8 +648,12 @@ class ReplicaNode:
         rd = self.core.ready()
         if not rd.is_empty():
             self._commit_seen = self.core.commit
-            self._persist(rd)
-            self._send(rd.messages)
+            if rd.send_first:  # a leader's appends: its own disk write overlaps the followers'
+                self._send(rd.messages)
+                self._persist(rd)
+            else:
+                self._persist(rd)
+                self._send(rd.messages)
             self._apply(rd.committed_entries)
             self.core.advance(rd)
             self._maybe_compact()
@@ -676,10 +680,8 @@ class ReplicaNode:
                 rd.entries or rd.truncate_from is not None or snap is not None):
             # Only the commit index moved. Raft needs term and vote durable, not commit (a restarted
             # replica relearns it from the leader), so this costs no synced transaction in the
-            # middle of every round; it is written along with the next entries.
+            # middle of every round; it is written whenever the hard state goes out with entries.
             hs = None
-        elif hs is None and (rd.entries or rd.truncate_from is not None or snap is not None):
-            hs = HardState(self.core.term, self.core.vote, self.core.commit)
         self.store.save(hs, rd.entries, rd.truncate_from, None if snap is None else (snap.index, snap.term))
         if hs is not None:
             self._durable_vote = (hs.term, hs.vote)

@@ -20,6 +20,9 @@ Without the variables below it does nothing.
 - ``PYGMY_TEST_PUSH_FAULT=<file>`` with ``PYGMY_TEST_PUSH_FAULT_SERVICE=frontend-1``: while the file
   exists, that frontend's workers swallow every push from the catalog (no answer: the catalog's push
   times out, as if the packets were dropped one way), while their renewals and reads go on.
+- ``PYGMY_TEST_CRASH_UNPERSISTED=<file>``: when the file names a tier (``catalog``/``order``), the
+  next leader of that tier to send appends of entries it has not yet written (``Ready.send_first``)
+  deletes the file and SIGKILLs its own process group right there, between the send and its write.
 - ``PYGMY_TEST_DROP_CONFIRMS=<file>``: while the file exists, an order leader answers buys but never
   records their confirm (as if it died right after answering): the crash instant between a buy's
   answer and its confirm, held open for as long as a test needs.
@@ -95,6 +98,29 @@ def _drop_confirms(flag: str) -> None:
     order_app.BuyProcessor._confirm = dropped
 
 
+def _crash_unpersisted(flag: str) -> None:
+    import signal
+
+    from replication.node import ReplicaNode
+
+    persist = ReplicaNode._persist
+
+    def crashing(self, rd):  # type: ignore[no-untyped-def]
+        if rd.send_first and rd.entries and os.path.exists(flag):
+            try:
+                tier = open(flag).read().strip()  # noqa: SIM115
+            except OSError:
+                tier = ""
+            if tier and self.name.startswith(tier + "-"):
+                os.unlink(flag)
+                os.killpg(os.getpgid(0), signal.SIGKILL)  # sent, not written: die right here
+        persist(self, rd)
+
+    ReplicaNode._persist = crashing
+
+
+if os.environ.get("PYGMY_TEST_CRASH_UNPERSISTED"):
+    _crash_unpersisted(os.environ["PYGMY_TEST_CRASH_UNPERSISTED"])
 if os.environ.get("PYGMY_TEST_DROP_CONFIRMS"):
     _drop_confirms(os.environ["PYGMY_TEST_DROP_CONFIRMS"])
 if os.environ.get("PYGMY_MUTATION"):

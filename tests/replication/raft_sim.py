@@ -152,7 +152,8 @@ class Cluster:
         self.votes: dict[tuple[int, str], str] = {}
         #: Crashes armed per node: the point in its next durable Ready where it dies.
         self.armed: dict[str, str] = {}
-        #: How many armed crashes fired, per crash point.
+        #: How many armed crashes fired, per crash point; "leader_sent_unpersisted" counts those that
+        #: hit a leader after it sent a ``send_first`` Ready and before it persisted it.
         self.ready_crashes: Counter[str] = Counter()
 
     # -- running -------------------------------------------------------------------------------
@@ -172,15 +173,19 @@ class Cluster:
             self.check()
 
     def process(self, node: SimNode) -> None:
-        """Handle one Ready: persist, send, apply (persist and send swapped if
-        ``send_before_persist``), then ``advance``; an armed crash stops it part-way."""
+        """Handle one Ready as the real driver does: persist, send, apply (send first where the core
+        allows it, ``rd.send_first``; always if ``send_before_persist``), then ``advance``; an armed
+        crash stops it part-way."""
         rd = node.core.ready()
         point = self.armed.get(node.name) if persists(rd) else None
-        steps = ("send", "persist") if self.send_before_persist else ("persist", "send")
+        first = self.send_before_persist or rd.send_first
+        steps = ("send", "persist") if first else ("persist", "send")
         for step in (*steps, "apply"):
             if point == f"before_{step}":
                 del self.armed[node.name]
                 self.ready_crashes[point] += 1
+                if rd.send_first and step == "persist" and rd.entries:
+                    self.ready_crashes["leader_sent_unpersisted"] += 1
                 node.crash()
                 return
             if step == "persist":

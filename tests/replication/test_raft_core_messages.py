@@ -785,3 +785,27 @@ def test_an_idle_leader_heartbeats_less_often_and_a_busy_one_at_the_full_rate() 
     core.ready()
     busy = _heartbeat_ticks(core, 4)
     assert {b - a for a, b in zip(busy, busy[1:], strict=False)} == {5}
+
+
+def test_only_a_leader_keeping_its_term_and_vote_may_send_before_persisting() -> None:
+    """``Ready.send_first``: a leader's appends may go out before its own write; a vote, a term
+    change, a follower's acknowledgement never may."""
+    core = RaftCore("a", ["a", "b", "c"], config=CFG, rng=1)
+    for _ in range(100):
+        core.tick()
+        if core.role != "follower":
+            break
+    rd = core.ready()
+    assert rd.messages and not rd.send_first  # (pre)candidate asking for votes
+    leader_core = replicating(entries=1)
+    leader_core.propose({"x": 1})
+    rd = leader_core.ready()
+    assert rd.entries and rd.messages and rd.send_first
+    leader_core.step(Message(APPEND, "b", "a", leader_core.term + 1, index=0, log_term=0, commit=0))
+    rd = leader_core.ready()
+    assert leader_core.role == "follower" and rd.hard_state is not None and not rd.send_first
+    follower = RaftCore("b", ["a", "b", "c"], config=CFG, rng=1)
+    follower.step(Message(APPEND, "a", "b", 1, index=0, log_term=0, commit=0,
+                          entries=[Entry(1, 1, None)]))
+    rd = follower.ready()
+    assert rd.entries and rd.messages and not rd.send_first

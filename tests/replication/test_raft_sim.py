@@ -153,11 +153,13 @@ def seeded_run(seed: int, *, send_before_persist: bool) -> Cluster:
 
 def test_crashes_inside_a_ready_keep_seeded_schedules_safe() -> None:
     """Persisting before sending makes every crash point harmless, on the schedules that break
-    the swapped order below; and the crash points do fire (the test is not vacuous)."""
+    the swapped order below; and the crash points do fire (the test is not vacuous). That includes
+    a leader dying after it sent appends of entries it had not yet written (``send_first``)."""
     fired: Counter[str] = Counter()
     for seed in ORDER_SEEDS:
         fired += seeded_run(seed, send_before_persist=False).ready_crashes
     assert all(fired[point] >= 50 for point in CRASH_POINTS), fired
+    assert fired["leader_sent_unpersisted"] >= 10, fired
 
 
 def test_send_before_persist_is_caught_by_seeded_search() -> None:
