@@ -705,20 +705,15 @@ class ReplicaNode:
                 sender.offer(m)
 
     def _apply(self, entries: list[Entry]) -> None:
-        for e in entries:
-            if e.index <= self._applied:
-                continue
-            error: BaseException | None = None
-            result: Any = None
-            with self._apply_lock:
-                try:
-                    result = self.sm.apply(e.index, e.command)
-                except Exception as exc:
-                    if is_storage_fault(exc):
-                        raise  # not the command's outcome: the loop's supervisor retries it
-                    log.exception("%s: applying entry %d failed", self.name, e.index)
-                    error = exc  # a deterministic command failure: the same on every replica
-            self._set_applied(e.index)
+        todo = [e for e in entries if e.index > self._applied]
+        if not todo:
+            return
+        with self._apply_lock:  # a storage fault raises: the loop's supervisor retries the batch
+            outcomes = self.sm.apply_many([(e.index, e.command) for e in todo])
+        self._set_applied(todo[-1].index)  # readers see the batch once it is committed, as a whole
+        for e, (result, error) in zip(todo, outcomes, strict=True):
+            if error is not None:  # a deterministic command failure: the same on every replica
+                log.error("%s: applying entry %d failed", self.name, e.index, exc_info=error)
             if e.command is not None and error is None:
                 for cb in self._apply_listeners:
                     try:

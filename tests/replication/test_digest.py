@@ -63,9 +63,13 @@ def test_random_commands_snapshots_and_restarts_keep_the_digest_exact(tmp_path: 
     def run(steps: list[tuple[dict[str, Any], str]]) -> None:
         state, twin = fresh(kind, tmp_path), fresh(kind, tmp_path)
         agrees(state)
+        batch: list[tuple[int, dict[str, Any]]] = []
         for index, (command, action) in enumerate(steps, start=1):
             state.apply(index, command)
-            twin.apply(index, command)
+            batch.append((index, command))
+            if action != "apply":  # the twin applies runs of commands as one batch (catch-up, load)
+                assert [error for _, error in twin.apply_many(batch)] == [None] * len(batch)
+                batch = []
             if action == "snapshot":  # a follower restored from our snapshot has our digest, no rescan
                 restored = fresh(kind, tmp_path)
                 restored.restore(index, state.snapshot())
@@ -73,7 +77,9 @@ def test_random_commands_snapshots_and_restarts_keep_the_digest_exact(tmp_path: 
             elif action == "restart":  # reopened from disk
                 state.close()
                 state = type(state)(state.path)
-            assert agrees(state) == agrees(twin)  # same commands, same digest
+                assert agrees(state) == agrees(twin)  # same commands, same digest
+        assert [error for _, error in twin.apply_many(batch)] == [None] * len(batch)
+        assert agrees(state) == agrees(twin) and state.applied_index() == twin.applied_index()
         state.close()
         twin.close()
 
@@ -127,3 +133,25 @@ def test_a_database_from_before_the_triggers_gets_its_digest_on_open(tmp_path: P
     state.close()
     reopened = CatalogState(state.path)
     assert agrees(reopened) == expected
+
+
+def test_a_batch_undoes_a_failing_command_alone_and_skips_what_it_already_applied(tmp_path: Path) -> None:
+    """``apply_many``: one transaction, a savepoint per command. A command that fails half-way is
+    undone alone (its error returned, as a lone ``apply`` would raise it); the others stand; the
+    applied index covers the batch; entries already applied (a replay after a crash) are skipped."""
+    state, alone = Breaking(tmp_path / "s.db"), Breaking(tmp_path / "t.db")
+    for s in (state, alone):
+        s.seed(DEFAULT_BOOKS)
+    batch = [(1, {"op": "decrement", "item": 1, "quantity": 5, "key": "a"}),
+             (2, {"op": "decrement", "item": 2, "quantity": 1, "key": "b", "break": True}),
+             (3, None),
+             (4, {"op": "decrement", "item": 2, "quantity": 2, "key": "c"})]
+    outcomes = state.apply_many(batch)
+    assert [type(e).__name__ if e else None for _, e in outcomes] == [None, "RuntimeError", None, None]
+    assert outcomes[0][0]["book"]["stock"] == DEFAULT_BOOKS[0]["stock"] - 5
+    for index, command in batch:  # the same commands one by one, the failing one left out
+        if command is None or not command.get("break"):
+            alone.apply(index, command)
+    assert agrees(state) == agrees(alone) and state.applied_index() == 4
+    assert state.apply_many(batch[:2]) == [(None, None), (None, None)]  # replayed: nothing happens
+    assert agrees(state) == agrees(alone) and state.applied_index() == 4
