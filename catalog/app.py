@@ -17,6 +17,8 @@ from replication.service import ReplicaRuntime
 from replication.transport import SUBSCRIBE_CHANNEL, subscriber_address
 
 log = logging.getLogger(__name__)
+#: Most decrements one batch may carry (an order leader sends what its buys have in flight).
+MAX_DECREMENTS = 256
 
 
 class Restocker:
@@ -128,6 +130,31 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         if not isinstance(key, str) or not 0 < len(key) <= 256:
             fail(400, "key must be a non-empty string")
         return write(number, {"op": "decrement", "item": number, "quantity": quantity, "key": key})
+
+    @app.post("/books/decrements")
+    @rt.guard
+    def decrements() -> Response:
+        """The decrements of the buys an order leader has in flight, as one write: one hold round,
+        one log entry, one release; ``{"results": [...]}`` in order, each as ``/decrement`` answers."""
+        body = json_body(required=True)
+        raw = body.get("items")
+        if not isinstance(raw, list) or not 0 < len(raw) <= MAX_DECREMENTS:
+            fail(400, f"items must be a list of 1 to {MAX_DECREMENTS} decrements")
+        items = []
+        for d in raw:
+            if not isinstance(d, dict):
+                fail(400, "each item must be an object {item, quantity, key}")
+            key = d.get("key")
+            if not isinstance(key, str) or not 0 < len(key) <= 256:
+                fail(400, "key must be a non-empty string")
+            items.append({"item": int_field(d, "item", 1, 2**62), "quantity": int_field(d, "quantity", 1, 1000),
+                          "key": key})
+        rt.leader_only()
+        with invalidator.holding(sorted({book_key(d["item"]) for d in items})) as held:
+            result = rt.propose({"op": "decrements", "items": items})
+            held.index = result["index"]  # a floor for every key in it; unchanged books lose nothing
+        return jsonify({"results": [{"status": 200, "book": r["book"]} if r["ok"] else
+                                    {"status": r["error"]["code"], "error": r["error"]} for r in result["results"]]})
 
     @app.post("/books/<item>/update")
     @rt.guard

@@ -28,6 +28,7 @@ from typing import Any
 
 from prometheus_client import Counter, Histogram
 
+from replication.batching import Combiner, CombinerTimeout
 from replication.node import NotLeader, ProposalTimeout, ReplicaNode
 from replication.transport import PUSH_CHANNEL, FrameClient, subscriber_address
 
@@ -243,44 +244,23 @@ class Invalidator:
 
 
 class _Channel:
-    """The connection to one frontend worker. Pushes are combined: whoever finds the channel free
-    sends everything queued so far as one frame (holds and releases of many writes) and hands the
-    worker's answer to every push in it; pushes that arrive meanwhile wait for the next frame."""
+    """The connection to one frontend worker. Pushes are combined (``replication.batching``): one
+    frame carries the holds and releases of every write waiting for this worker, and the worker's
+    one acknowledgement answers them all."""
 
     def __init__(self, url: str, secret: str, name: str) -> None:
         self.client = FrameClient(subscriber_address(url), secret, name, PUSH_CHANNEL, connect_timeout=0.1)
-        self._cond = threading.Condition()
-        self._queue: list[tuple[dict[str, Any], list[bool]]] = []  # (body, [done, ok])
-        self._busy = False
+        self._combiner: Combiner[dict[str, Any], bool] = Combiner(self._send)
 
     def push(self, body: dict[str, Any]) -> bool:
-        mine = [False, False]
-        deadline = time.monotonic() + 2 * PUSH_TIMEOUT + 0.1
-        with self._cond:
-            self._queue.append((body, mine))
-            while not mine[0]:
-                if not self._busy:
-                    self._busy = True
-                    batch, self._queue = self._queue, []
-                    self._cond.release()
-                    try:
-                        ok = self._send(batch)
-                    finally:
-                        self._cond.acquire()
-                        self._busy = False
-                    for _, state in batch:
-                        state[0], state[1] = True, ok
-                    self._cond.notify_all()
-                    continue
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False  # still queued: it may go out later, which only holds a key longer
-                self._cond.wait(left)
-        return mine[1]
+        try:
+            return self._combiner.call(body, 2 * PUSH_TIMEOUT + 0.1)
+        except CombinerTimeout:
+            return False  # still queued: it may go out later, which only holds a key longer
 
-    def _send(self, batch: list[tuple[dict[str, Any], list[bool]]]) -> bool:
-        frame = {"holds": [h for body, _ in batch for h in body.get("holds", ())],
-                 "releases": [r for body, _ in batch for r in body.get("releases", ())]}
+    def _send(self, bodies: list[dict[str, Any]]) -> list[bool]:
+        frame = {"holds": [h for body in bodies for h in body.get("holds", ())],
+                 "releases": [r for body in bodies for r in body.get("releases", ())]}
         PUSH_BATCH.observe(len(frame["holds"]) + len(frame["releases"]))
         try:
             ok = self.client.call(frame, PUSH_TIMEOUT) == {"ok": True}
@@ -291,7 +271,7 @@ class _Channel:
             ok = False
         if not ok:
             PUSH_FAILURES.inc()
-        return ok
+        return [ok] * len(bodies)
 
     def close(self) -> None:
         self.client.close()

@@ -77,6 +77,11 @@ class CatalogState(SQLiteStateMachine):
         op = command["op"]
         if op == "decrement":
             return self._decrement(conn, index, command)
+        if op == "decrements":
+            # Concurrent buys in one log entry: each decrement exactly as alone, in order, each
+            # under its own key (a repeated key returns its first result, in or out of a batch).
+            return {"ok": True, "index": index,
+                    "results": [self._decrement(conn, index, item) for item in command["items"]]}
         if op == "update":
             return self._update(conn, index, command)
         if op == "restock":

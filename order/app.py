@@ -22,17 +22,21 @@ from datetime import UTC, datetime
 from typing import Any
 
 from flask import Flask, Response, jsonify
+from prometheus_client import Histogram
 
 from cluster.config import ClusterConfig
 from cluster.web import fail, int_field, json_body, parse_item
 from order.state import CONFIRMED, FAILED, PENDING, OrderState, confirmed
-from replication.router import TierRouter, TierUnavailable
+from replication.batching import Combiner
+from replication.router import Reply, TierRouter, TierUnavailable
 from replication.service import ReplicaRuntime
 
 log = logging.getLogger(__name__)
 
 #: How long one buy may wait for the catalog (across a catalog failover) before answering 503.
 CATALOG_DEADLINE = 4.0
+DECREMENT_BATCH = Histogram("pygmy_decrement_batch_size", "Buys whose decrements went to the catalog in one request",
+                            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256))
 #: A pending intent older than this with no buy in flight here is finished by the background sweep.
 STALE_INTENT = 2.0
 
@@ -50,6 +54,8 @@ class BuyProcessor:
         self._thread = threading.Thread(target=self._sweep_loop, name="intent-sweeper", daemon=True)
         #: Confirms proposed off the buyers' path; a lost one is redone by the sweep.
         self._confirms = ThreadPoolExecutor(max_workers=4, thread_name_prefix="confirm")
+        #: The decrements of concurrent buys go to the catalog together: one request, one log entry.
+        self._decrements: Combiner[dict[str, Any], Reply] = Combiner(self._send_decrements)
 
     def start(self) -> None:
         self.rt.node.add_leader_listener(self._on_leader_change)
@@ -82,11 +88,8 @@ class BuyProcessor:
         with self._lock:
             self._in_flight.add(key)
         try:
-            reply = self.catalog.write(
-                f"/books/{order['item_number']}/decrement",
-                {"quantity": order["quantity"], "key": key},
-                deadline=time.monotonic() + CATALOG_DEADLINE,
-            )
+            reply = self._decrements.call({"item": order["item_number"], "quantity": order["quantity"], "key": key},
+                                          2 * CATALOG_DEADLINE + 1)
             if reply.status == 200:
                 # Decided: the catalog's decrement under this key is committed. Answer now.
                 title, cost = reply.body["title"], reply.body["cost"]
@@ -99,6 +102,17 @@ class BuyProcessor:
         finally:
             with self._lock:
                 self._in_flight.discard(key)
+
+    def _send_decrements(self, items: list[dict[str, Any]]) -> list[Reply]:
+        """One catalog request for the decrements of every buy waiting (``Combiner``): the catalog
+        holds their books once, proposes them as one entry and answers each as a lone decrement would.
+        Retried across a catalog failover with the same keys, so each still happens once."""
+        DECREMENT_BATCH.observe(len(items))
+        reply = self.catalog.write("/books/decrements", {"items": items}, deadline=time.monotonic() + CATALOG_DEADLINE)
+        results = reply.body.get("results") if reply.status == 200 else None
+        if not isinstance(results, list) or len(results) != len(items):
+            return [reply] * len(items)  # the batch itself failed (a 4xx/5xx): every buy hears it
+        return [Reply(int(r["status"]), r.get("book") or {"error": r.get("error")}, reply.replica) for r in results]
 
     def _confirm(self, key: str, title: str, cost: float) -> None:
         """Record a decided outcome. If this fails (no longer leader, no quorum), the order stays

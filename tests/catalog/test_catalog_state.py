@@ -167,6 +167,22 @@ def test_a_refused_decrement_key_stays_refused(state: CatalogState, log: Log) ->
     assert log(decrement(99, 1, "m")) == missing
 
 
+def test_a_batch_of_decrements_is_each_decrement_in_order_under_its_own_key(state: CatalogState, log: Log) -> None:
+    """One log entry for the buys in flight: each applies as it would alone, in order (the second
+    takes what the first left), refusals and repeats included, so batching changes no outcome."""
+    alone = log(decrement(3, 1, "before"))
+    batch = log({"op": "decrements", "items": [decrement(3, 1, "a"), decrement(3, 2, "b"), decrement(2, 1, "c"),
+                                                decrement(3, 1, "before"), decrement(99, 1, "d"), decrement(3, 1, "a")]})
+    assert batch["ok"] and batch["index"] == 2
+    a, b, c, before, d, a_again = batch["results"]
+    assert a == {"ok": True, "book": book(3, 1, version=2)}
+    assert b == error(409, "out of stock: 1 left of item 3, 2 wanted")
+    assert c["error"]["code"] == 409 and d["error"]["code"] == 404
+    assert before == alone and a_again == a  # a key repeats its first answer, in or out of a batch
+    assert state.book(3)["stock"] == 1
+    assert log(decrement(3, 2, "b")) == b  # and after it
+
+
 # -- update -----------------------------------------------------------------------------------------
 def test_update_changes_stock_and_cost(state: CatalogState, log: Log) -> None:
     log(None)

@@ -102,3 +102,22 @@ def test_malformed_http_gets_json_too(hard_cluster: Cluster) -> None:
         r = send(url, head)
         assert 400 <= r.status < 500, (head, r.status, r.body)
         json_error(r, r.status)
+
+
+def test_a_malformed_decrement_batch_is_refused_whole_and_changes_nothing(hard_cluster: Cluster) -> None:
+    """The catalog's batch endpoint (the order leader's): every malformed batch is a 400 and takes
+    no stock, even when some of its items are well formed."""
+    c = hard_cluster
+    auth = {"Authorization": f"Bearer {c.secret()}"}
+    status = requests.get(c.url + "/status", timeout=5).json()["catalog"]
+    lead = c.replica_url(status["leader"])
+    before = requests.get(f"{lead}/books/1", headers=auth, timeout=5).json()
+    good = {"item": 1, "quantity": 1, "key": "limits-good"}
+    for body in ({}, {"items": []}, {"items": "x"}, {"items": [good] * 257}, {"items": [good, 1]},
+                 {"items": [good, {"item": 1, "quantity": 0, "key": "k"}]},
+                 {"items": [good, {"item": 1, "quantity": 1, "key": ""}]},
+                 {"items": [good, {"item": "1", "quantity": 1, "key": "k"}]},
+                 {"items": [good, {"item": 1, "quantity": 1}]}):
+        json_error(requests.post(f"{lead}/books/decrements", json=body, headers=auth, timeout=10), 400)
+    after = requests.get(f"{lead}/books/1", headers=auth, timeout=5).json()
+    assert (after["stock"], after["version"]) == (before["stock"], before["version"])

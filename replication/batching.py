@@ -1,0 +1,85 @@
+"""Combining concurrent calls into one: whoever finds the way free carries everyone's.
+
+Used where one round trip can serve many callers at the cost of one: the catalog leader's pushes to
+a frontend worker (one frame for the holds and releases of many writes) and the order leader's
+decrements (one catalog request, one log entry, for the buys in flight). No thread of its own: a
+caller that finds no batch in flight sends everything queued so far, itself included, and hands
+each caller its own result; callers arriving meanwhile queue for the next batch. So a lone caller
+pays nothing extra, and under load the batch grows with the concurrency.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class CombinerTimeout(Exception):
+    """The caller's item was not carried within its wait; it may still go out with a later batch."""
+
+
+class _Slot(Generic[T, R]):
+    __slots__ = ("item", "done", "result", "error")
+
+    def __init__(self, item: T) -> None:
+        self.item = item
+        self.done = False
+        self.result: R | None = None
+        self.error: BaseException | None = None
+
+
+class Combiner(Generic[T, R]):
+    """``send(items) -> results`` (one result per item, in order) runs for a batch of callers at a time.
+    If it raises, every caller of that batch gets the exception."""
+
+    def __init__(self, send: Callable[[list[T]], list[R]], max_batch: int = 256) -> None:
+        self._send = send
+        self.max_batch = max_batch
+        self._cond = threading.Condition()
+        self._queue: list[_Slot[T, R]] = []
+        self._busy = False
+
+    def call(self, item: T, wait: float) -> R:
+        """Carry ``item`` in the next batch and return its result; raises what ``send`` raised, or
+        CombinerTimeout if no batch carried it within ``wait`` seconds."""
+        mine: _Slot[T, R] = _Slot(item)
+        deadline = time.monotonic() + wait
+        with self._cond:
+            self._queue.append(mine)
+            while not mine.done:
+                if not self._busy:
+                    self._busy = True
+                    batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
+                    self._cond.release()
+                    try:
+                        self._run(batch)
+                    finally:
+                        self._cond.acquire()
+                        self._busy = False
+                        self._cond.notify_all()
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CombinerTimeout("not carried in time")
+                self._cond.wait(left)
+        if mine.error is not None:
+            raise mine.error
+        return mine.result  # type: ignore[return-value]
+
+    def _run(self, batch: list[_Slot[T, R]]) -> None:
+        try:
+            results = self._send([s.item for s in batch])
+            if len(results) != len(batch):
+                raise RuntimeError(f"{len(results)} results for {len(batch)} items")
+            for slot, result in zip(batch, results, strict=True):
+                slot.result = result
+        except BaseException as exc:  # every caller of the batch hears of it
+            for slot in batch:
+                slot.error = exc
+        for slot in batch:
+            slot.done = True

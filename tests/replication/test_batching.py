@@ -1,0 +1,99 @@
+"""The combiner: concurrent callers share batches, each gets its own result, errors reach all of a batch."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from replication.batching import Combiner, CombinerTimeout
+
+
+def test_a_lone_caller_is_sent_alone_and_at_once() -> None:
+    batches: list[list[int]] = []
+    c = Combiner(lambda items: (batches.append(items), [i * 10 for i in items])[1])
+    assert c.call(3, 1) == 30 and c.call(4, 1) == 40
+    assert batches == [[3], [4]]
+
+
+def test_callers_arriving_during_a_batch_share_the_next_and_each_get_their_own_result() -> None:
+    gate, first_in = threading.Event(), threading.Event()
+    batches: list[list[int]] = []
+
+    def send(items: list[int]) -> list[int]:
+        batches.append(items)
+        if len(batches) == 1:
+            first_in.set()
+            gate.wait(5)
+        return [-i for i in items]
+
+    c = Combiner(send)
+    results: dict[int, int] = {}
+    first = threading.Thread(target=lambda: results.__setitem__(0, c.call(0, 5)))
+    first.start()
+    first_in.wait(5)
+    others = [threading.Thread(target=lambda i=i: results.__setitem__(i, c.call(i, 5))) for i in range(1, 9)]
+    for t in others:
+        t.start()
+    deadline = time.monotonic() + 5
+    while len(c._queue) < 8:  # all queued behind the first batch
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    gate.set()
+    for t in [first, *others]:
+        t.join(5)
+    assert results == {i: -i for i in range(9)}
+    assert batches[0] == [0] and sorted(batches[1]) == list(range(1, 9)) and len(batches) == 2
+
+
+def test_an_error_reaches_every_caller_of_its_batch_and_not_the_next() -> None:
+    calls = {"n": 0}
+
+    def send(items: list[int]) -> list[int]:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise ValueError("boom")
+        return items
+
+    c = Combiner(send)
+    with pytest.raises(ValueError, match="boom"):
+        c.call(1, 1)
+    assert c.call(2, 1) == 2
+
+
+def test_a_wrong_number_of_results_is_an_error_and_a_wait_can_time_out() -> None:
+    c = Combiner(lambda items: [])
+    with pytest.raises(RuntimeError, match="0 results for 1 items"):
+        c.call(1, 1)
+    gate = threading.Event()
+    slow = Combiner(lambda items: (gate.wait(5), items)[1])
+    t = threading.Thread(target=lambda: slow.call(1, 5))
+    t.start()
+    time.sleep(0.05)
+    with pytest.raises(CombinerTimeout):
+        slow.call(2, 0.05)
+    gate.set()
+    t.join(5)
+
+
+def test_batches_are_capped() -> None:
+    gate = threading.Event()
+    batches: list[list[int]] = []
+
+    def send(items: list[int]) -> list[int]:
+        batches.append(items)
+        gate.wait(5)
+        return items
+
+    c = Combiner(send, max_batch=3)
+    threads = [threading.Thread(target=c.call, args=(i, 5)) for i in range(7)]
+    threads[0].start()
+    time.sleep(0.05)
+    for t in threads[1:]:
+        t.start()
+    time.sleep(0.05)
+    gate.set()
+    for t in threads:
+        t.join(5)
+    assert max(len(b) for b in batches) == 3 and sorted(i for b in batches for i in b) == list(range(7))
