@@ -71,7 +71,7 @@ def group(c: Cluster, name: str) -> int:
     return int((c.data_dir / "run" / f"{name}.pid").read_text())
 
 
-def run_faulty_load(c: Cluster, faults: callable, load: Load | None = None) -> Load:
+def run_faulty_load(c: Cluster, faults: callable, load: Load | None = None, buyers: int = 4) -> Load:
     """Buyers (retrying each key until answered) and readers, while ``faults()`` runs."""
     load = load or Load()
     stop = threading.Event()
@@ -114,7 +114,7 @@ def run_faulty_load(c: Cluster, faults: callable, load: Load | None = None) -> L
                 except PygmyError as e:
                     load.read_errors.append(str(e))
 
-    threads = [threading.Thread(target=buyer, args=(i,)) for i in range(4)]
+    threads = [threading.Thread(target=buyer, args=(i,)) for i in range(buyers)]
     threads += [threading.Thread(target=reader, args=(100 + i,)) for i in range(2)]
     for t in threads:
         t.start()
@@ -305,6 +305,38 @@ def test_a_leader_killed_between_sending_entries_and_writing_them(tmp_path: Path
 
         run_faulty_load(c, faults, load)
         assert [n.split("-")[0] for n in crashed] == ["catalog", "order"], crashed
+        assert_buys_only_delayed(load)
+        check_invariants(c, load)
+    finally:
+        c.stop()
+
+
+def test_a_catalog_leader_killed_with_a_batch_committed_and_unanswered(tmp_path: Path) -> None:
+    """The order leader sends the decrements of concurrent buys as one batch. SIGKILL the catalog
+    leader after it committed a batch of several and before it answered (a test-only hook): the
+    order leader sends the same batch to the next catalog leader, every decrement in it happens
+    once, and every invariant holds."""
+    flag = tmp_path / "crash-mid-batch"
+    c = Cluster(tmp_path / "d", free_port_base(), [], cluster_env(PYGMY_TEST_CRASH_MID_BATCH=str(flag)))
+    c.start(reset=True)
+    load = Load()
+    try:
+        def faults() -> None:
+            time.sleep(1.0)
+            victim = leader(c, "catalog")
+            flag.touch()
+            deadline = time.monotonic() + 30
+            while flag.exists():
+                assert time.monotonic() < deadline, "no batch of two or more decrements was committed"
+                time.sleep(0.02)
+            acked = len(load.acked)
+            assert leader(c, "catalog") != victim
+            c.restart(victim)
+            while len(load.acked) < acked + 10:
+                assert time.monotonic() < deadline + 20, "no buys acknowledged after the crash"
+                time.sleep(0.1)
+
+        run_faulty_load(c, faults, load, buyers=8)
         assert_buys_only_delayed(load)
         check_invariants(c, load)
     finally:
