@@ -19,7 +19,7 @@ from pathlib import Path
 
 import requests
 
-from cluster.local import LocalCluster, free_port_base
+from cluster.local import LocalCluster, free_port_base, group_processes
 
 MIX = (("lookup", 0.55), ("search", 0.2), ("buy", 0.2), ("order", 0.05))
 TOPICS = ("distributed systems", "graduate-school", "Distributed%20Systems", "nothing here")
@@ -28,32 +28,19 @@ TOPICS = ("distributed systems", "graduate-school", "Distributed%20Systems", "no
 def group_rss_kib(pgid: int) -> int:
     """Resident memory of every process in one process group (Gunicorn master and workers)."""
     total = 0
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
+    for proc, _ in group_processes({pgid}):
         try:
-            stat = (proc / "stat").read_text()
-            fields = stat[stat.rindex(")") + 2:].split()
-            if int(fields[2]) != pgid:  # field 5 of /proc/PID/stat: process group
-                continue
             for line in (proc / "status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
                     total += int(line.split()[1])
-        except (OSError, ValueError):
+        except OSError:
             continue
     return total
 
 
 def memory(c: LocalCluster) -> dict[str, tuple[int, int]]:
     """``{service: (pgid, RSS KiB)}`` for every service with a pid file."""
-    out = {}
-    for pid_file in sorted((c.data_dir / "run").glob("*.pid")):
-        try:
-            pgid = int(pid_file.read_text())
-        except ValueError:
-            continue
-        out[pid_file.stem] = (pgid, group_rss_kib(pgid))
-    return out
+    return {name: (pgid, group_rss_kib(pgid)) for name, pgid in c.process_groups().items()}
 
 
 class Tally:

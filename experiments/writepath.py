@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from catalog.books import synthetic
-from cluster.local import LocalCluster
+from cluster.local import LocalCluster, group_processes
 from experiments import baseline
 from experiments import harness as h
 
@@ -33,24 +33,8 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 
 def cluster_cpu_s(c: LocalCluster) -> float:
     """CPU seconds (user + system) used so far by every process of the cluster's services."""
-    groups = set()
-    for pid_file in (c.data_dir / "run").glob("*.pid"):
-        try:
-            groups.add(int(pid_file.read_text()))
-        except ValueError:
-            continue
-    total = 0
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            stat = (proc / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[2]) in groups:  # process group; then utime and stime (fields 14, 15)
-            total += int(fields[11]) + int(fields[12])
-    return total / _TICKS
+    ticks = sum(int(f[11]) + int(f[12]) for _, f in group_processes(set(c.process_groups().values())))
+    return ticks / _TICKS
 
 
 def total_stock(c: LocalCluster, books: int) -> int:

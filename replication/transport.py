@@ -228,17 +228,21 @@ class FrameClient:
             self.connects += 1
         return self._sock
 
+    def _write(self, data: bytes, timeout: float) -> None:
+        """Under the lock: whatever ``send_nowait`` left of a frame, then ``data``."""
+        sock = self._connection()
+        sock.settimeout(timeout)
+        if self._partial:
+            sock.sendall(self._partial)
+            self._partial = b""
+        sock.sendall(data)
+
     def send(self, obj: Any, timeout: float) -> None:
         """Send one frame; raises OSError (the connection is closed, the frame maybe lost)."""
         data = encode(obj)
         with self._lock:
             try:
-                sock = self._connection()
-                sock.settimeout(timeout)
-                if self._partial:
-                    sock.sendall(self._partial)
-                    self._partial = b""
-                sock.sendall(data)
+                self._write(data, timeout)
             except OSError:
                 self._reset()
                 raise
@@ -272,12 +276,7 @@ class FrameClient:
         data = encode(obj)
         with self._lock:
             try:
-                sock = self._connection()
-                sock.settimeout(timeout)
-                if self._partial:
-                    sock.sendall(self._partial)
-                    self._partial = b""
-                sock.sendall(data)
+                self._write(data, timeout)
                 reply = read_frame(self._stream)
                 if reply is None:
                     raise FrameError("connection closed before the reply")
