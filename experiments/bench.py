@@ -27,9 +27,9 @@ def _sequential(c: Any, op: str, n: int) -> dict[str, Any]:
 
 def _invalidation(c: Any, n: int) -> dict[str, Any]:
     lead = h.leader(c, "catalog")
-    s0, n0 = h.metric_sum_count(c.replica_get(lead, "/metrics").text, "/books/<item>/decrement")
+    s0, n0 = h.metric_sum_count(c.replica_get(lead, "/metrics").text, "/books/decrements")
     buy = _sequential(c, "buy", n)
-    s1, n1 = h.metric_sum_count(c.replica_get(lead, "/metrics").text, "/books/<item>/decrement")
+    s1, n1 = h.metric_sum_count(c.replica_get(lead, "/metrics").text, "/books/decrements")
     return {"decrement_mean_ms": (s1 - s0) / (n1 - n0) * 1000 if n1 > n0 else None, "buy": buy}
 
 

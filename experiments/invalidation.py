@@ -1,7 +1,7 @@
 """3. Invalidation overhead: buy then look up, with 1, 2 and 4 frontend workers holding leases.
 
 The catalog leader pushes each change to every leased frontend worker *before* acknowledging the
-decrement, so the push is inside the catalog's ``/books/<item>/decrement`` handler time, which the
+decrement, so the push is inside the catalog's ``/books/decrements`` handler time, which the
 leader's ``/metrics`` histogram exposes (sum and count: a mean per write). The push itself is not
 timed separately by Pygmy, so we report what can be measured from outside honestly: the handler
 mean and the end-to-end buy as the number of subscribed workers grows (``--no-cache`` still
@@ -17,7 +17,7 @@ import numpy as np
 from experiments import baseline
 from experiments import harness as h
 
-ROUTE = "/books/<item>/decrement"
+ROUTE = "/books/decrements"
 #: (label, frontends, workers per frontend, extra args)
 CONFIGS = [("1 frontend x 1 worker", 1, 1, []), ("1 frontend x 2 workers", 1, 2, []),
            ("2 frontends x 2 workers", 2, 2, []), ("1 frontend x 2 workers, --no-cache", 1, 2, ["--no-cache"])]
