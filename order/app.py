@@ -15,9 +15,9 @@ answered order is always found (docs/replication.md, "A buy answered before its 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
@@ -35,8 +35,10 @@ log = logging.getLogger(__name__)
 
 #: How long one buy may wait for the catalog (across a catalog failover) before answering 503.
 CATALOG_DEADLINE = 4.0
-DECREMENT_BATCH = Histogram("pygmy_decrement_batch_size", "Buys whose decrements went to the catalog in one request",
-                            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256))
+BATCH = Histogram("pygmy_buy_batch_size", "Buys carried together: decrements in one catalog request, "
+                  "intents or confirms in one log entry", ["what"], buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256))
+#: How long the order leader waits for one of its own proposals to commit.
+PROPOSE_TIMEOUT = 5.0
 #: A pending intent older than this with no buy in flight here is finished by the background sweep.
 STALE_INTENT = 2.0
 
@@ -52,14 +54,19 @@ class BuyProcessor:
         self._wake = threading.Event()
         self._leader_since = float("inf")
         self._thread = threading.Thread(target=self._sweep_loop, name="intent-sweeper", daemon=True)
-        #: Confirms proposed off the buyers' path; a lost one is redone by the sweep.
-        self._confirms = ThreadPoolExecutor(max_workers=4, thread_name_prefix="confirm")
+        #: Confirms, proposed off the buyers' path by one thread, all that are waiting in one log
+        #: entry; a lost one is redone by the sweep.
+        self._confirms: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._confirmer = threading.Thread(target=self._confirm_loop, name="confirmer", daemon=True)
+        #: The intents of concurrent buys, in one log entry.
+        self._intents: Combiner[dict[str, Any], dict[str, Any]] = Combiner(lambda c: self._propose_all(c, "intents"))
         #: The decrements of concurrent buys go to the catalog together: one request, one log entry.
         self._decrements: Combiner[dict[str, Any], Reply] = Combiner(self._send_decrements)
 
     def start(self) -> None:
         self.rt.node.add_leader_listener(self._on_leader_change)
         self._thread.start()
+        self._confirmer.start()
 
     def _on_leader_change(self, is_leader: bool, term: int) -> None:
         if is_leader:
@@ -71,14 +78,20 @@ class BuyProcessor:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5)
-        self._confirms.shutdown(wait=True, cancel_futures=True)
+        self._confirms.put(None)
+        self._confirmer.join(timeout=5)
 
     def buy(self, item: int, quantity: int, key: str) -> dict[str, Any]:
-        order = self.rt.propose({
+        order = self._intents.call({
             "op": "intent", "key": key, "item": item, "quantity": quantity,
             "created_at": datetime.now(UTC).isoformat(timespec="milliseconds"),
-        })
+        }, 2 * PROPOSE_TIMEOUT + 1)
         return self.finish(order)
+
+    def _propose_all(self, commands: list[dict[str, Any]], what: str) -> list[Any]:
+        """Commands of concurrent requests as one log entry, each applied as alone, in order."""
+        BATCH.labels(what).observe(len(commands))
+        return self.rt.propose({"op": "batch", "commands": commands}, PROPOSE_TIMEOUT)
 
     def finish(self, order: dict[str, Any]) -> dict[str, Any]:
         """Drive one intent to its outcome; the catalog's key makes a repeated decrement harmless."""
@@ -93,7 +106,7 @@ class BuyProcessor:
             if reply.status == 200:
                 # Decided: the catalog's decrement under this key is committed. Answer now.
                 title, cost = reply.body["title"], reply.body["cost"]
-                self._confirms.submit(self._confirm, key, title, cost)
+                self._confirm(key, title, cost)
                 return confirmed(order, title, cost)
             if reply.status in (404, 409):
                 err = reply.body["error"]
@@ -107,7 +120,7 @@ class BuyProcessor:
         """One catalog request for the decrements of every buy waiting (``Combiner``): the catalog
         holds their books once, proposes them as one entry and answers each as a lone decrement would.
         Retried across a catalog failover with the same keys, so each still happens once."""
-        DECREMENT_BATCH.observe(len(items))
+        BATCH.labels("decrements").observe(len(items))
         reply = self.catalog.write("/books/decrements", {"items": items}, deadline=time.monotonic() + CATALOG_DEADLINE)
         results = reply.body.get("results") if reply.status == 200 else None
         if not isinstance(results, list) or len(results) != len(items):
@@ -115,12 +128,31 @@ class BuyProcessor:
         return [Reply(int(r["status"]), r.get("book") or {"error": r.get("error")}, reply.replica) for r in results]
 
     def _confirm(self, key: str, title: str, cost: float) -> None:
-        """Record a decided outcome. If this fails (no longer leader, no quorum), the order stays
-        pending until a read or the sweep finishes it again: the catalog's key gives the same answer."""
-        try:
-            self.rt.propose({"op": "confirm", "key": key, "title": title, "cost": cost})
-        except Exception as exc:
-            log.info("confirm of %s not recorded yet (%s); the sweep will redo it", key, exc)
+        """Record a decided outcome, soon (the confirmer thread)."""
+        self._confirms.put({"op": "confirm", "key": key, "title": title, "cost": cost})
+
+    def _confirm_loop(self) -> None:
+        """Every confirm waiting, as one log entry. If that fails (no longer leader, no quorum), the
+        orders stay pending until a read or the sweep finishes them again: the catalog's key gives
+        the same answer. Supervised: an error costs that batch, not the thread."""
+        while True:
+            first = self._confirms.get()
+            if first is None:
+                return
+            batch = [first]
+            while len(batch) < 256:
+                try:
+                    item = self._confirms.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    self._confirms.put(None)  # stop after this batch
+                    break
+                batch.append(item)
+            try:
+                self._propose_all(batch, "confirms")
+            except Exception as exc:
+                log.info("%d confirms not recorded yet (%s); the sweep will redo them", len(batch), exc)
 
     def settle(self, order: dict[str, Any]) -> dict[str, Any]:
         """A read found ``order`` pending: on the leader finish it (the same answer its buyer got, or

@@ -191,9 +191,16 @@ class SQLiteStateMachine(StateMachine):
             current = conn.execute("SELECT value FROM meta WHERE key='applied_index'").fetchone()[0]
             if index <= current:
                 return None  # already applied before a crash: the log replays it, the state must not
-            result = None if command is None else self.execute(conn, index, command)
+            result = None if command is None else self._run(conn, index, command)
             conn.execute("UPDATE meta SET value=? WHERE key='applied_index'", (index,))
             return result
+
+    def _run(self, conn: sqlite3.Connection, index: int, command: dict[str, Any]) -> Any:
+        """``execute`` one command, or each of a ``{"op": "batch", "commands": [...]}`` in order (the
+        commands of concurrent requests in one log entry), with their results as a list."""
+        if command.get("op") == "batch":
+            return [self.execute(conn, index, c) for c in command["commands"]]
+        return self.execute(conn, index, command)
 
     def apply_many(self, entries: list[tuple[int, dict[str, Any] | None]]) -> list[tuple[Any, Exception | None]]:
         """Every entry in ONE transaction (one commit for a whole batch: a replica catching up on
@@ -209,7 +216,7 @@ class SQLiteStateMachine(StateMachine):
                     continue
                 conn.execute("SAVEPOINT command")
                 try:
-                    out.append((self.execute(conn, index, command), None))
+                    out.append((self._run(conn, index, command), None))
                 except Exception as exc:
                     if is_storage_fault(exc):
                         raise

@@ -23,9 +23,10 @@ Without the variables below it does nothing.
 - ``PYGMY_TEST_CRASH_UNPERSISTED=<file>``: when the file names a tier (``catalog``/``order``), the
   next leader of that tier to send appends of entries it has not yet written (``Ready.send_first``)
   deletes the file and SIGKILLs its own process group right there, between the send and its write.
-- ``PYGMY_TEST_CRASH_MID_BATCH=<file>``: while the file exists, the first catalog leader to commit
-  a batch of two or more decrements deletes the file and SIGKILLs its own process group before
-  anyone hears of it: the batch is in the log, its answer never leaves.
+- ``PYGMY_TEST_CRASH_MID_BATCH=<file>``: when the file names a tier, the first leader of that tier
+  to commit a batch of two or more buys' commands (the catalog's decrements, the order tier's
+  intents or confirms) deletes the file and SIGKILLs its own process group before anyone hears of
+  it: the batch is in the log, its answers never leave.
 - ``PYGMY_TEST_DROP_CONFIRMS=<file>``: while the file exists, an order leader answers buys but never
   records their confirm (as if it died right after answering): the crash instant between a buy's
   answer and its confirm, held open for as long as a test needs.
@@ -131,9 +132,15 @@ def _crash_mid_batch(flag: str) -> None:
 
     def crashing(self, command, timeout):  # type: ignore[no-untyped-def]
         result = propose(self, command, timeout)
-        if command.get("op") == "decrements" and len(command["items"]) >= 2 and os.path.exists(flag):
-            os.unlink(flag)
-            os.killpg(os.getpgid(0), signal.SIGKILL)  # committed and applied, never answered
+        many = len(command.get("items") or command.get("commands") or ()) >= 2
+        if command.get("op") in ("decrements", "batch") and many and os.path.exists(flag):
+            try:
+                tier = open(flag).read().strip()  # noqa: SIM115
+            except OSError:
+                tier = ""
+            if tier and self.name.startswith(tier + "-"):
+                os.unlink(flag)
+                os.killpg(os.getpgid(0), signal.SIGKILL)  # committed and applied, never answered
         return result
 
     ReplicaNode.propose = crashing

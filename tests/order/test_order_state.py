@@ -214,3 +214,21 @@ def test_order_dict_of_a_confirmed_row_has_no_error() -> None:
            "created_at": AT, "status": "confirmed", "key": "k", "error_code": None, "error_message": None}
     assert order_dict(row) == {"order_number": 4, "item_number": 2, "title": "T", "quantity": 2, "cost": 19.99,
                                "total": 39.98, "created_at": AT, "status": "confirmed", "key": "k"}
+
+
+def test_a_batch_applies_each_command_as_alone_in_order(tmp_path: Path) -> None:
+    """``{"op": "batch"}``: the intents (or confirms) of concurrent buys in one log entry number and
+    settle exactly as one entry each would, a repeated key included."""
+    batched, alone = OrderState(tmp_path / "a.db"), OrderState(tmp_path / "b.db")
+    commands = [{"op": "intent", "key": k, "item": i, "quantity": 1, "created_at": "t"}
+                for k, i in (("a", 1), ("b", 2), ("a", 1), ("c", 3))]
+    results = batched.apply(1, {"op": "batch", "commands": commands})
+    singles = [alone.apply(n, c) for n, c in enumerate(commands, start=1)]
+    assert [r["order_number"] for r in results] == [r["order_number"] for r in singles] == [1, 2, 1, 3]
+    confirms = [{"op": "confirm", "key": k, "title": "T", "cost": 2.5} for k in ("a", "c")]
+    assert [r["status"] for r in batched.apply(2, {"op": "batch", "commands": confirms})] == ["confirmed"] * 2
+    for n, c in enumerate(confirms, start=5):
+        alone.apply(n, c)
+    assert batched.full_digest()[1:] == alone.full_digest()[1:] and batched.digest() == alone.digest()
+    batched.close()
+    alone.close()
