@@ -27,7 +27,8 @@ from prometheus_client import Histogram
 from cluster.config import ClusterConfig
 from cluster.web import fail, int_field, json_body, parse_item
 from order.state import CONFIRMED, FAILED, PENDING, OrderState, confirmed
-from replication.batching import Combiner
+from replication.batching import Combiner, CombinerTimeout
+from replication.node import ProposalTimeout
 from replication.router import Reply, TierRouter, TierUnavailable
 from replication.service import ReplicaRuntime
 
@@ -82,10 +83,13 @@ class BuyProcessor:
         self._confirmer.join(timeout=5)
 
     def buy(self, item: int, quantity: int, key: str) -> dict[str, Any]:
-        order = self._intents.call({
-            "op": "intent", "key": key, "item": item, "quantity": quantity,
-            "created_at": datetime.now(UTC).isoformat(timespec="milliseconds"),
-        }, 2 * PROPOSE_TIMEOUT + 1)
+        try:
+            order = self._intents.call({
+                "op": "intent", "key": key, "item": item, "quantity": quantity,
+                "created_at": datetime.now(UTC).isoformat(timespec="milliseconds"),
+            }, 2 * PROPOSE_TIMEOUT + 1)
+        except CombinerTimeout:
+            raise ProposalTimeout("the intent was not proposed in time; outcome unknown") from None
         return self.finish(order)
 
     def _propose_all(self, commands: list[dict[str, Any]], what: str) -> list[Any]:
@@ -101,8 +105,11 @@ class BuyProcessor:
         with self._lock:
             self._in_flight.add(key)
         try:
-            reply = self._decrements.call({"item": order["item_number"], "quantity": order["quantity"], "key": key},
-                                          2 * CATALOG_DEADLINE + 1)
+            try:
+                reply = self._decrements.call({"item": order["item_number"], "quantity": order["quantity"],
+                                               "key": key}, 2 * CATALOG_DEADLINE + 1)
+            except CombinerTimeout:
+                raise TierUnavailable("catalog", "the decrement was not sent in time") from None
             if reply.status == 200:
                 # Decided: the catalog's decrement under this key is committed. Answer now.
                 title, cost = reply.body["title"], reply.body["cost"]
