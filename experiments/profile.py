@@ -20,19 +20,19 @@ import time
 from pathlib import Path
 
 from catalog.books import synthetic
+from cluster.local import LocalCluster
 from experiments import harness as h
 from experiments.writepath import BOOKS, STOCK, TOPICS, cluster_cpu_s
 
 LOADS = {"buy": {"buy": 1.0}, "mix": {"search": 0.4, "lookup": 0.4, "buy": 0.2}, "idle": None}
 
 
-def workers(c: object) -> dict[str, list[int]]:
-    """``{service: [pids of its Gunicorn workers]}``: the children of each master named in a pid file."""
+def workers(c: LocalCluster) -> dict[str, list[int]]:
+    """``{service: [pids of its Gunicorn workers]}``: the children of each service's master."""
     out: dict[str, list[int]] = {}
-    for pid_file in sorted((c.data_dir / "run").glob("*.pid")):  # type: ignore[attr-defined]
-        master = int(pid_file.read_text())
+    for name, master in c.process_groups().items():
         kids = Path(f"/proc/{master}/task/{master}/children").read_text().split()
-        out[pid_file.stem] = [int(k) for k in kids] or [master]
+        out[name] = [int(k) for k in kids] or [master]
     return out
 
 

@@ -102,30 +102,33 @@ def _drop_confirms(flag: str) -> None:
     order_app.BuyProcessor._confirm = dropped
 
 
-def _crash_unpersisted(flag: str) -> None:
+def _die_if_named(flag: str, service: str) -> None:
+    """If ``flag`` names ``service``'s tier: delete it and SIGKILL our own process group, here."""
     import signal
 
+    try:
+        tier = open(flag).read().strip()  # noqa: SIM115
+    except OSError:
+        return
+    if tier and service.startswith(tier + "-"):
+        os.unlink(flag)
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+def _crash_unpersisted(flag: str) -> None:
     from replication.node import ReplicaNode
 
     persist = ReplicaNode._persist
 
     def crashing(self, rd):  # type: ignore[no-untyped-def]
-        if rd.send_first and rd.entries and os.path.exists(flag):
-            try:
-                tier = open(flag).read().strip()  # noqa: SIM115
-            except OSError:
-                tier = ""
-            if tier and self.name.startswith(tier + "-"):
-                os.unlink(flag)
-                os.killpg(os.getpgid(0), signal.SIGKILL)  # sent, not written: die right here
+        if rd.send_first and rd.entries:
+            _die_if_named(flag, self.name)  # sent, not written: die right here
         persist(self, rd)
 
     ReplicaNode._persist = crashing
 
 
 def _crash_mid_batch(flag: str) -> None:
-    import signal
-
     from replication.node import ReplicaNode
 
     propose = ReplicaNode.propose
@@ -133,14 +136,8 @@ def _crash_mid_batch(flag: str) -> None:
     def crashing(self, command, timeout):  # type: ignore[no-untyped-def]
         result = propose(self, command, timeout)
         many = len(command.get("items") or command.get("commands") or ()) >= 2
-        if command.get("op") in ("decrements", "batch") and many and os.path.exists(flag):
-            try:
-                tier = open(flag).read().strip()  # noqa: SIM115
-            except OSError:
-                tier = ""
-            if tier and self.name.startswith(tier + "-"):
-                os.unlink(flag)
-                os.killpg(os.getpgid(0), signal.SIGKILL)  # committed and applied, never answered
+        if command.get("op") in ("decrements", "batch") and many:
+            _die_if_named(flag, self.name)  # committed and applied, never answered
         return result
 
     ReplicaNode.propose = crashing
