@@ -12,13 +12,23 @@ from catalog import books as catalogue
 from catalog.invalidation import Invalidator, book_key
 from catalog.state import CatalogState
 from cluster.config import ClusterConfig
-from cluster.web import fail, int_field, json_body, parse_item, update_fields
+from cluster.web import (
+    check_deadline,
+    fail,
+    int_field,
+    json_body,
+    parse_item,
+    request_deadline,
+    update_fields,
+)
 from replication.service import ReplicaRuntime
 from replication.transport import SUBSCRIBE_CHANNEL, subscriber_address
 
 log = logging.getLogger(__name__)
 #: Most decrements one batch may carry (an order leader sends what its buys have in flight).
 MAX_DECREMENTS = 256
+#: A write's own time budget when its caller gave none (``X-Request-Timeout-Ms``).
+WRITE_DEADLINE = 5.0
 
 
 class Restocker:
@@ -68,6 +78,8 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
     def write(item: int, command: dict[str, Any]) -> Response:
         """Propose a change to one book, held out of every leased cache until it is applied here."""
         rt.leader_only()
+        # Before the hold: an error inside it would keep the books held until the next term.
+        check_deadline(request_deadline(WRITE_DEADLINE), "the change was proposed")
         with invalidator.holding([book_key(item)]) as held:
             result = rt.propose(command)
             held.index = result["book"]["version"] if result["ok"] else 0
@@ -150,6 +162,7 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
             items.append({"item": int_field(d, "item", 1, 2**62), "quantity": int_field(d, "quantity", 1, 1000),
                           "key": key})
         rt.leader_only()
+        check_deadline(request_deadline(WRITE_DEADLINE), "the decrements were proposed")
         with invalidator.holding(sorted({book_key(d["item"]) for d in items})) as held:
             result = rt.propose({"op": "decrements", "items": items})
             held.index = result["index"]  # a floor for every key in it; unchanged books lose nothing

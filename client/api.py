@@ -1,15 +1,24 @@
 """The Pygmy client library: one pooled HTTP session, timeouts, errors that carry the JSON body.
 
-Used by the ``pygmy`` command line, the tests, the load generator and the experiments.
+Used by the ``pygmy`` command line, the tests, the load generator and the experiments. Every
+request tells the server how long it will wait (``X-Request-Timeout-Ms``), so no tier works on
+after it has gone. With ``retries``, requests that are safe to repeat (reads, and buys with an
+``Idempotency-Key``) are retried after a 503 or no answer, with jittered exponential backoff,
+never sooner than ``Retry-After`` says, and within a retry budget (``client/retry.py``).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 from urllib.parse import quote
 
 import requests
 from requests.adapters import HTTPAdapter
+
+from client.retry import RetryBudget, backoff, retry_after
+
+DEADLINE_HEADER = "X-Request-Timeout-Ms"  # the same as cluster.admission's; the client stands alone
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -20,14 +29,17 @@ class PygmyError(Exception):
     def __init__(self, status: int, message: str, body: dict[str, Any] | None = None) -> None:
         super().__init__(f"{status}: {message}" if status else message)
         self.status, self.message, self.body = status, message, body or {}
+        self.retry_after: float | None = None  # seconds, from the answer's Retry-After
 
 
 class PygmyClient:
     def __init__(self, url: str = DEFAULT_URL, timeout: float = 10.0, token: str | None = None,
-                 pool: int = 16) -> None:
+                 pool: int = 16, retries: int = 0, budget: RetryBudget | None = None) -> None:
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.token = token
+        self.retries = retries
+        self.budget = budget or RetryBudget()
         self.session = requests.Session()
         adapter = HTTPAdapter(pool_connections=2, pool_maxsize=pool, max_retries=0)
         self.session.mount("http://", adapter)
@@ -42,9 +54,30 @@ class PygmyClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def request(self, method: str, path: str, **kw: Any) -> Any:
+    def request(self, method: str, path: str, *, retry: bool | None = None, **kw: Any) -> Any:
+        """One call within ``timeout`` seconds in all. ``retry`` (default: for GET) allows retries."""
+        deadline = time.monotonic() + self.timeout
+        may_retry = method == "GET" if retry is None else retry
+        self.budget.request()
+        attempt = 0
+        while True:
+            try:
+                return self._once(method, path, deadline, **kw)
+            except PygmyError as exc:
+                attempt += 1
+                if not (may_retry and exc.status in (0, 503) and attempt <= self.retries):
+                    raise
+                wait = max(exc.retry_after or 0.0, backoff(attempt, base=0.1, cap=2.0))
+                if time.monotonic() + wait >= deadline or not self.budget.try_retry():
+                    raise
+                time.sleep(wait)
+
+    def _once(self, method: str, path: str, deadline: float, **kw: Any) -> Any:
+        left = deadline - time.monotonic()
+        headers = {**kw.pop("headers", {}), DEADLINE_HEADER: str(max(1, int(left * 1000)))}
         try:
-            resp = self.session.request(method, self.url + path, timeout=(2.0, self.timeout), **kw)
+            resp = self.session.request(method, self.url + path, timeout=(min(2.0, left), left), headers=headers,
+                                        **kw)
         except requests.RequestException as exc:
             raise PygmyError(0, f"cannot reach {self.url}: {type(exc).__name__}: {exc}") from exc
         try:
@@ -53,7 +86,9 @@ class PygmyClient:
             body = None
         if resp.status_code >= 400:
             err = body.get("error", {}) if isinstance(body, dict) else {}
-            raise PygmyError(resp.status_code, err.get("message") or resp.reason or "error", body)
+            error = PygmyError(resp.status_code, err.get("message") or resp.reason or "error", body)
+            error.retry_after = retry_after(resp.headers.get("Retry-After"))
+            raise error
         return body
 
     # -- the public API -----------------------------------------------------------------------------
@@ -66,7 +101,8 @@ class PygmyClient:
     def buy(self, item: int | str, quantity: int | None = None, key: str | None = None) -> dict[str, Any]:
         headers = {"Idempotency-Key": key} if key else {}
         body = {"quantity": quantity} if quantity is not None else None
-        return self.request("POST", f"/buy/{item}", json=body, headers=headers)
+        # Safe to repeat only under a key: the same key never buys twice.
+        return self.request("POST", f"/buy/{item}", json=body, headers=headers, retry=key is not None)
 
     def order(self, number: int | str) -> dict[str, Any]:
         return self.request("GET", f"/orders/{number}")

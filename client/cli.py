@@ -9,10 +9,14 @@ import argparse
 import json
 import os
 import sys
+import uuid
 from typing import Any
 
 from client.api import DEFAULT_URL, PygmyClient, PygmyError
 from cluster.config import ClusterConfig
+
+#: Retries of requests safe to repeat after a 503 or no answer (backoff, Retry-After, a budget).
+RETRIES = 3
 
 
 def table(rows: list[list[Any]], header: list[str]) -> str:
@@ -74,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"pygmy {args.command}: {exc}", file=sys.stderr)
         return 1
-    client = PygmyClient(args.url, timeout=args.timeout, token=token)
+    client = PygmyClient(args.url, timeout=args.timeout, token=token, retries=RETRIES)
     try:
         if args.command == "search":
             res = client.search(args.topic)
@@ -84,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
             res = client.lookup(args.item)
             text = show_book(res)
         elif args.command == "buy":
-            res = client.buy(args.item, args.quantity, args.idempotency_key)
+            # A key of our own makes the buy safe to retry; the same key never buys twice.
+            res = client.buy(args.item, args.quantity, args.idempotency_key or f"cli-{uuid.uuid4().hex}")
             text = show_order(res)
         elif args.command == "order":
             res = client.order(args.number)

@@ -46,6 +46,10 @@ SETTINGS: dict[str, tuple[str, Any, str]] = {
     "order_urls": ("order_urls", _urls, "PYGMY_ORDER_URLS"),
     "advertise_host": ("advertise_host", str, "PYGMY_ADVERTISE_HOST"),
     "port": ("port", int, "PYGMY_PORT"),
+    "frontend_write_limit": ("frontend_write_limit", int, "PYGMY_FRONTEND_WRITE_LIMIT"),
+    "frontend_read_limit": ("frontend_read_limit", int, "PYGMY_FRONTEND_READ_LIMIT"),
+    "replica_write_limit": ("replica_write_limit", int, "PYGMY_REPLICA_WRITE_LIMIT"),
+    "replica_read_limit": ("replica_read_limit", int, "PYGMY_REPLICA_READ_LIMIT"),
 }
 
 
@@ -68,6 +72,11 @@ def add_cluster_options(p: argparse.ArgumentParser, serve: bool = False) -> None
     p.add_argument("--netns", help="run service NAME in network namespace NETNS-NAME (made beforehand; "
                                    "see experiments/nemesis.py), each at its own address")
     p.add_argument("--netns-subnet", help="first three octets of the namespaces' addresses (default 10.213.0)")
+    p.add_argument("--frontend-write-limit", type=int,
+                   help="buys and updates in flight per frontend worker; more get 503 + Retry-After (default 16)")
+    p.add_argument("--frontend-read-limit", type=int, help="reads in flight per frontend worker (default 32)")
+    p.add_argument("--replica-write-limit", type=int, help="writes in flight per replica (default 48)")
+    p.add_argument("--replica-read-limit", type=int, help="reads in flight per replica (default 48)")
     if serve:
         p.add_argument("--port", type=int, help="listen on this port instead of the one the port base gives")
         p.add_argument("--catalog-urls", type=_urls, help="comma-separated catalog replica URLs, replica 1 first")
@@ -94,6 +103,8 @@ def resolve(args: argparse.Namespace, use_cluster_file: bool) -> ClusterConfig:
             raise SystemExit(f"pygmy: --{tier}-replicas must be at least 1")
     if config.frontends < 1 or config.frontend_workers < 1:
         raise SystemExit("pygmy: --frontends and --frontend-workers must be at least 1")
+    if min(*config.limits("frontend").values(), *config.limits("catalog").values()) < 1:
+        raise SystemExit("pygmy: every --*-limit must be at least 1")
     return config
 
 

@@ -48,10 +48,28 @@ class ClusterConfig:
     netns: str = ""
     netns_subnet: str = "10.213.0"
     replica_threads: int = 32
+    #: Admission control (cluster/admission.py): requests worked on at once per frontend worker
+    #: and per replica, by class; more are refused at once with 503 and Retry-After.
+    frontend_write_limit: int = 16
+    frontend_read_limit: int = 32
+    replica_write_limit: int = 48
+    replica_read_limit: int = 48
     #: How long the frontend keeps retrying a buy (same idempotency key) across a failover.
     buy_deadline: float = 5.0
 
     # -- naming and addressing ----------------------------------------------------------------
+    def limits(self, tier: str) -> dict[str, int]:
+        """Admission limits of one service of ``tier``: ``{"write": n, "read": n}``."""
+        if tier == "frontend":
+            return {"write": self.frontend_write_limit, "read": self.frontend_read_limit}
+        return {"write": self.replica_write_limit, "read": self.replica_read_limit}
+
+    def threads(self, tier: str) -> int:
+        """Gunicorn threads per worker: room for both capped classes at once, plus control traffic
+        and the answers that shed the excess (which must never wait behind admitted work)."""
+        base = 16 if tier == "frontend" else self.replica_threads
+        return max(base, sum(self.limits(tier).values()) + 8)
+
     def replicas(self, tier: str) -> int:
         return {"catalog": self.catalog_replicas, "order": self.order_replicas, "frontend": self.frontends}[tier]
 

@@ -126,7 +126,7 @@ def serve(tier: str, config: ClusterConfig, k: int) -> None:
     options = gunicorn_options(
         f"{config.bind_address(f'{tier}-{k}')}:{config.listen_port(tier, k)}",
         workers=config.frontend_workers if tier == "frontend" else 1,
-        threads=16 if tier == "frontend" else config.replica_threads,
+        threads=config.threads(tier),
         name=f"{tier}-{k}",
     )
     run_gunicorn(factory_for(tier, config, k), options)

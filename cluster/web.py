@@ -13,6 +13,7 @@ from flask import Flask, Response, g, jsonify, request
 from prometheus_client.registry import Collector
 from werkzeug.exceptions import HTTPException
 
+from cluster.admission import Admission, deadline_of
 from cluster.logs import HEADER as REQUEST_ID_HEADER
 from cluster.logs import current_request_id
 from cluster.metrics import instrument
@@ -46,13 +47,30 @@ def fail(code: int, message: str, **extra: Any) -> NoReturn:
     raise ApiError(code, message, **extra)
 
 
-def create_base_app(name: str, extra_metrics: Callable[[], Iterable[Collector]] | None = None) -> Flask:
+def request_deadline(default: float) -> float:
+    """This request's deadline (``time.monotonic()``): what its caller said is left of its time
+    (``X-Request-Timeout-Ms``), and at most ``default`` seconds from now."""
+    return deadline_of(request.environ, default)
+
+
+def check_deadline(deadline: float, what: str) -> None:
+    """Refuse (504) to start ``what`` once the request's time is up: its caller has gone."""
+    if time.monotonic() >= deadline:
+        fail(504, f"the request's time budget was spent before {what}")
+
+
+def create_base_app(name: str, extra_metrics: Callable[[], Iterable[Collector]] | None = None,
+                    limits: dict[str, int] | None = None) -> Flask:
     """A Flask app whose every error, including 404/405/413/414/431 and crashes, is a JSON body.
+
+    In front of it, admission control (``cluster/admission.py``): ``limits`` caps the requests in
+    flight per class, and every request's time budget is read from its header.
 
     It also gives every request an id (``X-Request-Id``, echoed back) and writes one access line
     per request, so a request can be followed across services in the logs.
     """
     app = Flask(name)
+    app.wsgi_app = Admission(app.wsgi_app, name, limits or {})  # type: ignore[method-assign]
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY
     instrument(app, name, extra_metrics)
     app.json.sort_keys = False  # type: ignore[attr-defined]
@@ -95,7 +113,12 @@ def create_base_app(name: str, extra_metrics: Callable[[], Iterable[Collector]] 
 
     @app.errorhandler(ApiError)
     def _api_error(exc: ApiError) -> Response:
-        return error_response(exc.code, exc.message, **exc.extra)
+        extra = dict(exc.extra)
+        retry = extra.pop("retry_after", None)  # a header, not part of the body
+        resp = error_response(exc.code, exc.message, **extra)
+        if retry is not None:
+            resp.headers["Retry-After"] = str(retry)
+        return resp
 
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException) -> Response:

@@ -7,7 +7,6 @@ single worker.
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -16,21 +15,24 @@ from flask import Flask, Response, g, jsonify, request
 
 from catalog.books import topic_key
 from cluster import metrics
+from cluster.admission import RETRY_AFTER
 from cluster.config import ClusterConfig
 from cluster.web import (
     ADMIN,
+    check_deadline,
     create_base_app,
     fail,
     int_field,
     json_body,
     parse_item,
+    request_deadline,
     require_secret,
     update_fields,
 )
 from frontend import openapi
 from frontend.cache import ReadCache
 from frontend.subscription import Subscription
-from replication.router import ChannelRouter, HopError, Reply, TierRouter, TierUnavailable
+from replication.router import ChannelRouter, HopError, Reply, TierRouter, TierUnavailable, overloaded
 from replication.transport import SUBSCRIBE_CHANNEL
 
 READ_DEADLINE = 5.0
@@ -40,10 +42,14 @@ BOOK_FIELDS = ("item_number", "title", "topic", "stock", "cost")
 
 
 def passthrough(reply: Reply, fields: tuple[str, ...] | None = None) -> Response:
-    """A backend answer as ours: success bodies trimmed to the public fields, errors as errors."""
+    """A backend answer as ours: success bodies trimmed to the public fields, errors as errors. A
+    replica that shed the request makes us shed it (503 + Retry-After); a spent budget stays 504."""
     if reply.status != 200:
         err = reply.body.get("error", {})
-        fail(reply.status if 400 <= reply.status < 500 else 502, err.get("message", "backend error"))
+        message = err.get("message", "backend error")
+        if overloaded(reply):
+            fail(503, message, overloaded=True, retry_after=RETRY_AFTER)
+        fail(reply.status if 400 <= reply.status < 500 or reply.status == 504 else 502, message)
     body = reply.body if fields is None else {k: reply.body[k] for k in fields}
     return jsonify(body)
 
@@ -51,7 +57,7 @@ def passthrough(reply: Reply, fields: tuple[str, ...] | None = None) -> Response
 def create_app(config: ClusterConfig, k: int = 1) -> Flask:
     name = f"frontend-{k}"
     secret = config.secret()
-    app = create_base_app(name)
+    app = create_base_app(name, limits=config.limits("frontend"))
     catalog = TierRouter("catalog", config.peers("catalog"), secret)
     orders = TierRouter("order", config.peers("order"), secret)
     # Its own token, not the internal secret: whoever may update books cannot act as a replica.
@@ -79,13 +85,13 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
         try:
             return fn(*args, **kw)
         except TierUnavailable as exc:
-            fail(503, f"{exc.tier} tier unavailable, try again ({exc.last})")
+            fail(503, f"{exc.tier} tier unavailable, try again ({exc.last})", retry_after=RETRY_AFTER)
 
     def catalog_read(path: str, floor: int, params: dict[str, Any] | None = None) -> Reply:
         """The leader first (``read_from``: its read index is local) or any replica; at least
         ``floor`` while our lease holds, otherwise only the leader."""
         extra = {"min_index": floor} if subscription.valid() else {"leader": 1}
-        reply = call(catalog.read, path, time.monotonic() + READ_DEADLINE, params={**(params or {}), **extra},
+        reply = call(catalog.read, path, request_deadline(READ_DEADLINE), params={**(params or {}), **extra},
                      prefer_leader=leader_first)
         if reply.status != 200:
             passthrough(reply)  # raises: errors go to every waiting caller and are never cached
@@ -129,14 +135,15 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
         quantity = int_field(json_body(), "quantity", 1, 1000, default=1)
         # A generated key makes our own retries (across an order-leader failover) exactly-once too.
         key = f"k:{key}" if key else f"g:{uuid.uuid4().hex}"
-        reply = call(orders.write, "/buy", {"item": number, "quantity": quantity, "key": key},
-                     time.monotonic() + config.buy_deadline)
+        deadline = request_deadline(config.buy_deadline)
+        check_deadline(deadline, "the buy was sent")
+        reply = call(orders.write, "/buy", {"item": number, "quantity": quantity, "key": key}, deadline)
         return passthrough(reply, ("order_number", "item_number", "title", "quantity", "cost", "total"))
 
     @app.get("/orders/<number>")
     def order(number: str) -> Response:
         n = parse_item(number, "order number")
-        return passthrough(call(orders.read, f"/orders/{n}", time.monotonic() + READ_DEADLINE,
+        return passthrough(call(orders.read, f"/orders/{n}", request_deadline(READ_DEADLINE),
                                 prefer_leader=leader_first))
 
     @app.post("/update/<item>")
@@ -150,7 +157,7 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
         if given is not None and not 0 < len(given) <= MAX_KEY:
             fail(400, f"Idempotency-Key must be 1 to {MAX_KEY} characters")
         command["key"] = f"u:{given}" if given else f"ug:{uuid.uuid4().hex}"
-        reply = call(catalog.write, f"/books/{number}/update", command, time.monotonic() + UPDATE_DEADLINE)
+        reply = call(catalog.write, f"/books/{number}/update", command, request_deadline(UPDATE_DEADLINE))
         return passthrough(reply, BOOK_FIELDS)
 
     def tier_alive(router: TierRouter) -> bool:

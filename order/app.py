@@ -25,7 +25,7 @@ from flask import Flask, Response, jsonify
 from prometheus_client import Histogram
 
 from cluster.config import ClusterConfig
-from cluster.web import fail, int_field, json_body, parse_item
+from cluster.web import fail, int_field, json_body, parse_item, request_deadline
 from order.state import CONFIRMED, FAILED, PENDING, OrderState, confirmed
 from replication.batching import Combiner, CombinerTimeout
 from replication.node import ProposalTimeout
@@ -42,6 +42,12 @@ BATCH = Histogram("pygmy_buy_batch_size", "Buys carried together: decrements in 
 PROPOSE_TIMEOUT = 5.0
 #: A pending intent older than this with no buy in flight here is finished by the background sweep.
 STALE_INTENT = 2.0
+#: What a buy hears when its time ran out before its decrement was sent.
+EXPIRED = Reply(504, {"error": {"code": 504, "message": "the buy's time budget was spent"}}, "order")
+
+
+class DeadlineSpent(Exception):
+    """A buy's time budget ran out; the message says how far it got."""
 
 
 class BuyProcessor:
@@ -82,32 +88,44 @@ class BuyProcessor:
         self._confirms.put(None)
         self._confirmer.join(timeout=5)
 
-    def buy(self, item: int, quantity: int, key: str) -> dict[str, Any]:
+    def buy(self, item: int, quantity: int, key: str, deadline: float) -> dict[str, Any]:
+        """Run one buy by ``deadline`` (monotonic). No intent is proposed once it has passed; an intent
+        proposed in time is finished whatever happens after (here, by a read, or by the sweep)."""
+        wait = min(2 * PROPOSE_TIMEOUT + 1, deadline - time.monotonic())
+        if wait <= 0:
+            raise DeadlineSpent("before its intent was proposed: nothing was done")
         try:
             order = self._intents.call({
                 "op": "intent", "key": key, "item": item, "quantity": quantity,
                 "created_at": datetime.now(UTC).isoformat(timespec="milliseconds"),
-            }, 2 * PROPOSE_TIMEOUT + 1)
-        except CombinerTimeout:
+            }, wait)
+        except CombinerTimeout as exc:
+            if not exc.sent:
+                raise DeadlineSpent("before its intent was proposed: nothing was done") from None
             raise ProposalTimeout("the intent was not proposed in time; outcome unknown") from None
-        return self.finish(order)
+        return self.finish(order, deadline)
 
     def _propose_all(self, commands: list[dict[str, Any]], what: str) -> list[Any]:
         """Commands of concurrent requests as one log entry, each applied as alone, in order."""
         BATCH.labels(what).observe(len(commands))
         return self.rt.propose({"op": "batch", "commands": commands}, PROPOSE_TIMEOUT)
 
-    def finish(self, order: dict[str, Any]) -> dict[str, Any]:
-        """Drive one intent to its outcome; the catalog's key makes a repeated decrement harmless."""
+    def finish(self, order: dict[str, Any], deadline: float | None = None) -> dict[str, Any]:
+        """Drive one intent to its outcome; the catalog's key makes a repeated decrement harmless.
+        Its decrement is not sent once ``deadline`` has passed: the intent stays pending, and the
+        sweep (or a read of the order) finishes it later, off the overloaded path."""
         if order["status"] != PENDING:
             return order
         key = order["key"]
+        if deadline is None:
+            deadline = time.monotonic() + 2 * CATALOG_DEADLINE + 1
         with self._lock:
             self._in_flight.add(key)
         try:
             try:
-                reply = self._decrements.call({"item": order["item_number"], "quantity": order["quantity"],
-                                               "key": key}, 2 * CATALOG_DEADLINE + 1)
+                reply = self._decrements.call(({"item": order["item_number"], "quantity": order["quantity"],
+                                                "key": key}, deadline),
+                                              min(2 * CATALOG_DEADLINE + 1, max(0.0, deadline - time.monotonic())))
             except CombinerTimeout:
                 raise TierUnavailable("catalog", "the decrement was not sent in time") from None
             if reply.status == 200:
@@ -118,21 +136,33 @@ class BuyProcessor:
             if reply.status in (404, 409):
                 err = reply.body["error"]
                 return self.rt.propose({"op": "fail", "key": key, "code": reply.status, "message": err["message"]})
+            if reply.status == 504:
+                raise DeadlineSpent("after its intent was recorded, before the stock was taken")
             fail(502, f"catalog answered {reply.status}: {reply.body.get('error', {}).get('message', '')}")
         finally:
             with self._lock:
                 self._in_flight.discard(key)
 
-    def _send_decrements(self, items: list[dict[str, Any]]) -> list[Reply]:
+    def _send_decrements(self, items: list[tuple[dict[str, Any], float]]) -> list[Reply]:
         """One catalog request for the decrements of every buy waiting (``Combiner``): the catalog
         holds their books once, proposes them as one entry and answers each as a lone decrement would.
-        Retried across a catalog failover with the same keys, so each still happens once."""
-        BATCH.labels("decrements").observe(len(items))
-        reply = self.catalog.write("/books/decrements", {"items": items}, deadline=time.monotonic() + CATALOG_DEADLINE)
+        Retried across a catalog failover with the same keys, so each still happens once. Buys whose
+        deadline has passed are left out (504): their intents wait for the sweep."""
+        now = time.monotonic()
+        out = [EXPIRED] * len(items)
+        live = [i for i, (_, deadline) in enumerate(items) if deadline > now]
+        if not live:
+            return out
+        BATCH.labels("decrements").observe(len(live))
+        deadline = min(now + CATALOG_DEADLINE, max(items[i][1] for i in live))
+        reply = self.catalog.write("/books/decrements", {"items": [items[i][0] for i in live]}, deadline=deadline)
         results = reply.body.get("results") if reply.status == 200 else None
-        if not isinstance(results, list) or len(results) != len(items):
-            return [reply] * len(items)  # the batch itself failed (a 4xx/5xx): every buy hears it
-        return [Reply(int(r["status"]), r.get("book") or {"error": r.get("error")}, reply.replica) for r in results]
+        if not isinstance(results, list) or len(results) != len(live):
+            results = [None] * len(live)  # the batch itself failed (a 4xx/5xx): every buy hears it
+        for i, r in zip(live, results, strict=True):
+            out[i] = reply if r is None else Reply(int(r["status"]), r.get("book") or {"error": r.get("error")},
+                                                   reply.replica)
+        return out
 
     def _confirm(self, key: str, title: str, cost: float) -> None:
         """Record a decided outcome, soon (the confirmer thread)."""
@@ -217,7 +247,9 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
             fail(400, "key must be a non-empty string")
         rt.leader_only()
         try:
-            order = buys.buy(item, quantity, key)
+            order = buys.buy(item, quantity, key, request_deadline(config.buy_deadline))
+        except DeadlineSpent as exc:
+            fail(504, f"the buy's time budget was spent {exc} (retry with the same key)")
         except TierUnavailable as exc:
             fail(503, f"catalog unavailable, buy not finished yet (retry with the same key): {exc.last}")
         if order["item_number"] != item or order["quantity"] != quantity:

@@ -20,7 +20,12 @@ R = TypeVar("R")
 
 
 class CombinerTimeout(Exception):
-    """The caller's item was not carried within its wait; it may still go out with a later batch."""
+    """The caller's item was not carried within its wait. ``sent`` says whether it had gone out in a
+    batch (its outcome is unknown); if not, it was withdrawn from the queue and never will."""
+
+    def __init__(self, message: str, sent: bool) -> None:
+        super().__init__(message)
+        self.sent = sent
 
 
 class _Slot(Generic[T, R]):
@@ -46,7 +51,8 @@ class Combiner(Generic[T, R]):
 
     def call(self, item: T, wait: float) -> R:
         """Carry ``item`` in the next batch and return its result; raises what ``send`` raised, or
-        CombinerTimeout if no batch carried it within ``wait`` seconds."""
+        CombinerTimeout if no batch carried it within ``wait`` seconds (withdrawn if still queued,
+        so that an overloaded caller's expired work is dropped rather than done late)."""
         mine: _Slot[T, R] = _Slot(item)
         deadline = time.monotonic() + wait
         with self._cond:
@@ -65,7 +71,10 @@ class Combiner(Generic[T, R]):
                     continue
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise CombinerTimeout("not carried in time")
+                    if mine in self._queue:
+                        self._queue.remove(mine)
+                        raise CombinerTimeout("not sent in time; withdrawn", sent=False)
+                    raise CombinerTimeout("sent, but no result in time", sent=True)
                 self._cond.wait(left)
         if mine.error is not None:
             raise mine.error

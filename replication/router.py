@@ -21,6 +21,8 @@ import requests
 import urllib3
 from requests.adapters import HTTPAdapter
 
+from client.retry import RetryBudget, backoff
+from cluster.admission import timeout_header
 from cluster.logs import HEADER as REQUEST_ID_HEADER
 from cluster.logs import current_request_id
 from replication.transport import FrameClient, FrameError, raft_address
@@ -68,6 +70,8 @@ class _LeaderSeeker:
         self.names = list(peers)
         self.leader_hint: str | None = None
         self._lock = threading.Lock()
+        #: Bounds the retries that could add to an overload (see ``_to_leader``).
+        self.budget = RetryBudget()
 
     def _note_leader(self, reply: Reply) -> str | None:
         leader = reply.body.get("error", {}).get("leader") if reply.status == 421 else None
@@ -86,9 +90,17 @@ class _LeaderSeeker:
 
     def _to_leader(self, attempt: Callable[[str, float], Reply], deadline: float) -> Reply:
         """``attempt(replica, timeout)`` on the leader, following redirects and failing over on
-        connection errors, until ``deadline`` (monotonic)."""
+        connection errors, until ``deadline`` (monotonic).
+
+        A 503 that sheds load (``overloaded``) comes back to the caller at once: only the leader can
+        take a write, and asking it again would add to its load. A retry after a timeout (the
+        replica may still be working on it) needs the retry budget; fast failures (refused
+        connections, "not the leader", "not ready") cost the replicas almost nothing and are only
+        spaced out, with jittered exponential backoff between sweeps.
+        """
         last = "no replica tried"
         tries = 0
+        self.budget.request()
         while True:
             for name in self._leader_first():
                 remaining = deadline - time.monotonic()
@@ -101,18 +113,30 @@ class _LeaderSeeker:
                     with self._lock:
                         if self.leader_hint == name:
                             self.leader_hint = None
+                    if _timed_out(exc) and not self.budget.try_retry():
+                        raise TierUnavailable(self.tier, f"{last} (retry budget spent)") from None
                     continue
-                if reply.status not in RETRY_ELSEWHERE:
-                    with self._lock:
-                        self.leader_hint = name
+                if reply.status not in RETRY_ELSEWHERE or overloaded(reply):
+                    if reply.status not in RETRY_ELSEWHERE:
+                        with self._lock:
+                            self.leader_hint = name
                     return reply
                 last = f"{name}: {reply.status} {reply.body.get('error', {}).get('message', '')}"
                 leader = self._note_leader(reply)
                 if leader and leader != name and leader in self.peers:
                     break  # go straight to the leader it named
             tries += 1
-            # Between sweeps (e.g. an election in progress) back off a little, bounded by the deadline.
-            time.sleep(min(0.02 * tries, 0.1, max(0.0, deadline - time.monotonic())))
+            # Between sweeps (e.g. an election in progress) back off, bounded by the deadline.
+            time.sleep(min(backoff(tries, cap=0.2), max(0.0, deadline - time.monotonic())))
+
+
+def overloaded(reply: Reply) -> bool:
+    """A replica shed this request (cluster/admission.py): 503 with ``overloaded``."""
+    return reply.status == 503 and reply.body.get("error", {}).get("overloaded") is True
+
+
+def _timed_out(exc: OSError) -> bool:
+    return isinstance(exc, TimeoutError) or getattr(exc, "timed_out", False)
 
 
 class ChannelRouter(_LeaderSeeker):
@@ -142,6 +166,10 @@ class ChannelRouter(_LeaderSeeker):
 class HopError(OSError):
     """A call to a replica got no answer (refused, reset, timed out): try another one."""
 
+    def __init__(self, message: str, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+
 
 class TierRouter(_LeaderSeeker):
     """HTTP to the replicas of one tier, on urllib3 connection pools: Requests' session machinery
@@ -164,9 +192,13 @@ class TierRouter(_LeaderSeeker):
 
     # -- one call ---------------------------------------------------------------------------------
     def _call(self, name: str, method: str, path: str, timeout: float, *, json: Any = None,
-              params: dict[str, Any] | None = None, headers: dict[str, str] | None = None) -> Reply:
-        """One request; raises HopError when there is no answer. Any answer, even an error, is a Reply."""
+              params: dict[str, Any] | None = None, headers: dict[str, str] | None = None,
+              deadline: float | None = None) -> Reply:
+        """One request; raises HopError when there is no answer. Any answer, even an error, is a Reply.
+        ``deadline`` travels with it: the replica gets what is left of it (``X-Request-Timeout-Ms``)."""
         all_headers = {**self.headers, **(headers or {})}
+        if deadline is not None:
+            all_headers.update(timeout_header(deadline))
         rid = current_request_id()  # carried on, so one request can be followed across the logs
         if rid:
             all_headers[REQUEST_ID_HEADER] = rid
@@ -177,7 +209,8 @@ class TierRouter(_LeaderSeeker):
                 method, path, body=None if json is None else dumps(json, separators=(",", ":")), headers=all_headers,
                 timeout=urllib3.Timeout(connect=CONNECT_TIMEOUT, read=timeout), redirect=False)
         except urllib3.exceptions.HTTPError as exc:
-            raise HopError(f"{name}: {type(exc).__name__}") from exc
+            raise HopError(f"{name}: {type(exc).__name__}",
+                           timed_out=isinstance(exc, urllib3.exceptions.ReadTimeoutError)) from exc
         try:
             body = loads(resp.data)
         except ValueError:
@@ -192,7 +225,8 @@ class TierRouter(_LeaderSeeker):
     def write(self, path: str, body: dict[str, Any], deadline: float, headers: dict[str, str] | None = None) -> Reply:
         """POST to the leader, following redirects and failing over, until ``deadline`` (monotonic)."""
         return self._to_leader(
-            lambda name, timeout: self._call(name, "POST", path, timeout, json=body, headers=headers or {}), deadline)
+            lambda name, timeout: self._call(name, "POST", path, timeout, json=body, headers=headers or {},
+                                             deadline=deadline), deadline)
 
     # -- reads ------------------------------------------------------------------------------------
     def read(self, path: str, deadline: float, params: dict[str, Any] | None = None,
@@ -205,23 +239,29 @@ class TierRouter(_LeaderSeeker):
         """
         last = "no replica tried"
         attempt = 0
+        self.budget.request()
         while True:
             for name in self._read_order(prefer_leader):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TierUnavailable(self.tier, last)
                 try:
-                    reply = self._call(name, "GET", path, min(READ_TIMEOUT, remaining), params=params)
+                    reply = self._call(name, "GET", path, min(READ_TIMEOUT, remaining), params=params,
+                                       deadline=deadline)
                 except HopError as exc:
                     last = str(exc)
                     self._avoid_for(name, 1.0)
+                    if exc.timed_out and not self.budget.try_retry():
+                        raise TierUnavailable(self.tier, f"{last} (retry budget spent)") from None
                     continue
                 if reply.status not in RETRY_ELSEWHERE:
                     return reply
                 last = f"{name}: {reply.status}"
                 self._avoid_for(name, 0.5)
+                if overloaded(reply) and not self.budget.try_retry():
+                    return reply  # shed, and no budget to ask another replica: the caller sheds too
             attempt += 1
-            time.sleep(min(0.02 * attempt, 0.1, max(0.0, deadline - time.monotonic())))
+            time.sleep(min(backoff(attempt, cap=0.2), max(0.0, deadline - time.monotonic())))
 
     def _avoid_for(self, name: str, seconds: float) -> None:
         with self._lock:

@@ -36,7 +36,8 @@ class ReplicaRuntime:
         self.guard = require_secret(self.secret)
 
     def create_app(self) -> Flask:
-        app = create_base_app(self.name, lambda: [ReplicaCollector(self.name, self.node)])
+        app = create_base_app(self.name, lambda: [ReplicaCollector(self.name, self.node)],
+                              limits=self.config.limits(self.tier))
 
         @app.errorhandler(NotLeader)
         def _not_leader(exc: NotLeader) -> Response:

@@ -1,0 +1,150 @@
+"""Admission control and request deadlines, for the frontend and every replica (issue #19).
+
+Under overload what hurts is work in flight: each request admitted beyond capacity holds a thread,
+waits in a queue and is finished long after its client left, so goodput collapses while the
+queues grow. Each service therefore caps the requests it works on at once, per class, and refuses
+the excess at once (503 and ``Retry-After``) in a WSGI middleware, before Flask, a proposal or a
+call to another tier costs anything. Classes are capped apart so that reads are served while buys
+saturate the write path. Control traffic (health, status, metrics, the peers' read-index requests)
+is never shed; Raft itself runs on its own transport (``replication/transport.py``), not through
+here, so heartbeats never wait behind client load.
+
+A request also carries what is left of its time: ``X-Request-Timeout-Ms``, from the client (or a
+default) and passed on, reduced, by every hop (``replication/router.py``). No tier starts work on a
+request whose time is up; past that point only its outcome is kept (docs/replication.md).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import Counter, Gauge
+from werkzeug.wsgi import ClosingIterator
+
+DEADLINE_HEADER = "X-Request-Timeout-Ms"
+_DEADLINE_ENVIRON = "HTTP_" + DEADLINE_HEADER.upper().replace("-", "_")
+#: The longest budget a caller may give (ten minutes): bigger values are refused as malformed.
+MAX_TIMEOUT_MS = 600_000
+#: Where a request's absolute deadline (``time.monotonic()``) is kept for the handlers.
+ENVIRON_KEY = "pygmy.deadline"
+#: Seconds a shed client is told to wait before trying again.
+RETRY_AFTER = 1
+#: Paths never shed: probes, status, metrics, and the replicas' internal read-index requests.
+CONTROL = ("/health", "/status", "/metrics", "/verify", "/openapi.json", "/raft/")
+
+SHED = Counter("pygmy_shed_total", "Requests refused at once (503 + Retry-After) because their class was at "
+               "its cap of requests in flight", ["service", "cls"])
+EXPIRED = Counter("pygmy_deadline_expired_total", "Requests refused because their time budget "
+                  f"({DEADLINE_HEADER}) was spent before work began", ["service"])
+IN_FLIGHT = Gauge("pygmy_in_flight", "Requests being worked on, per class", ["service", "cls"],
+                  multiprocess_mode="livesum")
+
+
+def classify(method: str, path: str) -> str | None:
+    """``write`` (a POST: buy, update, decrement), ``read``, or None for control traffic."""
+    if path.startswith(CONTROL) or path == "/":
+        return None
+    return "write" if method in ("POST", "PUT", "PATCH", "DELETE") else "read"
+
+
+def parse_timeout_ms(raw: str) -> int:
+    """The header's value: a whole number of milliseconds, 0 to ``MAX_TIMEOUT_MS``; ValueError otherwise."""
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 9):
+        raise ValueError(f"{DEADLINE_HEADER} must be a whole number of milliseconds")
+    value = int(raw)
+    if value > MAX_TIMEOUT_MS:
+        raise ValueError(f"{DEADLINE_HEADER} must be at most {MAX_TIMEOUT_MS}")
+    return value
+
+
+def deadline_of(environ: dict[str, Any], default: float) -> float:
+    """The monotonic time by which a request must be answered: its caller's budget if it gave one,
+    and never later than ``default`` seconds from now."""
+    own = time.monotonic() + default
+    given = environ.get(ENVIRON_KEY)
+    return own if given is None else min(given, own)
+
+
+def timeout_header(deadline: float) -> dict[str, str]:
+    """The header that passes on what is left of ``deadline`` to the next hop."""
+    return {DEADLINE_HEADER: str(max(0, int((deadline - time.monotonic()) * 1000)))}
+
+
+class Gate:
+    """A cap on requests in flight for one class: non-blocking, so the excess is refused, not queued."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError("a limit on requests in flight must be at least 1")
+        self.limit = limit
+        self.in_flight = 0
+        self._lock = threading.Lock()
+
+    def try_enter(self) -> bool:
+        with self._lock:
+            if self.in_flight >= self.limit:
+                return False
+            self.in_flight += 1
+            return True
+
+    def leave(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
+
+
+def _json(start_response: Callable[..., Any], status: str, code: int, message: str,
+          extra_headers: list[tuple[str, str]] | None = None, **extra: Any) -> list[bytes]:
+    body = json.dumps({"error": {"code": code, "message": message, **extra}}).encode()
+    start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body))),
+                            *(extra_headers or [])])
+    return [body]
+
+
+class Admission:
+    """WSGI middleware: each request of a capped class enters its ``Gate`` or is refused at once."""
+
+    def __init__(self, app: Callable[..., Any], service: str, limits: dict[str, int]) -> None:
+        self.app, self.service = app, service
+        self.gates = {cls: Gate(limit) for cls, limit in limits.items()}
+        self._shed = {cls: SHED.labels(service, cls) for cls in limits}
+        self._gauge = {cls: IN_FLIGHT.labels(service, cls) for cls in limits}
+        self._expired = EXPIRED.labels(service)
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        raw = environ.get(_DEADLINE_ENVIRON)
+        if raw is not None:
+            try:
+                budget = parse_timeout_ms(raw.strip())
+            except ValueError as exc:
+                return _json(start_response, "400 Bad Request", 400, str(exc))
+            if budget == 0:
+                self._expired.inc()
+                return _json(start_response, "504 Gateway Timeout", 504,
+                             f"{self.service}: the request's time budget was spent before work began")
+            environ[ENVIRON_KEY] = time.monotonic() + budget / 1000
+        cls = classify(environ.get("REQUEST_METHOD", "GET"), environ.get("PATH_INFO", ""))
+        gate = self.gates.get(cls) if cls else None
+        if gate is None:
+            return self.app(environ, start_response)
+        if not gate.try_enter():
+            self._shed[cls].inc()
+            return _json(start_response, "503 Service Unavailable", 503,
+                         f"{self.service} is overloaded ({gate.limit} {cls}s in flight): retry after "
+                         f"{RETRY_AFTER} s", [("Retry-After", str(RETRY_AFTER))], overloaded=True)
+        gauge = self._gauge[cls]
+        gauge.inc()
+
+        def leave() -> None:
+            gate.leave()
+            gauge.dec()
+
+        try:
+            result = self.app(environ, start_response)
+        except BaseException:
+            leave()
+            raise
+        return ClosingIterator(result, leave)  # released when the server has sent the body

@@ -1,0 +1,114 @@
+"""Admission control (cluster/admission.py): the excess of a class is refused at once, control
+traffic never is, and a request's time budget is read from its header."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+
+from cluster.admission import (
+    DEADLINE_HEADER,
+    ENVIRON_KEY,
+    SHED,
+    Admission,
+    Gate,
+    classify,
+    deadline_of,
+    timeout_header,
+)
+
+
+class Inner:
+    """A WSGI app that answers 200 and records the environs it saw; its body is released on close."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, Any]] = []
+
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        self.seen.append(environ)
+        start_response("200 OK", [("Content-Type", "application/json")])
+        return [b"{}"]
+
+
+def call(app: Admission, method: str, path: str, headers: dict[str, str] | None = None) -> tuple[str, dict[str, str], Any]:
+    environ: dict[str, Any] = {"REQUEST_METHOD": method, "PATH_INFO": path}
+    for k, v in (headers or {}).items():
+        environ["HTTP_" + k.upper().replace("-", "_")] = v
+    got: dict[str, Any] = {}
+
+    def start_response(status: str, headers: list[tuple[str, str]]) -> None:
+        got["status"], got["headers"] = status, dict(headers)
+
+    body = app(environ, start_response)
+    return got["status"], got["headers"], body
+
+
+def test_the_excess_of_a_class_is_refused_at_once_and_admitted_again_once_one_finishes() -> None:
+    inner = Inner()
+    app = Admission(inner, "svc-a", {"write": 2, "read": 1})
+    before = SHED.labels("svc-a", "write")._value.get()
+    open_bodies = [call(app, "POST", "/buy/1")[2] for _ in range(2)]  # in flight until closed
+    status, headers, body = call(app, "POST", "/buy/2")
+    assert status.startswith("503") and headers["Retry-After"] == "1"
+    error = json.loads(b"".join(body))["error"]
+    assert error["code"] == 503 and error["overloaded"] is True
+    assert len(inner.seen) == 2, "a shed request must not reach the app"
+    assert SHED.labels("svc-a", "write")._value.get() == before + 1
+    # Another class has its own cap: reads are served while writes are full.
+    assert call(app, "GET", "/lookup/1")[0].startswith("200")
+    # Control traffic is never shed.
+    for path in ("/health", "/status", "/metrics", "/raft/read_index"):
+        assert call(app, "GET", path)[0].startswith("200")
+    open_bodies[0].close()
+    assert call(app, "POST", "/buy/3")[0].startswith("200")
+    assert app.gates["write"].in_flight == 2
+
+
+def test_a_failing_app_releases_its_place() -> None:
+    def broken(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        raise RuntimeError("boom")
+
+    app = Admission(broken, "svc-b", {"write": 1})
+    for _ in range(3):
+        with pytest.raises(RuntimeError):
+            call(app, "POST", "/buy/1")
+    assert app.gates["write"].in_flight == 0
+
+
+@pytest.mark.parametrize(("raw", "code"), [("abc", "400"), ("-5", "400"), ("1.5", "400"), ("9999999999", "400"),
+                                           ("600001", "400"), ("0", "504")])
+def test_a_bad_or_spent_budget_is_refused_before_the_app(raw: str, code: str) -> None:
+    inner = Inner()
+    status, _, body = call(Admission(inner, "svc-c", {"write": 4}), "POST", "/buy/1", {DEADLINE_HEADER: raw})
+    assert status.startswith(code)
+    assert json.loads(b"".join(body))["error"]["message"]
+    assert inner.seen == []
+
+
+def test_the_budget_becomes_a_deadline_no_later_than_the_services_own() -> None:
+    inner = Inner()
+    app = Admission(inner, "svc-d", {})
+    t0 = time.monotonic()
+    assert call(app, "POST", "/buy/1", {DEADLINE_HEADER: "1500"})[0].startswith("200")
+    given = inner.seen[-1][ENVIRON_KEY]
+    assert t0 + 1.4 < given <= time.monotonic() + 1.5
+    assert deadline_of(inner.seen[-1], 60.0) == given  # the caller's is sooner
+    assert deadline_of(inner.seen[-1], 0.1) < given  # ours is sooner
+    assert deadline_of({}, 2.0) <= time.monotonic() + 2.0
+    # Passed on reduced: never more than is left, never negative.
+    assert 0 <= int(timeout_header(given)[DEADLINE_HEADER]) <= 1500
+    assert timeout_header(time.monotonic() - 5)[DEADLINE_HEADER] == "0"
+
+
+def test_classes() -> None:
+    assert classify("POST", "/buy/3") == "write"
+    assert classify("POST", "/books/decrements") == "write"
+    assert classify("GET", "/lookup/3") == "read"
+    assert classify("GET", "/orders/3") == "read"
+    assert classify("GET", "/status") is None
+    assert classify("POST", "/raft/read_index") is None
+    with pytest.raises(ValueError):
+        Gate(0)

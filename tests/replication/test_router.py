@@ -1,0 +1,121 @@
+"""The routers between tiers under overload: shed answers are not retried, timeouts only within
+the retry budget, and every hop carries what is left of the request's time."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from flask import Flask, jsonify, request
+from werkzeug.serving import make_server
+
+from client.retry import RetryBudget
+from cluster.admission import DEADLINE_HEADER
+from replication import router as router_module
+from replication.router import TierRouter, TierUnavailable, overloaded
+
+Behaviour = Callable[[], tuple[int, dict[str, Any]]]
+
+
+class FakeReplica:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.calls: list[dict[str, str]] = []
+        self.behaviour: Behaviour = lambda: (200, {"ok": True, "by": name})
+        app = Flask(name)
+
+        @app.route("/<path:path>", methods=["GET", "POST"])
+        def any_path(path: str) -> Any:
+            self.calls.append(dict(request.headers))
+            status, body = self.behaviour()
+            resp = jsonify(body)
+            resp.status_code = status
+            return resp
+
+        self.http = make_server("127.0.0.1", 0, app, threaded=True)
+        self.url = f"http://127.0.0.1:{self.http.server_port}"
+        self.thread = threading.Thread(target=self.http.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.http.shutdown()
+        self.thread.join(5)
+
+
+def shed() -> tuple[int, dict[str, Any]]:
+    return 503, {"error": {"code": 503, "message": "overloaded", "overloaded": True}}
+
+
+def not_leader(leader: str | None) -> Behaviour:
+    return lambda: (421, {"error": {"code": 421, "message": "not the leader", "leader": leader}})
+
+
+@pytest.fixture()
+def tier() -> Iterator[tuple[TierRouter, dict[str, FakeReplica]]]:
+    replicas = {n: FakeReplica(n) for n in ("r1", "r2", "r3")}
+    router = TierRouter("t", {n: r.url for n, r in replicas.items()}, "secret")
+    yield router, replicas
+    router.close()
+    for r in replicas.values():
+        r.stop()
+
+
+def test_a_shed_write_comes_back_at_once_and_no_other_replica_is_asked(tier: Any) -> None:
+    router, replicas = tier
+    replicas["r1"].behaviour = shed
+    replicas["r2"].behaviour = replicas["r3"].behaviour = not_leader("r1")
+    router.leader_hint = "r1"
+    reply = router.write("/buy", {"x": 1}, time.monotonic() + 5)
+    assert overloaded(reply) and reply.replica == "r1"
+    assert len(replicas["r1"].calls) == 1 and not replicas["r2"].calls and not replicas["r3"].calls
+
+
+def test_every_hop_carries_what_is_left_of_the_deadline(tier: Any) -> None:
+    router, replicas = tier
+    replicas["r1"].behaviour = not_leader("r2")
+    router.leader_hint = "r1"
+    assert router.write("/buy", {}, time.monotonic() + 3).status == 200
+    budgets = [int(c[DEADLINE_HEADER]) for r in ("r1", "r2") for c in replicas[r].calls]
+    assert len(budgets) == 2 and all(0 < b <= 3000 for b in budgets)
+    for r in replicas.values():
+        r.calls.clear()
+    assert router.read("/books/1", time.monotonic() + 2).status == 200
+    reads = [c for r in replicas.values() for c in r.calls]
+    assert len(reads) == 1 and 0 < int(reads[0][DEADLINE_HEADER]) <= 2000
+
+
+def test_retries_after_timeouts_stop_when_the_budget_is_spent(tier: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    router, replicas = tier
+    monkeypatch.setattr(router_module, "READ_TIMEOUT", 0.2)
+
+    def slow() -> tuple[int, dict[str, Any]]:
+        time.sleep(0.5)
+        return 200, {}
+
+    replicas["r1"].behaviour = slow
+    replicas["r2"].behaviour = replicas["r3"].behaviour = not_leader("r1")
+    router.leader_hint = "r1"
+    router.budget = RetryBudget(ratio=0.0, reserve_per_s=0.0, burst=1.0)
+    with pytest.raises(TierUnavailable, match="retry budget spent"):
+        router.write("/buy", {}, time.monotonic() + 10)
+    assert len(replicas["r1"].calls) == 2  # the first try and the one retry the budget allowed
+    # Fast refusals ("not the leader") cost no budget: a leader that answers again is found.
+    replicas["r1"].behaviour = lambda: (200, {"by": "r1"})
+    router.leader_hint = "r2"
+    assert router.write("/buy", {}, time.monotonic() + 5).body == {"by": "r1"}
+
+
+def test_a_shed_read_tries_another_replica_only_within_the_budget(tier: Any) -> None:
+    router, replicas = tier
+    for r in replicas.values():
+        r.behaviour = shed
+    replicas["r3"].behaviour = lambda: (200, {"by": "r3"})
+    assert router.read("/books/1", time.monotonic() + 5).body == {"by": "r3"}
+    router.budget = RetryBudget(ratio=0.0, reserve_per_s=0.0, burst=0.0)
+    replicas["r3"].behaviour = shed
+    reply = router.read("/books/1", time.monotonic() + 5)
+    assert overloaded(reply)
+    assert sum(len(r.calls) for r in replicas.values()) <= 3 + 1
