@@ -30,6 +30,10 @@ Without the variables below it does nothing.
 - ``PYGMY_TEST_DROP_CONFIRMS=<file>``: while the file exists, an order leader answers buys but never
   records their confirm (as if it died right after answering): the crash instant between a buy's
   answer and its confirm, held open for as long as a test needs.
+- ``PYGMY_TEST_HOLD_DECREMENTS=<file>``: while the file exists, an order leader holds every batch
+  of decrements before sending it to the catalog: buys stay in flight (their intents recorded,
+  the stock not yet taken), so a test can fill the write path, or let a buy's time run out after
+  its intent was proposed.
 """
 
 from __future__ import annotations
@@ -102,6 +106,27 @@ def _drop_confirms(flag: str) -> None:
     order_app.BuyProcessor._confirm = dropped
 
 
+def _hold_decrements(flag: str) -> None:
+    # Through the Combiner, not by importing order.app here: that would import prometheus_client
+    # before `pygmy serve` sets its multiprocess directory, and /metrics would come out empty.
+    from replication.batching import Combiner
+
+    init = Combiner.__init__
+
+    def holding_init(self, send, *args, **kw):  # type: ignore[no-untyped-def]
+        if getattr(send, "__name__", "") == "_send_decrements":
+            real = send
+
+            def send(items):  # type: ignore[no-untyped-def]
+                while os.path.exists(flag):
+                    time.sleep(0.02)
+                return real(items)
+
+        init(self, send, *args, **kw)
+
+    Combiner.__init__ = holding_init
+
+
 def _die_if_named(flag: str, service: str) -> None:
     """If ``flag`` names ``service``'s tier: delete it and SIGKILL our own process group, here."""
     import signal
@@ -149,6 +174,8 @@ if os.environ.get("PYGMY_TEST_CRASH_UNPERSISTED"):
     _crash_unpersisted(os.environ["PYGMY_TEST_CRASH_UNPERSISTED"])
 if os.environ.get("PYGMY_TEST_DROP_CONFIRMS"):
     _drop_confirms(os.environ["PYGMY_TEST_DROP_CONFIRMS"])
+if os.environ.get("PYGMY_TEST_HOLD_DECREMENTS"):
+    _hold_decrements(os.environ["PYGMY_TEST_HOLD_DECREMENTS"])
 if os.environ.get("PYGMY_MUTATION"):
     _mutate(os.environ["PYGMY_MUTATION"])
 if os.environ.get("PYGMY_TEST_PUSH_FAULT") or os.environ.get("PYGMY_TEST_PUSH_DELAY"):

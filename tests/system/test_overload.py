@@ -1,0 +1,118 @@
+"""Overload from outside (issue #19), on a real cluster with the write path held full on purpose.
+
+The order leader holds its decrements (``PYGMY_TEST_HOLD_DECREMENTS``) so buys stay in flight:
+- past the frontend's cap a buy is refused at once, 503 with ``Retry-After``, and does nothing;
+  reads are still served; the held buys finish once released; stock falls by exactly those;
+- a buy whose time runs out after its intent was recorded is still exactly-once: the caller hears
+  an error, the intent is finished off the buyer's path, and a retry with its key gets that order.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Any
+
+import pytest
+import requests
+from harness import cluster_env, start_cluster
+
+from client.api import PygmyClient, PygmyError
+from cluster.local import LocalCluster
+
+LIMIT = 2
+
+
+@pytest.fixture(scope="module")
+def held(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    tmp = tmp_path_factory.mktemp("overload")
+    flag = tmp / "hold-decrements"
+    c = start_cluster(tmp, "--frontend-workers", "1", "--frontend-write-limit", str(LIMIT),
+                      env=cluster_env(PYGMY_TEST_HOLD_DECREMENTS=str(flag)))
+    try:
+        yield c, flag
+    finally:
+        flag.unlink(missing_ok=True)
+        c.stop()
+
+
+def in_flight_writes(c: LocalCluster) -> float:
+    text = requests.get(f"{c.url}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pygmy_in_flight{") and 'cls="write"' in line)
+
+
+def shed_writes(c: LocalCluster) -> float:
+    text = requests.get(f"{c.url}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pygmy_shed_total{") and 'cls="write"' in line and "frontend-1" in line)
+
+
+def wait_for(check: Any, timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.05)
+
+
+def test_past_the_cap_a_buy_is_refused_at_once_does_nothing_and_reads_go_on(held: Any) -> None:
+    c, flag = held
+    with PygmyClient(c.url, timeout=30) as client:
+        stock = client.lookup(4)["stock"]
+        flag.touch()
+        answers: list[Any] = [None] * LIMIT
+
+        def buy(k: int) -> None:
+            with PygmyClient(c.url, timeout=30) as own:
+                answers[k] = own.buy(4, key=f"held-{k}-{uuid.uuid4().hex[:8]}")
+
+        threads = [threading.Thread(target=buy, args=(k,)) for k in range(LIMIT)]
+        for t in threads:
+            t.start()
+        try:
+            wait_for(lambda: in_flight_writes(c) >= LIMIT)
+            shed_before = shed_writes(c)
+            refused_key = f"refused-{uuid.uuid4().hex[:8]}"
+            with pytest.raises(PygmyError) as err:
+                client.buy(4, key=refused_key)
+            assert err.value.status == 503 and err.value.retry_after == 1
+            assert err.value.body["error"]["overloaded"] is True
+            assert shed_writes(c) == shed_before + 1
+            # Reads have their own cap: served while every write place is taken.
+            assert client.lookup(4)["stock"] == stock
+            assert client.search("distributed systems")["items"]
+        finally:
+            flag.unlink(missing_ok=True)
+            for t in threads:
+                t.join(30)
+        assert all(a is not None for a in answers)
+        assert client.lookup(4)["stock"] == stock - LIMIT, "the refused buy must have taken nothing"
+        # Refused means not done: its key is unknown, so the retry is a new buy, done once.
+        order = client.buy(4, key=refused_key)
+        assert order["order_number"] not in {a["order_number"] for a in answers}
+        assert client.buy(4, key=refused_key)["order_number"] == order["order_number"]
+        assert client.lookup(4)["stock"] == stock - LIMIT - 1
+
+
+def test_a_buy_whose_time_runs_out_after_its_intent_is_still_exactly_once(held: Any) -> None:
+    c, flag = held
+    key = f"late-{uuid.uuid4().hex[:8]}"
+    with PygmyClient(c.url, timeout=30) as client:
+        stock = client.lookup(5)["stock"]
+        flag.touch()
+        try:
+            with PygmyClient(c.url, timeout=1.0) as hurried, pytest.raises(PygmyError) as err:
+                hurried.buy(5, key=key)  # its intent is recorded, then its decrement is held
+            assert err.value.status in (0, 503, 504)
+            time.sleep(1.0)  # the order leader's copy of its deadline has passed too
+            assert client.lookup(5)["stock"] == stock
+        finally:
+            flag.unlink(missing_ok=True)
+        # Finished off the buyer's path (the sweep, or this retry's read of the intent): once.
+        first = client.buy(5, key=key)
+        assert client.buy(5, key=key)["order_number"] == first["order_number"]
+        assert client.order(first["order_number"])["item_number"] == 5
+        wait_for(lambda: client.lookup(5)["stock"] == stock - 1)
+        time.sleep(2.5)  # a sweep after the retry must not take a second copy
+        assert client.lookup(5)["stock"] == stock - 1
