@@ -74,6 +74,8 @@ class PygmyClient:
 
     def _once(self, method: str, path: str, deadline: float, **kw: Any) -> Any:
         left = deadline - time.monotonic()
+        if left <= 0:
+            raise PygmyError(0, f"no answer from {self.url} within {self.timeout:g} s")
         headers = {**kw.pop("headers", {}), DEADLINE_HEADER: str(max(1, int(left * 1000)))}
         try:
             resp = self.session.request(method, self.url + path, timeout=(min(2.0, left), left), headers=headers,
