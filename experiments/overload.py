@@ -37,6 +37,7 @@ import argparse
 import asyncio
 import contextlib
 import csv
+import gc
 import gzip
 import json
 import math
@@ -200,6 +201,11 @@ def prioritise() -> str:
 def _child(args: tuple[Plan, list[str], float, int, int]) -> tuple[list[tuple[Any, ...]], float, str]:
     """One generator process: (records, CPU seconds it used, its priority)."""
     priority = prioritise()
+    # Full collections over thousands of pending requests stalled the loop for 100+ ms: the objects
+    # from before the run are frozen out of them, and collections are made rarer.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 50, 100)
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     rows = asyncio.run(_fire(*args))
     r1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -431,28 +437,29 @@ async def _get_json(session: aiohttp.ClientSession, method: str, url: str, **kw:
         return 0, None
 
 
-def resend(url: str, s: Shots, concurrency: int = 32) -> Shots:
-    """Each buy of ``s`` once more with its own key and item (phase "recheck"; latency from the re-send)."""
+def resend(urls: Sequence[str], s: Shots, concurrency: int = 64) -> Shots:
+    """Each buy of ``s`` once more with its own key and item (phase "recheck"; latency from the re-send),
+    spread over the frontends."""
 
     def call(k: int) -> Callable[[aiohttp.ClientSession], Awaitable[tuple[Any, ...]]]:
         async def go(session: aiohttp.ClientSession) -> tuple[Any, ...]:
             t = time.perf_counter()
-            status, body = await _get_json(session, "POST", f"{url}/buy/{s.item[k]}", data=BUY_BODY,
+            status, body = await _get_json(session, "POST", f"{urls[k % len(urls)]}/buy/{s.item[k]}", data=BUY_BODY,
                                            headers={"Content-Type": "application/json", "Idempotency-Key": s.key[k]})
             order, qty = (int(body["order_number"]), int(body["quantity"])) if body else (-1, 0)
             return ("recheck", "recheck", "buy", float(s.sched[k]), time.perf_counter() - t, 0.0, status,
-                    "" if status else "failed", "", s.key[k], int(s.item[k]), order, qty, 1)
+                    "" if status else "failed", "", s.key[k], int(s.item[k]), order, qty, k % len(urls) + 1)
         return go
 
     return Shots.of(asyncio.run(_limited([call(k) for k in range(len(s))], concurrency, 30.0)))
 
 
-def read_orders(url: str, numbers: Sequence[int], concurrency: int = 32) -> dict[int, tuple[int, int] | None]:
+def read_orders(urls: Sequence[str], numbers: Sequence[int], concurrency: int = 64) -> dict[int, tuple[int, int] | None]:
     """``GET /orders/N`` of each number: (item, quantity), None when 404, absent when unreadable."""
 
     def call(n: int) -> Callable[[aiohttp.ClientSession], Awaitable[tuple[int, int, Any]]]:
         async def go(session: aiohttp.ClientSession) -> tuple[int, int, Any]:
-            return (n, *await _get_json(session, "GET", f"{url}/orders/{n}"))
+            return (n, *await _get_json(session, "GET", f"{urls[n % len(urls)]}/orders/{n}"))
         return go
 
     out: dict[int, tuple[int, int] | None] = {}
@@ -710,8 +717,8 @@ def surge_figures(f: Fired, z: Sizes, cap: float, normal_buy_ms: float) -> dict[
             "after_buy_p50_ms": _ms(after_b.latency[after_b.status == 200], 50)}
 
 
-def outside_checks(c: LocalCluster, z: Sizes, initial: Mapping[int, int], phases: list[Shots],
-                   drain_ms: float) -> tuple[dict[str, Any], Shots]:
+def outside_checks(c: LocalCluster, urls: Sequence[str], z: Sizes, initial: Mapping[int, int],
+                   phases: list[Shots], drain_ms: float) -> tuple[dict[str, Any], Shots]:
     """Settle, re-send every buy without a definite answer once, then judge (``check``)."""
     settle, waited = seq_buys(c.url, None, z.books, until_fast_ms=drain_ms, limit_s=120, phase="settle")
     phases.append(settle)
@@ -719,14 +726,19 @@ def outside_checks(c: LocalCluster, z: Sizes, initial: Mapping[int, int], phases
     everything = Shots.of([r for p in phases for r in p.rows()])
     buys = everything.where(everything.op == "buy")
     again = buys.where(~np.array([definite(int(x)) for x in buys.status], bool))
-    rechecked = resend(c.url, again)
+    t = time.monotonic()
+    rechecked = resend(urls, again)
+    resend_s, t = time.monotonic() - t, time.monotonic()
     numbers = sorted({int(n) for n in np.concatenate([buys.order, rechecked.order]) if n > 0})
-    orders = read_orders(c.url, numbers)
+    orders = read_orders(urls, numbers)
+    orders_s = time.monotonic() - t
     final = read_stock(c.url, z.books)
     out = check(answers_of(buys, rechecked), orders, {b: initial[b] - final[b] for b in initial})
     out.update({"resent": len(again), "resent_answers": {str(k): int(v) for k, v in
                                                          Counter(rechecked.status.tolist()).items()},
-                "orders_read": len(numbers), "settle_s": waited})
+                "orders_read": len(numbers), "settle_s": waited, "resend_s": resend_s, "orders_s": orders_s})
+    print(f"  checks: settled in {waited:.1f} s; {len(again)} buys re-sent in {resend_s:.0f} s, {len(numbers)} orders "
+          f"read in {orders_s:.0f} s", flush=True)
     return out, rechecked
 
 
@@ -826,7 +838,7 @@ def run(settings: h.Settings, frontends: int = 1, kill: str | None = None) -> di
         t = time.monotonic()
         for v in kills:
             c.restart(v["victim"])
-        out["checks"], rechecked = outside_checks(c, z, initial, phases, drain_ms)
+        out["checks"], rechecked = outside_checks(c, urls, z, initial, phases, drain_ms)
         lap("checks", t)
     out["surge"] = {**surge_figures(f, z, cap, normal_buy), "cluster_cpu_cores": cpu, "kills": kills}
     out["surge_timeline"] = timeline = timeline_of(f.shots, -z.pre_s, z.surge_s + z.post_s)
