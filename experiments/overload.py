@@ -538,7 +538,7 @@ def follower(c: LocalCluster, tier: str) -> str:
 
 # -- plot --------------------------------------------------------------------------------------------
 def plot(settings: h.Settings, name: str, out: dict[str, Any], timeline: dict[str, list[Any]], title: str) -> str:
-    fig, (a1, a2, a3) = h.figure(1, 3, figsize=(17, 4.8))
+    fig, (a1, a2, a3) = h.figure(1, 3, figsize=(17, 5.6))
     pts = out["sweep"]
     x = [p["multiple"] for p in pts]
     cap = out["capacity_per_s"]
@@ -571,20 +571,23 @@ def plot(settings: h.Settings, name: str, out: dict[str, Any], timeline: dict[st
            title=f"{SURGE:g}x C surge")
     b = a3.twinx()
     b.plot(t + 0.5, [v if v is not None else np.nan for v in timeline["lookup_p50_ms"]], ".-", color="tab:blue",
-           ms=3, lw=0.8, label="lookup p50 (right)")
-    b.plot(t + 0.5, [v if v is not None else np.nan for v in timeline["after_buy_p50_ms"]], "d-", color="tab:purple",
-           ms=3, lw=0.8, label="buy p50, a buy every 100 ms (right)")
-    b.set(ylabel="p50 ms (log)", yscale="log")
+           ms=3, lw=0.8, label="lookup p50 per s (right; a timeout counts)")
+    pts = np.array(timeline["after_buys"]).reshape(-1, 3)
+    ok = pts[:, 2] == 200
+    b.scatter(pts[ok, 0], pts[ok, 1], s=5, color="tab:purple", label="a buy every 100 ms after (right)")
+    b.scatter(pts[~ok, 0], pts[~ok, 1], s=12, marker="x", color="tab:purple", lw=0.8, label="... failed (right)")
+    b.set(ylabel="ms from scheduled send (log)", yscale="log")
     lines = a3.get_legend_handles_labels()
     lines2 = b.get_legend_handles_labels()
-    a3.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize="x-small", loc="upper right")
+    a3.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize="x-small", loc="upper center",
+              bbox_to_anchor=(0.5, -0.15), ncol=3)
     fig.suptitle(title, fontsize="medium")
     return h.save_plot(settings, fig, name)
 
 
 def timeline_of(s: Shots, start: float, end: float) -> dict[str, list[Any]]:
-    """Per second of scheduled time (``s`` times relative to the surge): surge buys by outcome,
-    lookup p50 and the p50 of the buys after the surge."""
+    """Per second of scheduled time (``s`` times relative to the surge): surge buys by outcome and
+    lookup p50; and every buy after the surge as (time, latency ms, status)."""
     edges = np.arange(math.floor(start), math.ceil(end) + 1)
     buys, looks = s.where(s.stream == "surge"), s.where(s.op == "lookup")
     m = classify(buys)
@@ -595,9 +598,9 @@ def timeline_of(s: Shots, start: float, end: float) -> dict[str, list[Any]]:
     idx = np.digitize(looks.sched, edges) - 1
     out["lookup_p50_ms"] = [_ms(looks.latency[idx == k], 50) for k in range(len(edges) - 1)]
     out["lookup_failed"] = [int(((idx == k) & (looks.status != 200)).sum()) for k in range(len(edges) - 1)]
-    after = s.where((s.stream == "after") & (s.status == 200))
-    idx = np.digitize(after.sched, edges) - 1
-    out["after_buy_p50_ms"] = [_ms(after.latency[idx == k], 50) for k in range(len(edges) - 1)]
+    after = s.where(s.stream == "after")
+    out["after_buys"] = [[round(float(t), 3), round(float(lat) * 1000, 1), int(st)]
+                         for t, lat, st in zip(after.sched, after.latency, after.status, strict=True)]
     return out
 
 
