@@ -73,6 +73,9 @@ LOOKUP_EVERY = 0.05
 PROBE_BUY_EVERY = 0.1
 SHED = (429, 503)
 BUY_BODY = b'{"quantity": 1}'
+#: Generator processes sharing the bulk of the requests (plus one for the probes): fewer requests per
+#: event loop keep each loop's bursts, and so the lag of the requests behind them, short.
+BULK_PROCS = 3
 #: Scheduling priority of the generator processes (root may go below 0; otherwise it stays at 0).
 GENERATOR_NICE = -20
 #: Goals of the issue's "done when" (printed next to the figures, never asserted).
@@ -247,10 +250,11 @@ class Fired:
     shots: Shots
     cpu_s: list[float]  # per generator process
     wall_s: float
+    t0: float  # wall time of the schedule's zero
     priority: str  # of the generator processes (``prioritise``)
 
 
-def fire(urls: Sequence[str], streams: Sequence[Stream], *, bulk_procs: int = 2, seed: int = 1,
+def fire(urls: Sequence[str], streams: Sequence[Stream], *, bulk_procs: int = BULK_PROCS, seed: int = 1,
          books: int = BOOKS, phase: str = "", during: Callable[[float], None] | None = None) -> Fired:
     """Run ``streams`` open-loop from forked processes (``bulk_procs`` + one for the probe lane).
 
@@ -266,7 +270,7 @@ def fire(urls: Sequence[str], streams: Sequence[Stream], *, bulk_procs: int = 2,
         end = max((s.end for s in streams), default=0.0)
         results = pending.get(timeout=max(0.0, t0 - time.time()) + end + TIMEOUT + 120)
     rows = [(phase, *r[1:]) for rs, _, _ in results for r in rs]
-    return Fired(Shots.of(rows), [cpu for _, cpu, _ in results], time.time() - t0, results[0][2])
+    return Fired(Shots.of(rows), [cpu for _, cpu, _ in results], time.time() - t0, t0, results[0][2])
 
 
 # -- figures -----------------------------------------------------------------------------------------
@@ -300,6 +304,9 @@ def summary(s: Shots, seconds: float, capacity: float) -> dict[str, Any]:
         "error_kinds": {k: int(v) for k, v in Counter(s.error[s.error != ""].tolist()).items()},
         "accepted_p50_ms": _ms(s.latency[m["ok"]], 50), "accepted_p99_ms": _ms(s.latency[m["ok"]], 99),
         "shed_p50_ms": _ms(s.latency[m["shed"]], 50), "shed_p99_ms": _ms(s.latency[m["shed"]], 99),
+        # the same from the actual send: what the server took, the generator's lag left out
+        "accepted_p99_from_send_ms": _ms((s.latency - s.lag)[m["ok"]], 99),
+        "shed_p99_from_send_ms": _ms((s.latency - s.lag)[m["shed"]], 99),
         "max_answered_ms": _ms(s.latency[answered], 100),
         "shed_with_retry_after": shed_with_retry_after,
         "lag_p50_ms": _ms(s.lag, 50), "lag_p99_ms": _ms(s.lag, 99), "lag_max_ms": _ms(s.lag, 100),
@@ -655,13 +662,14 @@ def sweep(c: LocalCluster, urls: Sequence[str], z: Sizes, cap: float, drain_ms: 
         drain, waited = seq_buys(c.url, None, z.books, until_fast_ms=drain_ms, phase=f"drain{mult:g}")
         phases += [f.shots, drain]
         p = {"multiple": mult, **summary(f.shots, z.point_s, cap), "generator_cpu_cores": sum(f.cpu_s) / f.wall_s,
-             "cluster_cpu_cores": cpu, "drain_s": waited}
+             "cluster_cpu_cores": cpu, "drain_s": waited, "fast_again_s": time.time() - f.t0 - z.point_s}
         out.append(p)
         print(f"  {mult:g}x C: offered {p['offered_per_s']:.0f}/s, goodput {p['goodput_per_s']:.0f}/s "
               f"({p['goodput_over_capacity']:.2f} C), shed {p['shed_per_s']:.0f}/s, errors {p['errors_per_s']:.0f}/s, "
               f"no answer {p['noanswer']}; accepted p50/p99 {h.fmt(p['accepted_p50_ms'])}/"
               f"{h.fmt(p['accepted_p99_ms'])} ms, shed p99 {h.fmt(p['shed_p99_ms'])} ms; generator lag p99 "
-              f"{h.fmt(p['lag_p99_ms'])} ms, {p['generator_cpu_cores']:.2f} cores; drained in {waited:.1f} s", flush=True)
+              f"{h.fmt(p['lag_p99_ms'])} ms, {p['generator_cpu_cores']:.2f} cores; buys fast again "
+              f"{p['fast_again_s']:.1f} s after the last was offered", flush=True)
         time.sleep(1)
     return out
 
@@ -721,10 +729,14 @@ def surge_figures(f: Fired, z: Sizes, cap: float, normal_buy_ms: float) -> dict[
 
 
 def outside_checks(c: LocalCluster, urls: Sequence[str], z: Sizes, initial: Mapping[int, int],
-                   phases: list[Shots], drain_ms: float) -> tuple[dict[str, Any], Shots]:
-    """Settle, re-send every buy without a definite answer once, then judge (``check``)."""
+                   phases: list[Shots], drain_ms: float, restart: Sequence[str] = ()) -> tuple[dict[str, Any], Shots]:
+    """Settle (sequential buys until fast, ``restart`` the killed replicas, every replica caught up),
+    re-send every buy without a definite answer once, then judge (``check``)."""
     settle, waited = seq_buys(c.url, None, z.books, until_fast_ms=drain_ms, limit_s=120, phase="settle")
+    settled_at = time.time()
     phases.append(settle)
+    for name in restart:
+        c.restart(name)
     caught_up(c)
     everything = Shots.of([r for p in phases for r in p.rows()])
     buys = everything.where(everything.op == "buy")
@@ -739,7 +751,8 @@ def outside_checks(c: LocalCluster, urls: Sequence[str], z: Sizes, initial: Mapp
     out = check(answers_of(buys, rechecked), orders, {b: initial[b] - final[b] for b in initial})
     out.update({"resent": len(again), "resent_answers": {str(k): int(v) for k, v in
                                                          Counter(rechecked.status.tolist()).items()},
-                "orders_read": len(numbers), "settle_s": waited, "resend_s": resend_s, "orders_s": orders_s})
+                "orders_read": len(numbers), "settle_s": waited, "settled_at": settled_at, "resend_s": resend_s,
+                "orders_s": orders_s})
     print(f"  checks: settled in {waited:.1f} s; {len(again)} buys re-sent in {resend_s:.0f} s, {len(numbers)} orders "
           f"read in {orders_s:.0f} s", flush=True)
     return out, rechecked
@@ -765,9 +778,11 @@ def done_when(out: dict[str, Any], z: Sizes) -> list[list[str]]:
         ["closed-loop capacity C", f"{cap:.0f} buys/s", "", ""],
         [f"goodput at {SURGE:g}x C for {z.surge_s:g} s", f"{su['goodput_per_s']:.0f}/s = {su['goodput_over_capacity']:.2f} C",
          ">= 0.9 C", met(su["goodput_over_capacity"], GOALS["goodput"], le=False)],
-        ["accepted buys p99 (from schedule)", f"{h.fmt(su['accepted_p99_ms'])} ms", "<= 1000 ms",
+        ["accepted buys p99 (from schedule)", f"{h.fmt(su['accepted_p99_ms'])} ms "
+         f"({h.fmt(su['accepted_p99_from_send_ms'])} from the send)", "<= 1000 ms",
          met(su["accepted_p99_ms"], GOALS["accepted_p99_ms"])],
-        ["shed buys (429/503) p99", f"{h.fmt(su['shed_p99_ms'])} ms ({su['shed']} shed, "
+        ["shed buys (429/503) p99", f"{h.fmt(su['shed_p99_ms'])} ms ({h.fmt(su['shed_p99_from_send_ms'])} from "
+         f"the send; {su['shed']} shed, "
          f"{su['shed_with_retry_after']} with Retry-After)", "<= 50 ms", met(su["shed_p99_ms"], GOALS["shed_p99_ms"])],
         ["requests without an answer in 5 s", f"{su['all_requests_noanswer']} (buys {su['noanswer']} of {su['offered']})",
          "0", met(su["all_requests_noanswer"], 0)],
@@ -778,7 +793,9 @@ def done_when(out: dict[str, Any], z: Sizes) -> list[list[str]]:
         ["lookup p50 during / before the surge", f"{h.fmt(su['lookup_during_p50_ms'])} / "
          f"{h.fmt(su['lookup_before_p50_ms'])} ms = {h.fmt(su['lookup_ratio'])}x", "<= 3x",
          met(su["lookup_ratio"], GOALS["lookup_ratio"])],
-        [f"buy recovery (median of 5 <= 1.5x normal {out['normal']['buy']['p50']:.1f} ms)", rec_s(br), "<= 2 s",
+        [f"buy recovery (median of 5 <= 1.5x normal {out['normal']['buy']['p50']:.1f} ms)",
+         rec_s(br) + ("" if br["first"] is not None else
+                      f"; 5 sequential buys fast again {su['fast_again_s']:.1f} s after the surge"), "<= 2 s",
          met(br["first"] if br["first"] is not None else math.inf, GOALS["recovery_s"])],
         ["lookup recovery (answers < 0.5 s)", rec_s(lr), "", ""],
         ["lost acknowledged buys", str(ch["lost"]), "0", met(ch["lost"], 0)],
@@ -792,7 +809,7 @@ def done_when(out: dict[str, Any], z: Sizes) -> list[list[str]]:
 
 
 SWEEP_COLUMNS = ["x C", "offered/s", "goodput/s", "goodput/C", "shed/s", "errors/s", "no answer", "accepted p50 ms",
-                 "accepted p99 ms", "shed p99 ms", "max answered ms", "gen lag p99 ms", "drain s"]
+                 "accepted p99 ms", "shed p99 ms", "max answered ms", "gen lag p99 ms", "fast again s"]
 
 
 def run(settings: h.Settings, frontends: int = 1, kill: str | None = None) -> dict[str, Any]:
@@ -804,7 +821,7 @@ def run(settings: h.Settings, frontends: int = 1, kill: str | None = None) -> di
     args = ["--frontends", str(frontends)] if frontends > 1 else []
     out: dict[str, Any] = {"sizes": asdict(z), "frontends": frontends, "kill_follower": kill, "timeout_s": TIMEOUT,
                            "point_s": z.point_s, "load_1min_before": h.machine()["load_1min"],
-                           "generator": "2 bulk processes + 1 probe process, each asyncio + aiohttp"}
+                           "generator": f"{BULK_PROCS} bulk processes + 1 probe process, each asyncio + aiohttp"}
     phases: list[Shots] = []
     timings: dict[str, float] = {}
 
@@ -839,11 +856,12 @@ def run(settings: h.Settings, frontends: int = 1, kill: str | None = None) -> di
         lap("surge", t)
 
         t = time.monotonic()
-        for v in kills:
-            c.restart(v["victim"])
-        out["checks"], rechecked = outside_checks(c, urls, z, initial, phases, drain_ms)
+        out["checks"], rechecked = outside_checks(c, urls, z, initial, phases, drain_ms,
+                                                  restart=[k["victim"] for k in kills])
         lap("checks", t)
-    out["surge"] = {**surge_figures(f, z, cap, normal_buy), "cluster_cpu_cores": cpu, "kills": kills}
+    out["surge"] = {**surge_figures(f, z, cap, normal_buy), "cluster_cpu_cores": cpu, "kills": kills,
+                    # an upper bound when the probes saw no recovery: the settle's buys after the surge
+                    "fast_again_s": out["checks"].pop("settled_at") - f.t0 - z.pre_s - z.surge_s}
     out["surge_timeline"] = timeline = timeline_of(f.shots, -z.pre_s, z.surge_s + z.post_s)
     out["timings_s"] = {**timings, "total": time.monotonic() - started}
     out["load_1min_after"] = h.machine()["load_1min"]
@@ -851,7 +869,7 @@ def run(settings: h.Settings, frontends: int = 1, kill: str | None = None) -> di
     rows = done_when(out, z)
     sweep_rows = [[p["multiple"], p["offered_per_s"], p["goodput_per_s"], p["goodput_over_capacity"], p["shed_per_s"],
                    p["errors_per_s"], p["noanswer"], p["accepted_p50_ms"], p["accepted_p99_ms"], p["shed_p99_ms"],
-                   p["max_answered_ms"], p["lag_p99_ms"], p["drain_s"]] for p in out["sweep"]]
+                   p["max_answered_ms"], p["lag_p99_ms"], p["fast_again_s"]] for p in out["sweep"]]
     what = (f"{frontends} frontends" if frontends > 1 else "1 frontend") + (
         f", {' and '.join(k['victim'] for k in kills)} killed mid-surge" if kills else "")
     print(f"\nsweep (open loop, {z.point_s:g} s per point, capacity C = {cap:.0f} buys/s):")
@@ -874,8 +892,8 @@ def run(settings: h.Settings, frontends: int = 1, kill: str | None = None) -> di
         "results": out, "raw": raw,
         "table": {"columns": ["measure", "value", "goal", "met"], "rows": rows},
         "tables": [{"caption": f"Buys offered open-loop at multiples of C = {cap:.0f} buys/s, {z.point_s:g} s each "
-                               "(latencies in ms from the scheduled send; drain: seconds until sequential buys were "
-                               "fast again)", "columns": SWEEP_COLUMNS, "rows": sweep_rows}],
+                               "(latencies in ms from the scheduled send; fast again: seconds after the last offered "
+                               "buy until 5 sequential buys in a row took at most 3x the normal p50)", "columns": SWEEP_COLUMNS, "rows": sweep_rows}],
         "plots": [p]})
     return out
 
