@@ -15,7 +15,7 @@ from typing import Any
 from experiments import harness as h
 
 SECTIONS = ("baseline", "sequential", "cache_miss", "invalidation", "concurrency", "scaling", "failover",
-            "recovery", "cache_size", "bench", "chaos")
+            "recovery", "cache_size", "overload", "bench", "chaos")
 
 
 def _table(columns: list[str], rows: list[list[Any]]) -> str:
@@ -56,6 +56,8 @@ def render(results: Path, plots: Path, report: Path) -> str:
                 f"*Machine:* {_machine(d.get('machine', {}))}. *Size:* {d.get('size')}.", ""]
         if d.get("table"):
             out += [_table(d["table"]["columns"], d["table"]["rows"]), ""]
+        for extra in d.get("tables", []):  # further tables, each with its caption
+            out += [f"*{extra['caption']}*", "", _table(extra["columns"], extra["rows"]), ""]
         for p in d.get("plots", []):
             out += [f"![{p}]({rel}/{p})", ""]
         comp = d.get("comparison")

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from experiments import harness as h
 
-ORDER = ("sequential", "cache_miss", "invalidation", "concurrency", "scaling", "failover", "recovery", "cache_size")
+ORDER = ("sequential", "cache_miss", "invalidation", "concurrency", "scaling", "failover", "recovery", "cache_size",
+         "overload")
 
 
 def main(argv: list[str] | None = None) -> int:
