@@ -50,9 +50,9 @@ class ClusterConfig:
     replica_threads: int = 32
     #: Admission control (cluster/admission.py): requests worked on at once per frontend worker
     #: and per replica, by class; more are refused at once with 503 and Retry-After.
-    frontend_write_limit: int = 16
+    frontend_write_limit: int = 24
     frontend_read_limit: int = 32
-    replica_write_limit: int = 48
+    replica_write_limit: int = 64
     replica_read_limit: int = 48
     #: How long the frontend keeps retrying a buy (same idempotency key) across a failover.
     buy_deadline: float = 5.0

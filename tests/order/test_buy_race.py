@@ -1,6 +1,6 @@
 """Concurrent buyers never oversell: 50 buyers, 20 copies -> exactly 20 orders and 30 answers of 409.
 
-50 buys at once are more than a frontend works on at once (16 per worker): the excess is refused
+50 buys at once are more than a frontend works on at once (24 per worker, two workers): the excess is refused
 with 503 and ``Retry-After``, and the buyers retry with their keys, as clients are told to.
 """
 
