@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter
 from werkzeug.wsgi import ClosingIterator
 
 DEADLINE_HEADER = "X-Request-Timeout-Ms"
@@ -40,8 +40,6 @@ SHED = Counter("pygmy_shed_total", "Requests refused at once (503 + Retry-After)
                "its cap of requests in flight", ["service", "cls"])
 EXPIRED = Counter("pygmy_deadline_expired_total", "Requests refused because their time budget "
                   f"({DEADLINE_HEADER}) was spent before work began", ["service"])
-IN_FLIGHT = Gauge("pygmy_in_flight", "Requests being worked on, per class", ["service", "cls"],
-                  multiprocess_mode="livesum")
 
 
 def classify(method: str, path: str) -> str | None:
@@ -105,14 +103,25 @@ def _json(start_response: Callable[..., Any], status: str, code: int, message: s
 
 
 class Admission:
-    """WSGI middleware: each request of a capped class enters its ``Gate`` or is refused at once."""
+    """WSGI middleware: each request of a capped class enters its ``Gate`` or is refused at once.
+
+    The refusal is prepared once and costs one counter increment: under a surge most requests are
+    refused, and what a refusal costs is taken from the requests being served. (Requests in flight
+    are in ``snapshot()``, for ``/status``, not in a metric: prometheus-client's multiprocess values
+    share one lock per process, and two more writes per request made it a convoy under load.)"""
 
     def __init__(self, app: Callable[..., Any], service: str, limits: dict[str, int]) -> None:
         self.app, self.service = app, service
         self.gates = {cls: Gate(limit) for cls, limit in limits.items()}
         self._shed = {cls: SHED.labels(service, cls) for cls in limits}
-        self._gauge = {cls: IN_FLIGHT.labels(service, cls) for cls in limits}
+        self._refusal = {cls: json.dumps({"error": {
+            "code": 503, "message": f"{service} is overloaded ({limit} {cls}s in flight): retry after {RETRY_AFTER} s",
+            "overloaded": True}}).encode() for cls, limit in limits.items()}
         self._expired = EXPIRED.labels(service)
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """``{class: {"limit", "in_flight"}}`` in this process."""
+        return {cls: {"limit": g.limit, "in_flight": g.in_flight} for cls, g in self.gates.items()}
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         raw = environ.get(_DEADLINE_ENVIRON)
@@ -132,19 +141,14 @@ class Admission:
             return self.app(environ, start_response)
         if not gate.try_enter():
             self._shed[cls].inc()
-            return _json(start_response, "503 Service Unavailable", 503,
-                         f"{self.service} is overloaded ({gate.limit} {cls}s in flight): retry after "
-                         f"{RETRY_AFTER} s", [("Retry-After", str(RETRY_AFTER))], overloaded=True)
-        gauge = self._gauge[cls]
-        gauge.inc()
-
-        def leave() -> None:
-            gate.leave()
-            gauge.dec()
-
+            body = self._refusal[cls]
+            start_response("503 Service Unavailable", [("Content-Type", "application/json"),
+                                                       ("Content-Length", str(len(body))),
+                                                       ("Retry-After", str(RETRY_AFTER))])
+            return [body]
         try:
             result = self.app(environ, start_response)
         except BaseException:
-            leave()
+            gate.leave()
             raise
-        return ClosingIterator(result, leave)  # released when the server has sent the body
+        return ClosingIterator(result, gate.leave)  # released when the server has sent the body

@@ -444,9 +444,10 @@ async def _get_json(session: aiohttp.ClientSession, method: str, url: str, **kw:
         return 0, None
 
 
-def resend(urls: Sequence[str], s: Shots, concurrency: int = 64) -> Shots:
+def resend(urls: Sequence[str], s: Shots, concurrency: int = 16) -> Shots:
     """Each buy of ``s`` once more with its own key and item (phase "recheck"; latency from the re-send),
-    spread over the frontends."""
+    spread over the frontends; few at a time, below any frontend's cap on buys in flight, so that
+    the re-sends themselves are not shed (which would leave their outcome unknown)."""
 
     def call(k: int) -> Callable[[aiohttp.ClientSession], Awaitable[tuple[Any, ...]]]:
         async def go(session: aiohttp.ClientSession) -> tuple[Any, ...]:

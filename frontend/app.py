@@ -201,6 +201,7 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
         cat, ordr = probe.map(tier_view, (catalog, orders))
         return jsonify({
             "frontend": {"name": name, "cache": cache_status(), "worker": os.getpid(),
+                         "admission": app.wsgi_app.snapshot(),  # type: ignore[attr-defined]
                          "lease": {"valid": subscription.valid(), "holder": subscription.holder(),
                                    "pushes": subscription.pushes}},
             "catalog": cat, "order": ordr,

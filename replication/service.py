@@ -58,7 +58,7 @@ class ReplicaRuntime:
 
         @app.get("/status")
         def status() -> Response:
-            return jsonify(self.node.status())
+            return jsonify({**self.node.status(), "admission": app.wsgi_app.snapshot()})  # type: ignore[attr-defined]
 
         @app.get("/verify")
         @self.guard
