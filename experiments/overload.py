@@ -462,8 +462,9 @@ def resend(urls: Sequence[str], s: Shots, concurrency: int = 16) -> Shots:
     return Shots.of(asyncio.run(_limited([call(k) for k in range(len(s))], concurrency, 30.0)))
 
 
-def read_orders(urls: Sequence[str], numbers: Sequence[int], concurrency: int = 64) -> dict[int, tuple[int, int] | None]:
-    """``GET /orders/N`` of each number: (item, quantity), None when 404, absent when unreadable."""
+def read_orders(urls: Sequence[str], numbers: Sequence[int], concurrency: int = 16) -> dict[int, tuple[int, int] | None]:
+    """``GET /orders/N`` of each number: (item, quantity), None when 404, absent when unreadable.
+    Few at a time, below a frontend worker's cap on reads in flight, so that none is shed."""
 
     def call(n: int) -> Callable[[aiohttp.ClientSession], Awaitable[tuple[int, int, Any]]]:
         async def go(session: aiohttp.ClientSession) -> tuple[int, int, Any]:
