@@ -42,9 +42,11 @@ def _port_free(port: int) -> bool:
 
 
 def free_port_base(replicas: int = 5, frontends: int = 2) -> int:
-    """A port base B whose frontend, catalog and order ports are all free right now."""
+    """A port base B whose frontend, catalog and order ports are all free right now. Below Linux's
+    ephemeral range (32768 and up): a port there can be free when checked and then taken as the
+    source port of some outgoing connection before the service binds it."""
     for _ in range(200):
-        base = random.randrange(20000, 55000, 10)
+        base = random.randrange(20000, 32768 - 300, 10)
         ports = [base + i for i in range(frontends)]
         # Replicas: HTTP and the peer transport (replication.transport.RAFT_PORT_OFFSET above it).
         ports += [base + off + k for off in (100, 150, 200, 250) for k in range(1, replicas + 1)]
