@@ -391,7 +391,7 @@ class Records:
         return [*extra, "op", "start_s", "latency_ms", "status"]
 
 
-def run_load(url: str, clients: int, mix: dict[str, float], *, count: int | None = None,
+def run_load(url: str | Sequence[str], clients: int, mix: dict[str, float], *, count: int | None = None,
              duration: float | None = None, rate: float | None = None, items: int = 7,
              zipf: float | None = None, token: str | None = None, seed: int = 1,
              start_delay: float | None = None, threads: int = 1,
@@ -400,7 +400,8 @@ def run_load(url: str, clients: int, mix: dict[str, float], *, count: int | None
     """Run ``clients`` client processes against ``url`` and gather every request.
 
     ``rate`` is the total open-loop rate (split evenly, schedules interleaved); without it each
-    process runs a closed loop (``threads`` clients in each). ``on_start(start_at)`` runs in this process while the load runs
+    process runs a closed loop (``threads`` clients in each). Several URLs (frontends): process k
+    talks to ``url[k % len(url)]``. ``on_start(start_at)`` runs in this process while the load runs
     (the fault experiments kill replicas from there); calling its second argument ``stop(t)`` ends
     the run ``t`` seconds after ``start_at`` (before ``duration`` if that comes first).
     """
@@ -408,7 +409,8 @@ def run_load(url: str, clients: int, mix: dict[str, float], *, count: int | None
     assert count is not None or duration is not None
     start_at = time.time() + (start_delay if start_delay is not None else 0.5 + 0.02 * clients)
     per = rate / clients if rate else None
-    jobs = [Job(url=url, mix=mix, start_at=start_at, count=count, duration=duration, rate=per,
+    urls = [url] if isinstance(url, str) else list(url)
+    jobs = [Job(url=urls[k % len(urls)], mix=mix, start_at=start_at, count=count, duration=duration, rate=per,
                 phase=(k / rate if rate else 0.0), items=items, zipf=zipf, token=token, seed=seed * 1000 + k,
                 threads=threads, topics=topics)
             for k in range(clients)]
