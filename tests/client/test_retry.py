@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import random
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from flask import Flask, jsonify, request
-from werkzeug.serving import make_server
+from harness import StandIn
 
 from client.api import DEADLINE_HEADER, PygmyClient, PygmyError
 from client.retry import RetryBudget, backoff, retry_after
@@ -69,14 +68,11 @@ class Server:
                 return resp
             return jsonify({"ok": True})
 
-        self.http = make_server("127.0.0.1", 0, app, threaded=True)
-        self.url = f"http://127.0.0.1:{self.http.server_port}"
-        self.thread = threading.Thread(target=self.http.serve_forever, daemon=True)
-        self.thread.start()
+        self.served = StandIn(app)
+        self.url = self.served.url
 
     def stop(self) -> None:
-        self.http.shutdown()
-        self.thread.join(5)
+        self.served.stop()
 
 
 @pytest.fixture()

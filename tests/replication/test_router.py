@@ -3,14 +3,13 @@ the retry budget, and every hop carries what is left of the request's time."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from flask import Flask, jsonify, request
-from werkzeug.serving import make_server
+from harness import StandIn
 
 from client.retry import RetryBudget
 from cluster.admission import DEADLINE_HEADER
@@ -35,14 +34,11 @@ class FakeReplica:
             resp.status_code = status
             return resp
 
-        self.http = make_server("127.0.0.1", 0, app, threaded=True)
-        self.url = f"http://127.0.0.1:{self.http.server_port}"
-        self.thread = threading.Thread(target=self.http.serve_forever, daemon=True)
-        self.thread.start()
+        self.served = StandIn(app)
+        self.url = self.served.url
 
     def stop(self) -> None:
-        self.http.shutdown()
-        self.thread.join(5)
+        self.served.stop()
 
 
 def shed() -> tuple[int, dict[str, Any]]:
