@@ -18,7 +18,9 @@ from requests.adapters import HTTPAdapter
 
 from client.retry import RetryBudget, backoff, retry_after
 
-DEADLINE_HEADER = "X-Request-Timeout-Ms"  # the same as cluster.admission's; the client stands alone
+#: What is left of a request's time, in whole milliseconds; services read it (cluster/admission.py)
+#: and pass it on to every tier they call.
+DEADLINE_HEADER = "X-Request-Timeout-Ms"
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 

@@ -25,7 +25,8 @@ from typing import Any
 from prometheus_client import Counter
 from werkzeug.wsgi import ClosingIterator
 
-DEADLINE_HEADER = "X-Request-Timeout-Ms"
+from client.api import DEADLINE_HEADER
+
 _DEADLINE_ENVIRON = "HTTP_" + DEADLINE_HEADER.upper().replace("-", "_")
 #: The longest budget a caller may give (ten minutes): bigger values are refused as malformed.
 MAX_TIMEOUT_MS = 600_000
@@ -44,7 +45,7 @@ EXPIRED = Counter("pygmy_deadline_expired_total", "Requests refused because thei
 
 def classify(method: str, path: str) -> str | None:
     """``write`` (a POST: buy, update, decrement), ``read``, or None for control traffic."""
-    if path.startswith(CONTROL) or path == "/":
+    if path.startswith(CONTROL):
         return None
     return "write" if method in ("POST", "PUT", "PATCH", "DELETE") else "read"
 

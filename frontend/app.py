@@ -19,7 +19,6 @@ from cluster.admission import RETRY_AFTER
 from cluster.config import ClusterConfig
 from cluster.web import (
     ADMIN,
-    check_deadline,
     create_base_app,
     fail,
     int_field,
@@ -135,9 +134,8 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
         quantity = int_field(json_body(), "quantity", 1, 1000, default=1)
         # A generated key makes our own retries (across an order-leader failover) exactly-once too.
         key = f"k:{key}" if key else f"g:{uuid.uuid4().hex}"
-        deadline = request_deadline(config.buy_deadline)
-        check_deadline(deadline, "the buy was sent")
-        reply = call(orders.write, "/buy", {"item": number, "quantity": quantity, "key": key}, deadline)
+        reply = call(orders.write, "/buy", {"item": number, "quantity": quantity, "key": key},
+                     request_deadline(config.buy_deadline))
         return passthrough(reply, ("order_number", "item_number", "title", "quantity", "cost", "total"))
 
     @app.get("/orders/<number>")

@@ -67,14 +67,18 @@ def test_a_wrong_number_of_results_is_an_error_and_a_wait_can_time_out() -> None
     with pytest.raises(RuntimeError, match="0 results for 1 items"):
         c.call(1, 1)
     gate = threading.Event()
-    slow = Combiner(lambda items: (gate.wait(5), items)[1])
+    sent: list[list[int]] = []
+    slow = Combiner(lambda items: (sent.append(items), gate.wait(5), items)[2])
     t = threading.Thread(target=lambda: slow.call(1, 5))
     t.start()
     time.sleep(0.05)
-    with pytest.raises(CombinerTimeout):
-        slow.call(2, 0.05)
+    with pytest.raises(CombinerTimeout) as queued:
+        slow.call(2, 0.05)  # waits behind the batch in flight
+    assert queued.value.sent is False
     gate.set()
     t.join(5)
+    assert slow.call(3, 1) == 3
+    assert sent == [[1], [3]], "a withdrawn item must never be sent"
 
 
 def test_batches_are_capped() -> None:
