@@ -4,7 +4,8 @@ The order leader holds its decrements (``PYGMY_TEST_HOLD_DECREMENTS``) so buys s
 - past the frontend's cap a buy is refused at once, 503 with ``Retry-After``, and does nothing;
   reads are still served; the held buys finish once released; stock falls by exactly those;
 - a buy whose time runs out after its intent was recorded is still exactly-once: the caller hears
-  an error, the intent is finished off the buyer's path, and a retry with its key gets that order.
+  an error, the intent is finished off the buyer's path, and a retry with its key gets that order;
+  also when the order leader is SIGKILLed at that instant (intent pending, decrement not sent).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 import requests
-from harness import cluster_env, start_cluster
+from harness import cluster_env, pygmy, start_cluster
 
 from client.api import PygmyClient, PygmyError
 from cluster.local import LocalCluster
@@ -115,3 +116,37 @@ def test_a_buy_whose_time_runs_out_after_its_intent_is_still_exactly_once(held: 
         wait_for(lambda: client.lookup(5)["stock"] == stock - 1)
         time.sleep(2.5)  # a sweep after the retry must not take a second copy
         assert client.lookup(5)["stock"] == stock - 1
+
+
+def test_the_order_leader_killed_with_a_late_buys_intent_pending(held: Any) -> None:
+    """The instant a spent deadline leaves open: an intent recorded, its buyer gone with an error,
+    its decrement not sent; then its leader is SIGKILLed there. The next leader finishes it: one
+    order, one copy, every order replica's digest equal and equal to a recount."""
+    c, flag = held
+    key = f"orphan-{uuid.uuid4().hex[:8]}"
+    with PygmyClient(c.url, timeout=30) as client:
+        stock = client.lookup(6)["stock"]
+        flag.touch()
+        try:
+            with PygmyClient(c.url, timeout=1.0) as hurried, pytest.raises(PygmyError):
+                hurried.buy(6, key=key)
+            time.sleep(1.0)  # past the order leader's copy of the deadline too
+            leader = requests.get(f"{c.url}/status", timeout=5).json()["order"]["leader"]
+            c.kill(leader)
+        finally:
+            flag.unlink(missing_ok=True)
+        first = client.buy(6, key=key)  # on the new leader, which found the intent pending
+        assert client.buy(6, key=key)["order_number"] == first["order_number"]
+        assert client.order(first["order_number"])["item_number"] == 6
+        wait_for(lambda: client.lookup(6)["stock"] == stock - 1)
+        c.restart(leader)
+
+        def agreed() -> bool:
+            st = requests.get(f"{c.url}/status", timeout=5).json()["order"]["replicas"]
+            return len({(r.get("applied_index"), r.get("state_digest")) for r in st}) == 1 and all(
+                r.get("role") in ("leader", "follower") for r in st)
+
+        wait_for(agreed, timeout=30)
+        assert client.lookup(6)["stock"] == stock - 1
+    verify = pygmy("verify", "--data-dir", str(c.data_dir))
+    assert verify.returncode == 0, verify.stdout + verify.stderr
