@@ -147,7 +147,8 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
     @rt.guard
     def decrements() -> Response:
         """The decrements of the buys an order leader has in flight, as one write: one hold round,
-        one log entry, one release; ``{"results": [...]}`` in order, each as ``/decrement`` answers."""
+        one log entry, one release; ``{"results": [{"status", "body"}, ...]}`` in order, each body as
+        ``/decrement`` answers (``TierRouter.write_batch``)."""
         body = json_body(required=True)
         raw = body.get("items")
         if not isinstance(raw, list) or not 0 < len(raw) <= MAX_DECREMENTS:
@@ -166,8 +167,9 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         with invalidator.holding(sorted({book_key(d["item"]) for d in items})) as held:
             result = rt.propose({"op": "decrements", "items": items})
             held.index = result["index"]  # a floor for every key in it; unchanged books lose nothing
-        return jsonify({"results": [{"status": 200, "book": r["book"]} if r["ok"] else
-                                    {"status": r["error"]["code"], "error": r["error"]} for r in result["results"]]})
+        return jsonify({"results": [{"status": 200, "body": r["book"]} if r["ok"] else
+                                    {"status": r["error"]["code"], "body": {"error": r["error"]}}
+                                    for r in result["results"]]})
 
     @app.post("/books/<item>/update")
     @rt.guard

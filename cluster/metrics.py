@@ -33,6 +33,10 @@ LATENCY = Histogram(
 )
 CACHE_EVENTS = Counter("pygmy_cache_events_total", "Frontend cache hits, misses, invalidations, evictions, flushes",
                        ["service", "event"])
+BUY_BATCH = Histogram(
+    "pygmy_buy_batch_size", "Buys carried together: a frontend worker's buys in one order request, their "
+    "decrements in one catalog request, intents, confirms or refusals in one order log entry", ["service", "what"],
+    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256))
 CACHE_ENTRIES = Gauge("pygmy_cache_entries", "Entries in the frontend caches", ["service"],
                       multiprocess_mode="livesum")
 

@@ -7,6 +7,7 @@ single worker.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -31,6 +32,7 @@ from cluster.web import (
 from frontend import openapi
 from frontend.cache import ReadCache
 from frontend.subscription import Subscription
+from replication.batching import Combiner, CombinerTimeout
 from replication.router import ChannelRouter, HopError, Reply, TierRouter, TierUnavailable, overloaded
 from replication.transport import SUBSCRIBE_CHANNEL
 
@@ -38,6 +40,10 @@ READ_DEADLINE = 5.0
 UPDATE_DEADLINE = 5.0
 MAX_KEY = 200
 BOOK_FIELDS = ("item_number", "title", "topic", "stock", "cost")
+ORDER_FIELDS = ("order_number", "item_number", "title", "quantity", "cost", "total")
+#: What a buy hears when its time ran out before it was sent to the order leader: nothing was done.
+EXPIRED = Reply(504, {"error": {"code": 504, "message": "the buy's time budget was spent before it was sent"}},
+                "frontend")
 
 
 def passthrough(reply: Reply, fields: tuple[str, ...] | None = None) -> Response:
@@ -79,6 +85,14 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
     subscription = Subscription(cache, leases, secret, config.bind_address(name), config.advertise_host, name)
     cache.lease_valid = subscription.valid
     app.extensions["pygmy_subscription"] = subscription
+
+    def send_buys(items: list[tuple[dict[str, Any], float]]) -> list[Reply]:
+        """This worker's buys in flight, as one request to the order leader (``Combiner``): its
+        intents then go as one log entry and its decrements as one catalog request."""
+        metrics.BUY_BATCH.labels(name, "buys").observe(len(items))
+        return orders.write_batch("/buys", items, config.buy_deadline, EXPIRED)
+
+    buys: Combiner[tuple[dict[str, Any], float], Reply] = Combiner(send_buys)
 
     def call(fn: Any, *args: Any, **kw: Any) -> Reply:
         try:
@@ -134,9 +148,17 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
         quantity = int_field(json_body(), "quantity", 1, 1000, default=1)
         # A generated key makes our own retries (across an order-leader failover) exactly-once too.
         key = f"k:{key}" if key else f"g:{uuid.uuid4().hex}"
-        reply = call(orders.write, "/buy", {"item": number, "quantity": quantity, "key": key},
-                     request_deadline(config.buy_deadline))
-        return passthrough(reply, ("order_number", "item_number", "title", "quantity", "cost", "total"))
+        deadline = request_deadline(config.buy_deadline)
+        try:
+            reply = buys.call(({"item": number, "quantity": quantity, "key": key}, deadline),
+                              max(0.0, deadline - time.monotonic()))
+        except TierUnavailable as exc:
+            fail(503, f"order tier unavailable, try again ({exc.last})", retry_after=RETRY_AFTER)
+        except CombinerTimeout as exc:
+            fail(504, "the buy's time budget was spent " + (
+                "while the order leader worked on it (retry with the same Idempotency-Key)" if exc.sent else
+                "before it was sent: nothing was done"))
+        return passthrough(reply, ORDER_FIELDS)
 
     @app.get("/orders/<number>")
     def order(number: str) -> Response:

@@ -19,16 +19,16 @@ import queue
 import threading
 import time
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from flask import Flask, Response, jsonify
-from prometheus_client import Histogram
 
+from cluster import metrics
 from cluster.config import ClusterConfig
-from cluster.web import fail, int_field, json_body, parse_item, request_deadline
+from cluster.web import ApiError, fail, int_field, json_body, parse_item, request_deadline
 from order.state import CONFIRMED, FAILED, PENDING, OrderState, confirmed
 from replication.batching import Combiner, CombinerTimeout
-from replication.node import ProposalTimeout
+from replication.node import NotLeader, ProposalTimeout
 from replication.router import Reply, TierRouter, TierUnavailable
 from replication.service import ReplicaRuntime
 
@@ -36,8 +36,6 @@ log = logging.getLogger(__name__)
 
 #: How long one buy may wait for the catalog (across a catalog failover) before answering 503.
 CATALOG_DEADLINE = 4.0
-BATCH = Histogram("pygmy_buy_batch_size", "Buys carried together: decrements in one catalog request, "
-                  "intents or confirms in one log entry", ["what"], buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256))
 #: How long the order leader waits for one of its own proposals to commit.
 PROPOSE_TIMEOUT = 5.0
 #: A pending intent older than this with no buy in flight here is finished by the background sweep.
@@ -46,8 +44,19 @@ STALE_INTENT = 2.0
 EXPIRED = Reply(504, {"error": {"code": 504, "message": "the buy's time budget was spent"}}, "order")
 
 
+#: Most buys one request may carry (a frontend worker sends the buys it has in flight).
+MAX_BUYS = 256
+
+
 class DeadlineSpent(Exception):
     """A buy's time budget ran out; the message says how far it got."""
+
+
+class Buy(NamedTuple):
+    item: int
+    quantity: int
+    key: str
+    deadline: float  # monotonic
 
 
 class BuyProcessor:
@@ -89,80 +98,111 @@ class BuyProcessor:
         self._confirmer.join(timeout=5)
 
     def buy(self, item: int, quantity: int, key: str, deadline: float) -> dict[str, Any]:
-        """Run one buy by ``deadline`` (monotonic). No intent is proposed once it has passed; an intent
-        proposed in time is finished whatever happens after (here, by a read, or by the sweep)."""
-        wait = min(2 * PROPOSE_TIMEOUT + 1, deadline - time.monotonic())
-        if wait <= 0:
-            raise DeadlineSpent("before its intent was proposed: nothing was done")
-        try:
-            order = self._intents.call({
-                "op": "intent", "key": key, "item": item, "quantity": quantity,
-                "created_at": datetime.now(UTC).isoformat(timespec="milliseconds"),
-            }, wait)
-        except CombinerTimeout as exc:
-            if not exc.sent:
-                raise DeadlineSpent("before its intent was proposed: nothing was done") from None
-            raise ProposalTimeout("the intent was not proposed in time; outcome unknown") from None
-        return self.finish(order, deadline)
+        """One buy (``buy_many`` of one); raises what it would hold as its outcome."""
+        (outcome,) = self.buy_many([Buy(item, quantity, key, deadline)])
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def buy_many(self, buys: list[Buy]) -> list[dict[str, Any] | BaseException]:
+        """Run buys, each by its own deadline (monotonic), their intents together in one log entry
+        (with any other buys in flight here), their decrements in one catalog request. Each gets its
+        order or the exception that ended it. No intent is proposed once its deadline has passed;
+        an intent proposed in time is finished whatever happens after (here, by a read, or by the sweep)."""
+        now = time.monotonic()
+        out: list[dict[str, Any] | BaseException] = [
+            DeadlineSpent("before its intent was proposed: nothing was done")] * len(buys)
+        todo = [i for i, b in enumerate(buys) if b.deadline > now]
+        created = datetime.now(UTC).isoformat(timespec="milliseconds")
+        intents = self._intents.call_many(
+            [{"op": "intent", "key": buys[i].key, "item": buys[i].item, "quantity": buys[i].quantity,
+              "created_at": created} for i in todo],
+            [min(2 * PROPOSE_TIMEOUT + 1, buys[i].deadline - now) for i in todo])
+        recorded: list[int] = []
+        for i, r in zip(todo, intents, strict=True):
+            if isinstance(r, CombinerTimeout):
+                out[i] = (ProposalTimeout("the intent was not proposed in time; outcome unknown") if r.sent else
+                          DeadlineSpent("before its intent was proposed: nothing was done"))
+            else:
+                out[i] = r
+                if not isinstance(r, BaseException):
+                    recorded.append(i)
+        finished = self.finish_many([out[i] for i in recorded], [buys[i].deadline for i in recorded])  # type: ignore[misc]
+        for i, r in zip(recorded, finished, strict=True):
+            out[i] = r
+        return out
 
     def _propose_all(self, commands: list[dict[str, Any]], what: str) -> list[Any]:
         """Commands of concurrent requests as one log entry, each applied as alone, in order."""
-        BATCH.labels(what).observe(len(commands))
+        metrics.BUY_BATCH.labels(self.rt.name, what).observe(len(commands))
         return self.rt.propose({"op": "batch", "commands": commands}, PROPOSE_TIMEOUT)
 
     def finish(self, order: dict[str, Any], deadline: float | None = None) -> dict[str, Any]:
-        """Drive one intent to its outcome; the catalog's key makes a repeated decrement harmless.
-        Its decrement is not sent once ``deadline`` has passed: the intent stays pending, and the
+        """Drive one intent to its outcome (``finish_many`` of one); raises what ended it."""
+        (outcome,) = self.finish_many([order], [deadline])
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def finish_many(self, orders: list[dict[str, Any]], deadlines: list[float | None]
+                    ) -> list[dict[str, Any] | BaseException]:
+        """Drive intents to their outcomes; the catalog's key makes a repeated decrement harmless.
+        A decrement is not sent once its ``deadline`` has passed: the intent stays pending, and the
         sweep (or a read of the order) finishes it later, off the overloaded path."""
-        if order["status"] != PENDING:
-            return order
-        key = order["key"]
-        if deadline is None:
-            deadline = time.monotonic() + 2 * CATALOG_DEADLINE + 1
+        out: list[dict[str, Any] | BaseException] = list(orders)
+        pending = [i for i, o in enumerate(orders) if o["status"] == PENDING]
+        if not pending:
+            return out
+        now = time.monotonic()
+        ends = [d if d is not None else now + 2 * CATALOG_DEADLINE + 1 for d in deadlines]
+        keys = [orders[i]["key"] for i in pending]
         with self._lock:
-            self._in_flight.add(key)
+            self._in_flight.update(keys)
         try:
-            try:
-                reply = self._decrements.call(({"item": order["item_number"], "quantity": order["quantity"],
-                                                "key": key}, deadline),
-                                              min(2 * CATALOG_DEADLINE + 1, max(0.0, deadline - time.monotonic())))
-            except CombinerTimeout:
-                raise TierUnavailable("catalog", "the decrement was not sent in time") from None
-            if reply.status == 200:
-                # Decided: the catalog's decrement under this key is committed. Answer now.
-                title, cost = reply.body["title"], reply.body["cost"]
-                self._confirm(key, title, cost)
-                return confirmed(order, title, cost)
-            if reply.status in (404, 409):
-                err = reply.body["error"]
-                return self.rt.propose({"op": "fail", "key": key, "code": reply.status, "message": err["message"]})
-            if reply.status == 504:
-                raise DeadlineSpent("after its intent was recorded, before the stock was taken")
-            fail(502, f"catalog answered {reply.status}: {reply.body.get('error', {}).get('message', '')}")
+            replies = self._decrements.call_many(
+                [({"item": orders[i]["item_number"], "quantity": orders[i]["quantity"], "key": orders[i]["key"]},
+                  ends[i]) for i in pending],
+                [min(2 * CATALOG_DEADLINE + 1, max(0.0, ends[i] - now)) for i in pending])
+            refused: list[tuple[int, dict[str, Any]]] = []
+            for i, reply in zip(pending, replies, strict=True):
+                key = orders[i]["key"]
+                if isinstance(reply, CombinerTimeout):
+                    out[i] = TierUnavailable("catalog", "the decrement was not sent in time")
+                elif isinstance(reply, BaseException):
+                    out[i] = reply
+                elif reply.status == 200:
+                    # Decided: the catalog's decrement under this key is committed. Answer now.
+                    title, cost = reply.body["title"], reply.body["cost"]
+                    self._confirm(key, title, cost)
+                    out[i] = confirmed(orders[i], title, cost)
+                elif reply.status in (404, 409):
+                    err = reply.body["error"]
+                    refused.append((i, {"op": "fail", "key": key, "code": reply.status, "message": err["message"]}))
+                elif reply.status == 504:
+                    out[i] = DeadlineSpent("after its intent was recorded, before the stock was taken")
+                else:
+                    message = reply.body.get("error", {}).get("message", "")
+                    out[i] = ApiError(502, f"catalog answered {reply.status}: {message}")
+            if refused:  # the stock said no: recorded together, as the intents were
+                try:
+                    failed = self._propose_all([c for _, c in refused], "fails")
+                    for (i, _), order in zip(refused, failed, strict=True):
+                        out[i] = order
+                except Exception as exc:  # left pending: a read or the sweep records it later
+                    for i, _ in refused:
+                        out[i] = exc
         finally:
             with self._lock:
-                self._in_flight.discard(key)
+                self._in_flight.difference_update(keys)
+        return out
 
     def _send_decrements(self, items: list[tuple[dict[str, Any], float]]) -> list[Reply]:
         """One catalog request for the decrements of every buy waiting (``Combiner``): the catalog
         holds their books once, proposes them as one entry and answers each as a lone decrement would.
         Retried across a catalog failover with the same keys, so each still happens once. Buys whose
         deadline has passed are left out (504): their intents wait for the sweep."""
-        now = time.monotonic()
-        out = [EXPIRED] * len(items)
-        live = [i for i, (_, deadline) in enumerate(items) if deadline > now]
-        if not live:
-            return out
-        BATCH.labels("decrements").observe(len(live))
-        deadline = min(now + CATALOG_DEADLINE, max(items[i][1] for i in live))
-        reply = self.catalog.write("/books/decrements", {"items": [items[i][0] for i in live]}, deadline=deadline)
-        results = reply.body.get("results") if reply.status == 200 else None
-        if not isinstance(results, list) or len(results) != len(live):
-            results = [None] * len(live)  # the batch itself failed (a 4xx/5xx): every buy hears it
-        for i, r in zip(live, results, strict=True):
-            out[i] = reply if r is None else Reply(int(r["status"]), r.get("book") or {"error": r.get("error")},
-                                                   reply.replica)
-        return out
+        metrics.BUY_BATCH.labels(self.rt.name, "decrements").observe(sum(1 for _, d in items if d > time.monotonic()))
+        return self.catalog.write_batch("/books/decrements", items, CATALOG_DEADLINE, EXPIRED)
 
     def _confirm(self, key: str, title: str, cost: float) -> None:
         """Record a decided outcome, soon (the confirmer thread)."""
@@ -228,6 +268,43 @@ def public_order(order: dict[str, Any]) -> dict[str, Any]:
     return {k: order[k] for k in ("order_number", "item_number", "title", "quantity", "cost", "total", "created_at")}
 
 
+def answer(buy: Buy, outcome: dict[str, Any] | BaseException) -> tuple[int, dict[str, Any]]:
+    """What the buyer hears: the order, or why not and whether a retry with the same key is safe."""
+    def error(code: int, message: str, **extra: Any) -> tuple[int, dict[str, Any]]:
+        return code, {"error": {"code": code, "message": message, **extra}}
+
+    if isinstance(outcome, DeadlineSpent):
+        return error(504, f"the buy's time budget was spent {outcome} (retry with the same key)")
+    if isinstance(outcome, TierUnavailable):
+        return error(503, f"catalog unavailable, buy not finished yet (retry with the same key): {outcome.last}")
+    if isinstance(outcome, ProposalTimeout | NotLeader):
+        return error(503, f"the buy's outcome is not known yet ({type(outcome).__name__}): retry with the same key")
+    if isinstance(outcome, ApiError):
+        return error(outcome.code, outcome.message, **outcome.extra)
+    if isinstance(outcome, BaseException):
+        raise outcome
+    if outcome["item_number"] != buy.item or outcome["quantity"] != buy.quantity:
+        return error(422, "this idempotency key was already used for a different buy")
+    if outcome["status"] == FAILED:
+        return error(outcome["error"]["code"], outcome["error"]["message"])
+    assert outcome["status"] == CONFIRMED
+    return 200, public_order(outcome)
+
+
+def parse_buy(body: Any, deadline: float) -> Buy:
+    """One buy from a request body, by ``deadline`` or the item's own ``timeout_ms`` if sooner."""
+    if not isinstance(body, dict):
+        fail(400, "each buy must be an object {item, quantity, key}")
+    item = int_field(body, "item", 1, 2**62)
+    quantity = int_field(body, "quantity", 1, 1000)
+    key = body.get("key")
+    if not isinstance(key, str) or not 0 < len(key) <= 256:
+        fail(400, "key must be a non-empty string")
+    if "timeout_ms" in body:
+        deadline = min(deadline, time.monotonic() + int_field(body, "timeout_ms", 1, 600_000) / 1000)
+    return Buy(item, quantity, key, deadline)
+
+
 def create_app(config: ClusterConfig, k: int) -> Flask:
     state = OrderState(config.replica_dir(f"order-{k}") / "state.db")
     rt = ReplicaRuntime("order", k, config, state)
@@ -236,28 +313,34 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
     app = rt.create_app()
     app.extensions["pygmy_runtime"] = rt
 
+    def run(batch: list[Buy]) -> list[tuple[int, dict[str, Any]]]:
+        rt.leader_only()
+        outcomes = buys.buy_many(batch)
+        if all(isinstance(o, NotLeader) for o in outcomes):
+            raise outcomes[0]  # type: ignore[misc]  # deposed before anything was done: 421, routers follow
+        return [answer(b, o) for b, o in zip(batch, outcomes, strict=True)]
+
     @app.post("/buy")
     @rt.guard
     def buy() -> Response:
-        body = json_body(required=True)
-        item = int_field(body, "item", 1, 2**62)
-        quantity = int_field(body, "quantity", 1, 1000)
-        key = body.get("key")
-        if not isinstance(key, str) or not 0 < len(key) <= 256:
-            fail(400, "key must be a non-empty string")
-        rt.leader_only()
-        try:
-            order = buys.buy(item, quantity, key, request_deadline(config.buy_deadline))
-        except DeadlineSpent as exc:
-            fail(504, f"the buy's time budget was spent {exc} (retry with the same key)")
-        except TierUnavailable as exc:
-            fail(503, f"catalog unavailable, buy not finished yet (retry with the same key): {exc.last}")
-        if order["item_number"] != item or order["quantity"] != quantity:
-            fail(422, "this idempotency key was already used for a different buy")
-        if order["status"] == FAILED:
-            fail(order["error"]["code"], order["error"]["message"])
-        assert order["status"] == CONFIRMED
-        return jsonify(public_order(order))
+        ((code, body),) = run([parse_buy(json_body(required=True), request_deadline(config.buy_deadline))])
+        resp = jsonify(body)
+        resp.status_code = code
+        return resp
+
+    @app.post("/buys")
+    @rt.guard
+    def buy_batch() -> Response:
+        """The buys a frontend worker has in flight, in one request: ``{"items": [{item, quantity,
+        key, timeout_ms}, ...]}``, answered ``{"results": [{"status", "body"}, ...]}`` in order, each
+        as ``/buy`` would answer it alone (``TierRouter.write_batch``). A malformed item refuses the
+        whole batch (400)."""
+        raw = json_body(required=True).get("items")
+        if not isinstance(raw, list) or not 0 < len(raw) <= MAX_BUYS:
+            fail(400, f"items must be a list of 1 to {MAX_BUYS} buys")
+        deadline = request_deadline(config.buy_deadline)
+        results = run([parse_buy(b, deadline) for b in raw])
+        return jsonify({"results": [{"status": code, "body": body} for code, body in results]})
 
     @app.get("/orders/<number>")
     @rt.guard

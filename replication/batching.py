@@ -29,10 +29,11 @@ class CombinerTimeout(Exception):
 
 
 class _Slot(Generic[T, R]):
-    __slots__ = ("item", "done", "result", "error")
+    __slots__ = ("item", "sent", "done", "result", "error")
 
     def __init__(self, item: T) -> None:
         self.item = item
+        self.sent = False  # taken into a batch: can no longer be withdrawn
         self.done = False
         self.result: R | None = None
         self.error: BaseException | None = None
@@ -53,14 +54,43 @@ class Combiner(Generic[T, R]):
         """Carry ``item`` in the next batch and return its result; raises what ``send`` raised, or
         CombinerTimeout if no batch carried it within ``wait`` seconds (withdrawn if still queued,
         so that an overloaded caller's expired work is dropped rather than done late)."""
-        mine: _Slot[T, R] = _Slot(item)
-        deadline = time.monotonic() + wait
+        (result,) = self.call_many([item], [wait])
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def call_many(self, items: list[T], waits: list[float]) -> list[R | BaseException]:
+        """``call`` for several items at once (a caller that itself carries a batch, such as a
+        frontend worker's buys): each has its own wait and gets its own result or exception, and
+        they may ride in different batches. Returns when every item has its outcome."""
+        slots: list[_Slot[T, R]] = [_Slot(item) for item in items]
+        now = time.monotonic()
+        deadlines = [now + w for w in waits]
+        out: list[R | BaseException | None] = [None] * len(slots)
+        waiting = set(range(len(slots)))
         with self._cond:
-            self._queue.append(mine)
-            while not mine.done:
-                if not self._busy:
+            self._queue.extend(slots)
+            while True:
+                now = time.monotonic()
+                for i in list(waiting):
+                    slot = slots[i]
+                    if slot.done:
+                        out[i] = slot.error if slot.error is not None else slot.result
+                    elif deadlines[i] <= now:
+                        if not slot.sent:
+                            self._queue.remove(slot)
+                        out[i] = CombinerTimeout("sent, but no result in time" if slot.sent else
+                                                 "not sent in time; withdrawn", sent=slot.sent)
+                    else:
+                        continue
+                    waiting.discard(i)
+                if not waiting:
+                    return out  # type: ignore[return-value]
+                if not self._busy and any(not slots[i].sent for i in waiting):
                     self._busy = True
                     batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
+                    for slot in batch:
+                        slot.sent = True
                     self._cond.release()
                     try:
                         self._run(batch)
@@ -69,16 +99,7 @@ class Combiner(Generic[T, R]):
                         self._busy = False
                         self._cond.notify_all()
                     continue
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    if mine in self._queue:
-                        self._queue.remove(mine)
-                        raise CombinerTimeout("not sent in time; withdrawn", sent=False)
-                    raise CombinerTimeout("sent, but no result in time", sent=True)
-                self._cond.wait(left)
-        if mine.error is not None:
-            raise mine.error
-        return mine.result  # type: ignore[return-value]
+                self._cond.wait(min(deadlines[i] for i in waiting) - now)
 
     def _run(self, batch: list[_Slot[T, R]]) -> None:
         try:

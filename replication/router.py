@@ -228,6 +228,31 @@ class TierRouter(_LeaderSeeker):
             lambda name, timeout: self._call(name, "POST", path, timeout, json=body, headers=headers or {},
                                              deadline=deadline), deadline)
 
+    def write_batch(self, path: str, items: list[tuple[dict[str, Any], float]], cap: float,
+                    expired: Reply) -> list[Reply]:
+        """The writes of several callers (a ``Combiner`` batch of ``(body, deadline)``) as one POST of
+        ``{"items": [...]}`` to the leader, each item with its own ``timeout_ms``; the leader answers
+        ``{"results": [{"status", "body"}, ...]}`` in order, and each caller gets its own Reply, as if
+        it had been sent alone. Items whose deadline has passed are not sent (``expired``); the
+        request lasts until the latest deadline of the rest, at most ``cap`` seconds. If the batch
+        itself fails (shed, 4xx, tier unavailable), every item hears it."""
+        now = time.monotonic()
+        out = [expired] * len(items)
+        live = [i for i, (_, deadline) in enumerate(items) if deadline > now]
+        if not live:
+            return out
+        body = {"items": [{**items[i][0], "timeout_ms": max(1, int((items[i][1] - now) * 1000))} for i in live]}
+        reply = self.write(path, body, deadline=min(now + cap, max(items[i][1] for i in live)))
+        results = reply.body.get("results") if reply.status == 200 else None
+        if not isinstance(results, list) or len(results) != len(live):
+            results = [None] * len(live)
+        failed = reply if reply.status != 200 else Reply(
+            502, {"error": {"code": 502, "message": f"malformed batch answer from {reply.replica}"}}, reply.replica)
+        for i, r in zip(live, results, strict=True):
+            ok = isinstance(r, dict) and isinstance(r.get("status"), int) and isinstance(r.get("body"), dict)
+            out[i] = Reply(r["status"], r["body"], reply.replica) if ok else failed  # type: ignore[index]
+        return out
+
     # -- reads ------------------------------------------------------------------------------------
     def read(self, path: str, deadline: float, params: dict[str, Any] | None = None,
              prefer_leader: bool = False) -> Reply:
