@@ -68,6 +68,7 @@ def test_guarded_endpoints_refuse_and_change_nothing(hard_cluster: Cluster) -> N
         ("POST", cat + "/books/decrements", {"items": [{"item": 1, "quantity": 5, "key": "intruder"}]}),
         ("POST", cat + "/books/1/update", {"stock_delta": -5, "cost": 0}),
         ("POST", order + "/buy", {"item": 1, "quantity": 5, "key": "intruder"}),
+        ("POST", order + "/buys", {"items": [{"item": 1, "quantity": 5, "key": "intruder"}]}),
         ("GET", order + "/orders/1", None),
         ("POST", c.url + "/update/1", {"stock_delta": -5, "cost": 0}),
     ]
@@ -202,6 +203,7 @@ def test_the_admin_token_opens_no_internal_endpoint(hard_cluster: Cluster) -> No
         ("POST", cat + "/books/decrements", {"items": [{"item": 1, "quantity": 5, "key": "intruder"}]}),
         ("POST", cat + "/books/1/update", {"stock_delta": -5, "cost": 0}),
         ("POST", order + "/buy", {"item": 1, "quantity": 5, "key": "intruder"}),
+        ("POST", order + "/buys", {"items": [{"item": 1, "quantity": 5, "key": "intruder"}]}),
         ("GET", order + "/orders/1", None),
     ]
     workers = listeners(c)

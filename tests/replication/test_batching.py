@@ -101,3 +101,39 @@ def test_batches_are_capped() -> None:
     for t in threads:
         t.join(5)
     assert max(len(b) for b in batches) == 3 and sorted(i for b in batches for i in b) == list(range(7))
+
+
+def test_call_many_gives_each_item_its_own_outcome_and_withdraws_only_the_expired() -> None:
+    gate = threading.Event()
+    sent: list[list[int]] = []
+
+    def send(items: list[int]) -> list[int]:
+        sent.append(items)
+        if items == [0]:
+            gate.wait(5)  # a batch in flight that the next caller queues behind
+        return [i * 10 for i in items]
+
+    c = Combiner(send, max_batch=2)
+    first = threading.Thread(target=lambda: c.call(0, 5))
+    first.start()
+    deadline = time.monotonic() + 5
+    while not sent:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    threading.Timer(0.2, gate.set).start()
+    out = c.call_many([1, 2, 3, 4, 5], [5, 0.05, 5, 5, 5])
+    first.join(5)
+    assert out[0] == 10 and out[2:] == [30, 40, 50]
+    assert isinstance(out[1], CombinerTimeout) and out[1].sent is False
+    assert [i for batch in sent[1:] for i in batch] == [1, 3, 4, 5]  # 2 was withdrawn, never sent
+    assert all(len(batch) <= 2 for batch in sent)
+
+
+def test_call_many_hands_errors_to_the_items_of_the_failed_batch_only() -> None:
+    def send(items: list[int]) -> list[int]:
+        if 2 in items:
+            raise ValueError("boom")
+        return items
+
+    out = Combiner(send, max_batch=2).call_many([1, 2, 3, 4], [1, 1, 1, 1])
+    assert [type(o).__name__ if isinstance(o, BaseException) else o for o in out] == ["ValueError", "ValueError", 3, 4]

@@ -14,7 +14,7 @@ from harness import StandIn
 from client.retry import RetryBudget
 from cluster.admission import DEADLINE_HEADER
 from replication import router as router_module
-from replication.router import TierRouter, TierUnavailable, overloaded
+from replication.router import Reply, TierRouter, TierUnavailable, overloaded
 
 Behaviour = Callable[[], tuple[int, dict[str, Any]]]
 
@@ -23,12 +23,14 @@ class FakeReplica:
     def __init__(self, name: str) -> None:
         self.name = name
         self.calls: list[dict[str, str]] = []
+        self.bodies: list[Any] = []
         self.behaviour: Behaviour = lambda: (200, {"ok": True, "by": name})
         app = Flask(name)
 
         @app.route("/<path:path>", methods=["GET", "POST"])
         def any_path(path: str) -> Any:
             self.calls.append(dict(request.headers))
+            self.bodies.append(request.get_json(silent=True))
             status, body = self.behaviour()
             resp = jsonify(body)
             resp.status_code = status
@@ -115,3 +117,44 @@ def test_a_shed_read_tries_another_replica_only_within_the_budget(tier: Any) -> 
     reply = router.read("/books/1", time.monotonic() + 5)
     assert overloaded(reply)
     assert sum(len(r.calls) for r in replicas.values()) <= 3 + 1
+
+
+EXPIRED = Reply(504, {"error": {"code": 504, "message": "expired"}}, "test")
+
+
+def test_a_batch_is_one_request_and_each_caller_gets_its_own_answer(tier: Any) -> None:
+    router, replicas = tier
+    router.leader_hint = "r1"
+
+    def per_item() -> tuple[int, dict[str, Any]]:
+        items = request.get_json()["items"]
+        return 200, {"results": [{"status": 200 if i["n"] % 2 else 409, "body": {"n": i["n"]}} for i in items]}
+
+    replicas["r1"].behaviour = per_item
+    now = time.monotonic()
+    items = [({"n": 1}, now + 2), ({"n": 2}, now - 1), ({"n": 3}, now + 4), ({"n": 4}, now + 1)]
+    replies = router.write_batch("/many", items, cap=3.0, expired=EXPIRED)
+    assert [(r.status, r.body) for r in replies] == [(200, {"n": 1}), (504, EXPIRED.body), (200, {"n": 3}),
+                                                     (409, {"n": 4})]
+    (sent,) = replicas["r1"].bodies
+    assert [i["n"] for i in sent["items"]] == [1, 3, 4]  # the expired one is never sent
+    budgets = {i["n"]: i["timeout_ms"] for i in sent["items"]}
+    assert 1000 < budgets[1] <= 2000 and 3000 < budgets[3] <= 4000 and 0 < budgets[4] <= 1000
+    assert 0 < int(replicas["r1"].calls[0][DEADLINE_HEADER]) <= 3000  # the latest deadline, capped
+    assert router.write_batch("/many", [({"n": 5}, now - 1)], cap=3.0, expired=EXPIRED) == [EXPIRED]
+    assert len(replicas["r1"].bodies) == 1  # nothing live: no request at all
+
+
+def test_a_failed_or_malformed_batch_answer_reaches_every_item(tier: Any) -> None:
+    router, replicas = tier
+    router.leader_hint = "r1"
+    items = [({"n": 1}, time.monotonic() + 2), ({"n": 2}, time.monotonic() + 2)]
+    replicas["r1"].behaviour = shed
+    assert all(overloaded(r) for r in router.write_batch("/many", items, 3.0, EXPIRED))
+    replicas["r1"].behaviour = lambda: (200, {"results": [{"status": 200, "body": {}}]})  # one result for two
+    assert [r.status for r in router.write_batch("/many", items, 3.0, EXPIRED)] == [502, 502]
+    replicas["r1"].behaviour = lambda: (200, {"results": [{"status": 200, "body": {}}, {"status": "x"}]})
+    assert [r.status for r in router.write_batch("/many", items, 3.0, EXPIRED)] == [200, 502]
+    replicas["r1"].behaviour = lambda: (400, {"error": {"code": 400, "message": "bad item"}})
+    assert [(r.status, r.body["error"]["message"]) for r in router.write_batch("/many", items, 3.0, EXPIRED)] == [
+        (400, "bad item")] * 2
