@@ -313,8 +313,9 @@ def test_a_leader_killed_between_sending_entries_and_writing_them(tmp_path: Path
 
 @pytest.mark.parametrize("tier", ["catalog", "order"])
 def test_a_leader_killed_with_a_batch_committed_and_unanswered(tmp_path: Path, tier: str) -> None:
-    """Concurrent buys travel in batches: their decrements as one catalog request and log entry,
-    their intents and confirms as one order log entry each. SIGKILL the leader of ``tier`` after it
+    """Concurrent buys travel in batches: a frontend worker's buys as one request to the order
+    leader, their decrements as one catalog request and log entry, their intents and confirms as one
+    order log entry each. SIGKILL the leader of ``tier`` after it
     committed a batch of several and before anyone heard (a test-only hook): the batch's buyers
     retry on the next leader with the same keys, every buy in it happens once, and every invariant
     holds."""
