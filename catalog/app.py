@@ -75,6 +75,16 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
     app.extensions["pygmy_runtime"] = rt
     app.extensions["pygmy_invalidator"] = invalidator
 
+    def fresh(items: list[int]) -> dict[str, Any] | None:
+        """The books a write just changed, read here after it applied (so at its index or later):
+        caches refresh their entries from these instead of missing on the next lookup. Best effort:
+        without them (a failed read) caches only drop the entries."""
+        try:
+            return {book_key(n): book for n, book in state.books(items).items()}
+        except Exception:
+            log.exception("could not read the books a write changed; caches will miss on them")
+            return None
+
     def write(item: int, command: dict[str, Any]) -> Response:
         """Propose a change to one book, held out of every leased cache until it is applied here."""
         rt.leader_only()
@@ -83,6 +93,7 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         with invalidator.holding([book_key(item)]) as held:
             result = rt.propose(command)
             held.index = result["book"]["version"] if result["ok"] else 0
+            held.values = fresh([item])
         if not result["ok"]:
             fail(result["error"]["code"], result["error"]["message"])
         return jsonify(result["book"])
@@ -167,6 +178,7 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         with invalidator.holding(sorted({book_key(d["item"]) for d in items})) as held:
             result = rt.propose({"op": "decrements", "items": items})
             held.index = result["index"]  # a floor for every key in it; unchanged books lose nothing
+            held.values = fresh(sorted({d["item"] for d in items}))
         return jsonify({"results": [{"status": 200, "body": r["book"]} if r["ok"] else
                                     {"status": r["error"]["code"], "body": {"error": r["error"]}}
                                     for r in result["results"]]})

@@ -63,6 +63,8 @@ class Write:
 
     def __init__(self) -> None:
         self.index: int | None = 0  # 0: changed nothing; None: unknown (the command may still commit)
+        #: Held keys' values read here after the write applied: caches refresh from them.
+        self.values: dict[str, Any] | None = None
 
 
 class Invalidator:
@@ -152,7 +154,7 @@ class Invalidator:
             raise
         finally:
             if write.index is not None:
-                self.release(token, write.index)
+                self.release(token, write.index, write.values)
 
     def hold(self, keys: list[str]) -> int:
         """Register a write on ``keys`` and return once no usable cache can serve their old values."""
@@ -183,9 +185,11 @@ class Invalidator:
         PUBLISH_SECONDS.observe(time.perf_counter() - started)
         return token
 
-    def release(self, token: int, index: int) -> None:
+    def release(self, token: int, index: int, values: dict[str, Any] | None = None) -> None:
         """The write is applied here at ``index`` (0: it changed nothing): let caches store its keys
-        again, from values read at ``index`` or later. Pushed in the background, not waited for."""
+        again, from values read at ``index`` or later, such as ``values`` (read here after it was
+        applied: a cache that dropped a key refreshes it instead of missing on its next read).
+        Pushed in the background, not waited for."""
         with self._lock:
             keys = self._pending.pop(token, None)
             if keys is None:
@@ -193,7 +197,7 @@ class Invalidator:
             now = time.monotonic()
             targets = {sid: (url, exp) for sid, (url, exp) in self._subs.items() if exp > now}
         if targets and not self._stopping.is_set():
-            body = {"releases": [[token, keys, index]]}
+            body = {"releases": [[token, keys, index, values] if values else [token, keys, index]]}
             for url, _ in targets.values():
                 # A worker this misses keeps the hold (safe) until its next grant: ``next_token``
                 # then tells it we are done, and the grant's index is at least ``index``.

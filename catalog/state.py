@@ -62,6 +62,11 @@ class CatalogState(SQLiteStateMachine):
         applied, rows = self.read_at("SELECT * FROM books WHERE item_number=?", (item,))
         return applied, (book_dict(rows[0]) if rows else None)
 
+    def books(self, items: list[int]) -> dict[int, dict[str, Any]]:
+        """The books of ``items`` that exist, by item number (one read)."""
+        rows = self.read(f"SELECT * FROM books WHERE item_number IN ({','.join('?' * len(items))})", tuple(items))
+        return {r["item_number"]: book_dict(r) for r in rows}
+
     def sold_out(self) -> list[int]:
         return [r[0] for r in self.read("SELECT item_number FROM books WHERE stock = 0 ORDER BY item_number")]
 

@@ -91,9 +91,15 @@ def main(argv: list[str] | None = None) -> None:
         wall = time.monotonic() - t0
         for _, _, proc in recorders:
             proc.wait(timeout=a.seconds + 60)
+        with c.client() as client:
+            cache = client.status()["frontend"]["cache"]
     ops = len(done["rec"].op) if done else 0
     print(f"load {a.load}: {ops} operations in {wall:.1f} s; cluster CPU {cpu:.2f} s "
           f"({cpu / wall * 100:.0f}% of one core){f', {cpu / ops * 1000:.2f} ms per operation' if ops else ''}")
+    looked = cache["hits"] + cache["misses"]
+    print(f"frontend cache: {cache['hits']} hits, {cache['misses']} misses"
+          f" ({cache['misses'] / max(looked, 1) * 100:.0f}% of reads), {cache['invalidations']} invalidations,"
+          f" {cache['flushes']} flushes")
     per_service: dict[str, list[Path]] = collections.defaultdict(list)
     for name, base, _ in recorders:
         if Path(f"{base}.txt").exists():

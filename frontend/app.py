@@ -82,7 +82,13 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
     cache = ReadCache(config.cache_size, enabled=config.cache, on_event=on_cache_event)
     # Always subscribe, cache or not: the invalidation floors are what make follower reads fresh.
     leases = ChannelRouter("catalog", config.peers("catalog"), secret, f"{name}/{os.getpid()}", SUBSCRIBE_CHANNEL)
-    subscription = Subscription(cache, leases, secret, config.bind_address(name), config.advertise_host, name)
+    def shape(key: str, book: Any) -> Any:
+        """A book a release carries, as a lookup caches it (``book:N`` keys only)."""
+        if key.startswith("book:") and isinstance(book, dict) and all(f in book for f in BOOK_FIELDS):
+            return {f: book[f] for f in BOOK_FIELDS}
+        return None
+
+    subscription = Subscription(cache, leases, secret, config.bind_address(name), config.advertise_host, name, shape)
     cache.lease_valid = subscription.valid
     app.extensions["pygmy_subscription"] = subscription
 

@@ -56,6 +56,7 @@ class ReadCache:
         self._held: dict[str, set[int]] = {}  # key -> tokens of the writes holding it
         self._holds: dict[int, list[str]] = {}  # token -> keys, for every hold in force
         self._released: set[int] = set()  # tokens released before their hold may have arrived
+        self._dropped: dict[int, list[str]] = {}  # token -> keys its hold dropped: refreshed by its release
         self._lock = threading.Lock()
         #: Checked again under the lock at the moment of a hit, so a pause between the caller's
         #: lease check and the hit (GIL, CPU starvation) cannot stretch the lease (set by the owner).
@@ -75,15 +76,25 @@ class ReadCache:
             self._held.setdefault(key, set()).add(token)
             self._flights.pop(key, None)
             if self._entries.pop(key, None) is not None:
+                self._dropped.setdefault(token, []).append(key)
                 self.stats.invalidations += 1
                 self.on_event("invalidation", len(self._entries))
 
-    def release(self, token: int, keys: list[str], version: int) -> None:
+    def release(self, token: int, keys: list[str], version: int, values: dict[str, Any] | None = None) -> None:
         """The write is applied at ``version`` (0: it changed nothing): store its keys again, but
-        only values read at ``version`` or later."""
+        only values read at ``version`` or later.
+
+        ``values`` are what the leader read after applying it (at ``version`` or later): each
+        refreshes an entry the hold dropped, under the rules of a fill read at ``version``. A value
+        newer than ``version`` belongs to a later write, whose hold is then still in force here (it
+        was acknowledged before that write was proposed) or whose release raised the floor above
+        ``version``: either way it is not stored."""
         with self._lock:
             self._released.add(token)
             self._unhold(token, keys, version)
+            for key in self._dropped.pop(token, ()):
+                if values is not None and values.get(key) is not None:
+                    self._put(key, version, values[key])
 
     def _unhold(self, token: int, keys: list[str], version: int) -> None:
         self._holds.pop(token, None)
@@ -106,6 +117,7 @@ class ReadCache:
             self._hold(token, keys)
         for token in [t for t in self._holds if t < next_token and t not in pending]:
             self._unhold(token, self._holds[token], floor)
+            self._dropped.pop(token, None)
         self._released = {t for t in self._released if t >= next_token or t in pending}
 
     def renewed(self, pending: dict[int, list[str]], next_token: int, floor: int, flush: bool) -> None:
@@ -200,16 +212,19 @@ class ReadCache:
 
     def _store(self, key: str, version: int, value: Any, generation: int) -> None:
         with self._lock:
-            if (generation != self._generation or key in self._held
-                    or version < max(self._global_floor, self._floors.get(key, 0))):
-                return  # a write, release or flush went by while we fetched: this value may be old
-            self._entries[key] = (version, value)
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
-                self.stats.evictions += 1
-                self.on_event("eviction", len(self._entries))
-            self.on_event("store", len(self._entries))
+            if generation == self._generation:  # else a flush went by while we fetched
+                self._put(key, version, value)
+
+    def _put(self, key: str, version: int, value: Any) -> None:
+        if not self.enabled or key in self._held or version < max(self._global_floor, self._floors.get(key, 0)):
+            return  # a write or release went by while this value was read: it may be old
+        self._entries[key] = (version, value)
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+            self.stats.evictions += 1
+            self.on_event("eviction", len(self._entries))
+        self.on_event("store", len(self._entries))
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:

@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from frontend.cache import ReadCache
@@ -45,8 +46,10 @@ def advertised_host(bind: str, advertise: str | None) -> str:
 
 class Subscription:
     def __init__(self, cache: ReadCache, catalog: ChannelRouter, secret: str, bind: str, advertise: str | None,
-                 frontend: str) -> None:
-        self.cache, self.catalog = cache, catalog
+                 frontend: str, shape: Callable[[str, Any], Any] = lambda key, value: value) -> None:
+        """``shape(key, value)`` turns a value a release carries into what the cache keeps for ``key``
+        (as a read would have filled it), or None to keep nothing."""
+        self.cache, self.catalog, self.shape = cache, catalog, shape
         self.id = f"{frontend}/{os.getpid()}/{uuid.uuid4().hex[:6]}"
         self._valid_until = 0.0
         self._holder: tuple[str, int] | None = None  # (leader, term) that granted our lease
@@ -117,6 +120,7 @@ class Subscription:
         """Holds first, then releases: one push may carry both, for different writes."""
         for token, keys in body.get("holds", []):
             self.cache.hold(int(token), [str(k) for k in keys])
-        for token, keys, version in body.get("releases", []):
-            self.cache.release(int(token), [str(k) for k in keys], int(version))
+        for token, keys, version, *values in body.get("releases", []):
+            fresh = {str(k): self.shape(str(k), v) for k, v in values[0].items()} if values and values[0] else None
+            self.cache.release(int(token), [str(k) for k in keys], int(version), fresh)
         self.pushes += 1

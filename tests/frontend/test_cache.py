@@ -188,3 +188,48 @@ def test_a_grant_brings_pending_holds_and_ends_finished_ones() -> None:
     c.release(2, ["book:2"], 13)
     c.renewed({2: ["book:2"]}, next_token=3, floor=12, flush=False)  # a grant older than that release
     assert not c.held("book:2"), "a grant computed before a release must not bring the hold back"
+
+
+def test_a_release_with_values_refreshes_what_its_hold_dropped_and_nothing_else() -> None:
+    """The leader reads the books a write changed after applying it and sends them with the release:
+    an entry the hold dropped comes back without a read; a key this worker had not cached stays out."""
+    c = ReadCache(capacity=10)
+    c.get_or_fetch("book:1", lambda f: (3, "old"), usable=True)
+    c.hold(5, ["book:1", "book:2"])
+    c.release(5, ["book:1", "book:2"], 8, {"book:1": "new", "book:2": "two"})
+    assert c.get_or_fetch("book:1", lambda f: pytest.fail("refreshed by the release"), usable=True) == "new"
+    assert c.snapshot()["entries"] == 1
+    assert c.get_or_fetch("book:2", lambda f: (8, "read"), usable=True) == "read"
+
+
+def test_a_release_value_is_not_stored_under_a_later_hold_below_a_later_floor_or_after_a_flush() -> None:
+    c = ReadCache(capacity=10)
+    floors: list[int] = []
+
+    def fetch(floor: int) -> tuple[int, str]:
+        floors.append(floor)
+        return floor, f"read at {floor}"
+
+    c.get_or_fetch("book:1", lambda f: (3, "old"), usable=True)
+    c.hold(5, ["book:1"])
+    c.hold(6, ["book:1"])  # a later write to the same book, proposed before 5's release arrived
+    c.release(5, ["book:1"], 8, {"book:1": "as of 8 or later"})  # may already show write 6
+    assert c.get_or_fetch("book:1", fetch, usable=True) == "read at 8" and c.snapshot()["entries"] == 0
+    c.release(6, ["book:1"], 9)
+    assert c.get_or_fetch("book:1", fetch, usable=True) == "read at 9"
+
+    c.hold(7, ["book:1"])
+    c.release(8, ["book:1"], 12)  # a later write released first: the floor is 12
+    c.release(7, ["book:1"], 11, {"book:1": "as of 11"})
+    assert c.get_or_fetch("book:1", fetch, usable=True) == "read at 12"
+
+    c.hold(9, ["book:1"])
+    c.flush(floor=20)  # the lease lapsed: pushes may have been missed
+    c.release(9, ["book:1"], 13, {"book:1": "as of 13"})
+    assert c.get_or_fetch("book:1", fetch, usable=True) == "read at 20"
+    assert floors == [8, 9, 12, 20]
+
+    off = ReadCache(capacity=10, enabled=False)
+    off.hold(1, ["book:1"])
+    off.release(1, ["book:1"], 2, {"book:1": "x"})
+    assert off.snapshot()["entries"] == 0
