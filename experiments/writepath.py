@@ -6,7 +6,9 @@ Measures, on a cluster of 3+3 replicas with a 1,000-book catalogue:
 - 32 closed-loop buyers (4 client processes x 8 threads, a random book each time) against a bare
   Flask POST endpoint under the frontend's Gunicorn settings driven by the same clients; then stock
   is read back and every acknowledged buy must be exactly one decrement (0 lost, 0 doubled);
-- the 40/40/20 search/lookup/buy mix with the same 32 clients;
+- the 40/40/20 search/lookup/buy mix with the same 32 clients, twice: with the caches as the buyers
+  left them (mostly cold: 1,000 books and 50 topics in each of two workers' caches), then again after
+  every book and topic was read a few times (``warm``), as in a store that has been serving a while;
 - CPU per buy (every process of the cluster, from /proc) and the CPU of an idle cluster.
 
 It prints numbers; nothing here asserts a timing. Results go to ``results/writepath.json``.
@@ -17,8 +19,11 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from catalog.books import synthetic
 from cluster.local import LocalCluster, group_processes
@@ -42,16 +47,48 @@ def total_stock(c: LocalCluster, books: int) -> int:
         return sum(int(cl.lookup(n)["stock"]) for n in range(1, books + 1))
 
 
+def warm(c: LocalCluster, rounds: int = 4) -> None:
+    """Read every book and every topic ``rounds`` times from 8 threads, as a store in steady state has
+    them cached: requests land on a frontend's workers at random, so each worker caches most of them
+    (all but about 1 in 2^rounds)."""
+    keys = [("lookup", n) for n in range(1, BOOKS + 1)] + [("search", f"topic {t}") for t in range(TOPICS)]
+
+    def read(part: int) -> None:
+        with c.client() as cl:
+            for _ in range(rounds):
+                for op, arg in keys[part::8]:
+                    cl.lookup(arg) if op == "lookup" else cl.search(arg)
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(read, range(8)))
+
+
+def _cache(c: LocalCluster) -> dict[str, int]:
+    """The frontend's cache counters (every worker), to tell how many reads each load missed."""
+    with c.client() as cl:
+        cache = cl.status()["frontend"]["cache"]
+    return {k: int(cache[k]) for k in ("hits", "misses", "invalidations", "flushes")}
+
+
 def _load(c: LocalCluster, mix: dict[str, float], duration: float, procs: int, threads: int) -> dict[str, Any]:
+    cache0 = _cache(c)
     cpu0 = cluster_cpu_s(c)
     rec = h.run_load(c.url, procs, mix, duration=duration, items=BOOKS, threads=threads,
                      topics=tuple(f"topic {t}" for t in range(TOPICS)))
     cpu = cluster_cpu_s(c) - cpu0
+    cache = {k: v - cache0[k] for k, v in _cache(c).items()}
     buys = int(rec.select("buy").sum())
     return {"ops_per_s": rec.throughput(), "buys_per_s": rec.throughput("buy"), "buys": buys,
             "errors": rec.errors(), "buy": rec.stats("buy"), "all": rec.stats(),
-            "cpu_s": cpu, "cpu_ms_per_buy": cpu / buys * 1000 if buys else None,
+            "error_statuses": {str(k): int(v) for k, v in zip(*np.unique(rec.status[rec.status != 200],
+                                                                          return_counts=True), strict=True)},
+            "cache": cache, "cpu_s": cpu, "cpu_ms_per_buy": cpu / buys * 1000 if buys else None,
             "cpu_ms_per_op": cpu / len(rec.op) * 1000 if len(rec.op) else None}
+
+
+def _missed(load: dict[str, Any]) -> str:
+    c = load["cache"]
+    return f"{c['misses'] / max(1, c['hits'] + c['misses']) * 100:.0f}% of reads missed the cache"
 
 
 def run(settings: h.Settings) -> dict[str, Any]:
@@ -88,9 +125,12 @@ def run(settings: h.Settings) -> dict[str, Any]:
         sold = before - total_stock(c, BOOKS)
         out["buyers"]["stock_sold"] = sold
         out["buyers"]["lost_or_doubled"] = sold - out["buyers"]["buys"] if out["buyers"]["errors"] == 0 else None
-        out["mix"] = _load(c, {"search": 0.4, "lookup": 0.4, "buy": 0.2}, duration, procs, threads)
+        mix = {"search": 0.4, "lookup": 0.4, "buy": 0.2}
+        out["mix"] = _load(c, mix, duration, procs, threads)  # caches as the buyers and the stock count left them
+        warm(c)
+        out["mix_warm"] = _load(c, mix, duration, procs, threads)
     rtt = out["bare_lookup"]["p50"]
-    b, m = out["buyers"], out["mix"]
+    b, m, mw = out["buyers"], out["mix"], out["mix_warm"]
     lines = [
         ("bare lookup p50 (sequential)", f"{rtt:.2f} ms"),
         ("bare POST, 32 closed-loop clients", f"{out['bare_post']['ops_per_s']:.0f} req/s"),
@@ -98,10 +138,13 @@ def run(settings: h.Settings) -> dict[str, Any]:
                                "bare lookup p50 (goal <= 8x)"),
         ("32 buyers", f"{b['buys_per_s']:.0f} buys/s = {b['buys_per_s'] / out['bare_post']['ops_per_s']:.3f}x bare POST; "
                       f"p50 {b['buy']['p50']:.0f} ms; {b['errors']} errors; stock sold {b['stock_sold']} for "
-                      f"{b['buys']} acknowledged buys"),
+                      f"{b['buys']} acknowledged buys" + (f"; errors by status {b['error_statuses']}" if b["errors"] else "")),
         ("CPU per buy (all processes)", f"{h.fmt(b['cpu_ms_per_buy'])} ms"),
         ("40/40/20 mix, 32 clients", f"{m['ops_per_s']:.0f} req/s = {m['ops_per_s'] / out['bare_mix']['ops_per_s']:.3f}x "
-                                     f"bare lookup/POST mix; {m['errors']} errors"),
+                                     f"bare lookup/POST mix; {m['errors']} errors; {_missed(m)} (caches mostly cold)"),
+        ("40/40/20 mix, caches warmed", f"{mw['ops_per_s']:.0f} req/s = "
+                                        f"{mw['ops_per_s'] / out['bare_mix']['ops_per_s']:.3f}x; {mw['errors']} errors; "
+                                        f"{_missed(mw)}; CPU per operation {h.fmt(mw['cpu_ms_per_op'])} ms"),
         ("idle cluster CPU", f"{out['idle']['cpu_share_of_one_core'] * 100:.1f}% of one core over {idle_s:.0f} s "
                              "(goal <= 5%)"),
     ]
