@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 CATALOG_DEADLINE = 4.0
 #: How long the order leader waits for one of its own proposals to commit.
 PROPOSE_TIMEOUT = 5.0
+#: How long a confirm waits for the next intents entry to carry it before it is proposed alone: one
+#: commit fewer per buy while buys keep coming, at the cost of a pending order a little longer (a read
+#: of it meanwhile finishes it first, see ``settle``).
+CONFIRM_LINGER = 0.02
 #: A pending intent older than this with no buy in flight here is finished by the background sweep.
 STALE_INTENT = 2.0
 #: What a buy hears when its time ran out before its decrement was sent.
@@ -70,12 +74,13 @@ class BuyProcessor:
         self._wake = threading.Event()
         self._leader_since = float("inf")
         self._thread = threading.Thread(target=self._sweep_loop, name="intent-sweeper", daemon=True)
-        #: Confirms, proposed off the buyers' path by one thread, all that are waiting in one log
-        #: entry; a lost one is redone by the sweep.
-        self._confirms: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        #: Confirms wait here, off the buyers' path: the next intents entry carries them, or, if none
+        #: comes within CONFIRM_LINGER, the confirmer proposes them alone. A lost one is redone by the sweep.
+        self._confirms: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        self._confirm_due = threading.Event()
         self._confirmer = threading.Thread(target=self._confirm_loop, name="confirmer", daemon=True)
-        #: The intents of concurrent buys, in one log entry.
-        self._intents: Combiner[dict[str, Any], dict[str, Any]] = Combiner(lambda c: self._propose_all(c, "intents"))
+        #: The intents of concurrent buys, and the confirms waiting, in one log entry.
+        self._intents: Combiner[dict[str, Any], dict[str, Any]] = Combiner(self._propose_intents)
         #: The decrements of concurrent buys go to the catalog together: one request, one log entry.
         self._decrements: Combiner[dict[str, Any], Reply] = Combiner(self._send_decrements)
 
@@ -94,7 +99,7 @@ class BuyProcessor:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5)
-        self._confirms.put(None)
+        self._confirm_due.set()
         self._confirmer.join(timeout=5)
 
     def buy(self, item: int, quantity: int, key: str, deadline: float) -> dict[str, Any]:
@@ -132,9 +137,10 @@ class BuyProcessor:
             out[i] = r
         return out
 
-    def _propose_all(self, commands: list[dict[str, Any]], what: str) -> list[Any]:
-        """Commands of concurrent requests as one log entry, each applied as alone, in order."""
-        metrics.BUY_BATCH.labels(self.rt.name, what).observe(len(commands))
+    def _propose_all(self, commands: list[dict[str, Any]], what: str, count: int | None = None) -> list[Any]:
+        """Commands of concurrent requests as one log entry, each applied as alone, in order
+        (``count``: how many of them are ``what``, for the batch-size histogram)."""
+        metrics.BUY_BATCH.labels(self.rt.name, what).observe(len(commands) if count is None else count)
         return self.rt.propose({"op": "batch", "commands": commands}, PROPOSE_TIMEOUT)
 
     def finish(self, order: dict[str, Any], deadline: float | None = None) -> dict[str, Any]:
@@ -205,27 +211,40 @@ class BuyProcessor:
         return self.catalog.write_batch("/books/decrements", items, CATALOG_DEADLINE, EXPIRED)
 
     def _confirm(self, key: str, title: str, cost: float) -> None:
-        """Record a decided outcome, soon (the confirmer thread)."""
+        """Record a decided outcome, soon (with the next intents, or by the confirmer thread)."""
         self._confirms.put({"op": "confirm", "key": key, "title": title, "cost": cost})
+        self._confirm_due.set()
+
+    def _waiting_confirms(self) -> list[dict[str, Any]]:
+        batch: list[dict[str, Any]] = []
+        while len(batch) < 256:
+            try:
+                batch.append(self._confirms.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
+    def _propose_intents(self, intents: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Intents of concurrent buys as one log entry, with the confirms waiting in front: one
+        majority commit where there were two (each command is still applied as alone, in order). If
+        the entry fails, its confirms are lost like the confirmer's: reads and the sweep redo them."""
+        confirms = self._waiting_confirms()
+        if confirms:
+            metrics.BUY_BATCH.labels(self.rt.name, "confirms").observe(len(confirms))
+        return self._propose_all(confirms + intents, "intents", len(intents))[len(confirms):]
 
     def _confirm_loop(self) -> None:
-        """Every confirm waiting, as one log entry. If that fails (no longer leader, no quorum), the
-        orders stay pending until a read or the sweep finishes them again: the catalog's key gives
-        the same answer. Supervised: an error costs that batch, not the thread."""
-        while True:
-            first = self._confirms.get()
-            if first is None:
-                return
-            batch = [first]
-            while len(batch) < 256:
-                try:
-                    item = self._confirms.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    self._confirms.put(None)  # stop after this batch
-                    break
-                batch.append(item)
+        """Confirms no intents entry took within CONFIRM_LINGER, as one log entry. If that fails (no
+        longer leader, no quorum), the orders stay pending until a read or the sweep finishes them
+        again: the catalog's key gives the same answer. Supervised: an error costs that batch, not the thread."""
+        stopping = False
+        while not stopping:
+            self._confirm_due.wait()
+            stopping = self._stop.wait(CONFIRM_LINGER)  # on stop, record what is waiting once more
+            self._confirm_due.clear()  # before draining: a confirm queued after this sets it again
+            batch = self._waiting_confirms()
+            if not batch:
+                continue
             try:
                 self._propose_all(batch, "confirms")
             except Exception as exc:
