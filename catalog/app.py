@@ -121,7 +121,7 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         grant = invalidator.subscribe(sub_id, url)
         # Read after the grant: at least the index of every write released before it.
         return {"status": 200, "body": {"leader": rt.name, "term": rt.node.term(),
-                                        "commit_index": state.applied_index(), "lease": invalidator.lease, **grant}}
+                                        "commit_index": state.applied_index(), **grant}}
 
     rt.node.add_channel(SUBSCRIBE_CHANNEL, subscribe)
 

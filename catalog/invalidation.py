@@ -12,8 +12,8 @@ valid lease lets a worker use (docs/architecture.md, "The cache", has the proof)
    that index or later. Releases are not waited for: a worker they miss keeps the hold until its next grant.
 3. Every lease grant carries the pending holds, so a worker granted a lease mid-write holds them too.
 
-A new leader knows none of the leases its predecessor granted, so it proposes no write until one
-lease period after its first act in the new term; by then every old lease has expired.
+A new leader knows none of the leases its predecessor granted, so it proposes no write until every
+old lease has expired: a lease less ``ReplicaNode.vote_quiet_s`` after it became leader.
 """
 
 from __future__ import annotations
@@ -106,27 +106,37 @@ class Invalidator:
             self._revoked.clear()  # the lease wait below outlasts every lease of the old term
             self._pending.clear()  # workers drop these at their next grant from us (next_token)
             self._seq = 0
-            self._ready_at = time.monotonic() + self.lease
+            # Every lease our predecessors granted ends by their leader lease's end plus a lease
+            # (``subscribe`` caps grants so), and that end came ``vote_quiet_s`` or more before our
+            # election (``ReplicaNode.vote_quiet_s``). Without the start of our leadership (a race
+            # with the node's loop), wait a whole lease from now, which is later still.
+            start = self.node.leadership_start()
+            self._ready_at = (time.monotonic() + self.lease if start is None else
+                              start + self.lease - self.node.vote_quiet_s())
 
     def _next_token(self) -> int:
         return (self._term << TERM_SHIFT) | (self._seq + 1)
 
     # -- leases -------------------------------------------------------------------------------------
     def subscribe(self, sub_id: str, url: str) -> dict[str, Any]:
-        """Grant or renew a lease of ``self.lease`` seconds, with the holds the worker must keep.
+        """Grant or renew a lease of ``self.lease`` seconds (``lease`` in the answer), with the holds
+        the worker must keep.
 
         ``continued`` says whether it continues an unbroken lease. When it does not (new subscriber,
         expired, or revoked after a missed push), the worker must flush: it may have missed changes.
         """
         now = time.monotonic()
+        # Never past our leader lease's end plus a lease, even if this thread stalled since the
+        # caller checked the lease: a successor's wait (``_sync_term``) counts on it.
+        expiry = min(now + self.lease, self.node.leader_lease_until() + self.lease)
         with self._lock:
             self._sync_term()
             old = self._subs.get(sub_id)
-            self._subs[sub_id] = (url, now + self.lease)
+            self._subs[sub_id] = (url, expiry)
             # A revoked worker gets ``continued: false`` (old is None) and flushes before it uses
             # this lease; later writes reach it again, so they need not wait for the old one.
             self._revoked.pop(sub_id, None)
-            return {"continued": old is not None and old[1] > now,
+            return {"continued": old is not None and old[1] > now, "lease": max(0.0, expiry - now),
                     "holds": [[t, keys] for t, keys in self._pending.items()],
                     "next_token": self._next_token()}
 

@@ -281,6 +281,7 @@ class ReplicaNode:
         self._apply_lock = threading.Lock()
         self._view: dict[str, Any] = {}
         self._lease_until = 0.0
+        self._leader_since: tuple[int, float] = (-1, 0.0)  # (term, monotonic time we became its leader)
         #: Why the node is not working (a storage fault it is retrying), or None. While set it is no
         #: leader, serves no reads, fails health checks and acknowledges nothing.
         self.fault: str | None = None
@@ -423,6 +424,23 @@ class ReplicaNode:
 
     def term(self) -> int:
         return int(self._view.get("term", 0))
+
+    def leadership_start(self) -> float | None:
+        """When (monotonic) this node became the leader of its current term; None if it does not lead it."""
+        term, since = self._leader_since
+        return since if self.is_leader() and term == self.term() else None
+
+    def leader_lease_until(self) -> float:
+        """Until when (monotonic) our leader lease holds: no other leader can exist before then."""
+        return self._lease_until
+
+    def vote_quiet_s(self) -> float:
+        """How long after a leader's lease ends, at least, a voter of its successor votes: every
+        voter ignores votes for ``election_ticks_min`` after last hearing from a leader, and the
+        leader's lease lasts ``effective_lease_ticks`` from a message a majority then heard (one of
+        them votes for any successor). So a successor leads only this long after that lease ended."""
+        c = self.config
+        return max(0, c.election_ticks_min - c.effective_lease_ticks()) * c.tick_ms / 1000.0
 
     def leader(self) -> tuple[str, str] | None:
         name = self._view.get("leader")
@@ -763,6 +781,8 @@ class ReplicaNode:
         }
         if is_leader != self._was_leader:
             self._was_leader = is_leader
+            if is_leader:
+                self._leader_since = (core.term, time.monotonic())
             self._notify.put((is_leader, core.term))
 
     def _count_transitions(self, raw_role: str, leader: str | None, role: str) -> None:

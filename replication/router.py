@@ -31,6 +31,10 @@ CONNECT_TIMEOUT = 0.25
 #: Reads and writes to a replica; a paused leader must not eat the whole buy deadline.
 READ_TIMEOUT = 1.0
 STATUS_TIMEOUT = 0.5
+#: Longest pause between sweeps of a tier's replicas while it has no leader (an election): short, so
+#: a write goes through within a few tens of milliseconds of the new leader being ready. Cheap
+#: because writes are batched: one sweep loop per waiting batch (``Combiner``), not per buy.
+LEADER_WAIT_CAP = 0.05
 #: Status codes that mean "try another replica": not leader, not ready, no quorum.
 RETRY_ELSEWHERE = {421, 503}
 
@@ -127,7 +131,7 @@ class _LeaderSeeker:
                     break  # go straight to the leader it named
             tries += 1
             # Between sweeps (e.g. an election in progress) back off, bounded by the deadline.
-            time.sleep(min(backoff(tries, cap=0.2), max(0.0, deadline - time.monotonic())))
+            time.sleep(min(backoff(tries, cap=LEADER_WAIT_CAP), max(0.0, deadline - time.monotonic())))
 
 
 def overloaded(reply: Reply) -> bool:

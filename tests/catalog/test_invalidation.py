@@ -40,14 +40,31 @@ class FakeClock:
     def woke(self) -> float:
         return getattr(self._local, "woke", 0.0)
 
+#: What the fake node says a successor's voters waited past the old leader's lease.
+VOTE_QUIET = 0.1
+
 
 class FakeNode:
     def __init__(self) -> None:
         self.current_term = 1
         self.applied = 0
 
+    #: When this node became leader of ``current_term`` (None: not known, as in a race with its loop).
+    leader_since: float | None = None
+    #: Until when the leader lease holds (tests about the cap on grants set it).
+    lease_until = float("inf")
+
     def term(self) -> int:
         return self.current_term
+
+    def leadership_start(self) -> float | None:
+        return self.leader_since
+
+    def leader_lease_until(self) -> float:
+        return self.lease_until
+
+    def vote_quiet_s(self) -> float:
+        return VOTE_QUIET
 
     def wait_applied(self, index: int, timeout: float) -> bool:
         if self.applied < index:
@@ -206,6 +223,33 @@ def test_a_new_term_waits_a_lease_and_drops_the_old_terms_holds(setup) -> None:
     grant = inv.subscribe("w", "http://w")
     assert [t >> 32 for t, _ in grant["holds"]] == [2]  # the term-1 hold is gone; term 2's is listed
     assert grant["next_token"] >> 32 == 2
+
+
+def test_a_new_leader_waits_from_its_election_what_an_old_lease_can_outlast_it(setup) -> None:
+    """Old grants end by the old leader lease's end plus a lease; that end came ``vote_quiet_s``
+    before any successor's election. So the wait is counted from the election, not the first act."""
+    clock, _pushes, inv = setup
+    node = inv.node
+    node.current_term, node.leader_since = 2, 1.0
+    clock.now = 1.05  # first act in term 2, a little after becoming leader
+    w = Publish(clock, inv, 11)
+    assert w.join() == pytest.approx(1.0 + LEASE - node.vote_quiet_s())
+    node.current_term, node.leader_since = 3, None  # leadership start not known yet: a whole lease from now
+    clock.now = 3.0
+    assert Publish(clock, inv, 12).join() == pytest.approx(3.0 + LEASE)
+
+
+def test_a_grant_never_outlasts_the_leader_lease_by_more_than_a_lease(setup) -> None:
+    """A grant computed by a thread that stalled after the caller checked the leader lease must not
+    reach further than the successor's wait allows."""
+    clock, _pushes, inv = setup
+    inv.node.lease_until = 0.1  # the leader lease is about to end
+    assert inv.subscribe("w", "http://w")["lease"] == LEASE  # within the cap
+    clock.now = 0.3
+    assert inv.subscribe("w", "http://w")["lease"] == pytest.approx(0.1 + LEASE - 0.3)
+    assert inv._subs["w"][1] == pytest.approx(0.1 + LEASE)
+    inv.node.lease_until = float("inf")
+    assert inv.subscribe("w", "http://w")["lease"] == pytest.approx(LEASE)
 
 
 def test_holding_releases_by_outcome(setup) -> None:

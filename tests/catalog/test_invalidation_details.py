@@ -38,6 +38,9 @@ class FakeClock:
     def sleep(self, seconds: float) -> None:
         self.slept.append(seconds)
 
+#: What the fake node says a successor's voters waited past the old leader's lease.
+VOTE_QUIET = 0.1
+
 
 class FakeNode:
     def __init__(self) -> None:
@@ -46,8 +49,22 @@ class FakeNode:
         self.applied = 0
         self.timeouts: list[float | None] = []
 
+    #: When this node became leader of ``current_term`` (None: not known, as in a race with its loop).
+    leader_since: float | None = None
+    #: Until when the leader lease holds (tests about the cap on grants set it).
+    lease_until = float("inf")
+
     def term(self) -> int:
         return self.current_term
+
+    def leadership_start(self) -> float | None:
+        return self.leader_since
+
+    def leader_lease_until(self) -> float:
+        return self.lease_until
+
+    def vote_quiet_s(self) -> float:
+        return VOTE_QUIET
 
     def wait_applied(self, index: int, timeout: float | None) -> bool:
         self.timeouts.append(timeout)
@@ -135,7 +152,7 @@ def test_the_grant_names_the_token_of_the_next_write(env: Env) -> None:
     assert inv.subscribe("w", "http://w")["holds"] == [[first, ["book:1"]], [second, ["book:2"]]]
     inv.release(first, 5)
     assert inv.subscribe("w", "http://w") == {"continued": True, "holds": [[second, ["book:2"]]],
-                                              "next_token": second + 1}
+                                              "next_token": second + 1, "lease": inv.lease}
 
 
 def test_a_lease_renewed_at_its_very_end_is_not_continued(env: Env) -> None:
