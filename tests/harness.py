@@ -10,7 +10,8 @@ from werkzeug.serving import make_server
 from cluster.local import LocalCluster as Cluster
 from cluster.local import free_port_base, pygmy, start_cluster
 
-__all__ = ["MUTATIONS", "Cluster", "StandIn", "cluster_env", "free_port_base", "pygmy", "start_cluster"]
+__all__ = ["MUTATIONS", "Cluster", "FakeLeadership", "StandIn", "cluster_env", "free_port_base", "pygmy",
+           "start_cluster"]
 
 #: Test-only faults and mutations (``tests/mutations/sitecustomize.py``), for the processes of a cluster.
 MUTATIONS = Path(__file__).resolve().parent / "mutations"
@@ -35,3 +36,26 @@ class StandIn:
     def stop(self) -> None:
         self.http.shutdown()
         self.thread.join(5)
+
+
+class FakeLeadership:
+    """What ``catalog.invalidation`` asks a replication node about its leadership, as the test sets it."""
+
+    current_term = 1
+    #: When this node became leader of ``current_term`` (None: not known, as in a race with its loop).
+    leader_since: float | None = None
+    #: Until when the leader lease holds (tests of the cap on grants set it).
+    lease_until = float("inf")
+    vote_quiet = 0.1
+
+    def term(self) -> int:
+        return self.current_term
+
+    def leadership_start(self) -> float | None:
+        return self.leader_since
+
+    def leader_lease_until(self) -> float:
+        return self.lease_until
+
+    def vote_quiet_s(self) -> float:
+        return self.vote_quiet

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import pytest
+from harness import FakeLeadership
 
 import catalog.invalidation as inv_mod
 from catalog.invalidation import Invalidator
@@ -40,31 +41,10 @@ class FakeClock:
     def woke(self) -> float:
         return getattr(self._local, "woke", 0.0)
 
-#: What the fake node says a successor's voters waited past the old leader's lease.
-VOTE_QUIET = 0.1
-
-
-class FakeNode:
+class FakeNode(FakeLeadership):
     def __init__(self) -> None:
         self.current_term = 1
         self.applied = 0
-
-    #: When this node became leader of ``current_term`` (None: not known, as in a race with its loop).
-    leader_since: float | None = None
-    #: Until when the leader lease holds (tests about the cap on grants set it).
-    lease_until = float("inf")
-
-    def term(self) -> int:
-        return self.current_term
-
-    def leadership_start(self) -> float | None:
-        return self.leader_since
-
-    def leader_lease_until(self) -> float:
-        return self.lease_until
-
-    def vote_quiet_s(self) -> float:
-        return VOTE_QUIET
 
     def wait_applied(self, index: int, timeout: float) -> bool:
         if self.applied < index:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from harness import FakeLeadership
 from prometheus_client import REGISTRY
 
 import catalog.invalidation as inv_mod
@@ -38,33 +39,12 @@ class FakeClock:
     def sleep(self, seconds: float) -> None:
         self.slept.append(seconds)
 
-#: What the fake node says a successor's voters waited past the old leader's lease.
-VOTE_QUIET = 0.1
-
-
-class FakeNode:
+class FakeNode(FakeLeadership):
     def __init__(self) -> None:
         self.name = "catalog-1"
         self.current_term = 1
         self.applied = 0
         self.timeouts: list[float | None] = []
-
-    #: When this node became leader of ``current_term`` (None: not known, as in a race with its loop).
-    leader_since: float | None = None
-    #: Until when the leader lease holds (tests about the cap on grants set it).
-    lease_until = float("inf")
-
-    def term(self) -> int:
-        return self.current_term
-
-    def leadership_start(self) -> float | None:
-        return self.leader_since
-
-    def leader_lease_until(self) -> float:
-        return self.lease_until
-
-    def vote_quiet_s(self) -> float:
-        return VOTE_QUIET
 
     def wait_applied(self, index: int, timeout: float | None) -> bool:
         self.timeouts.append(timeout)
