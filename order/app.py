@@ -300,8 +300,10 @@ def answer(buy: Buy, outcome: dict[str, Any] | BaseException) -> tuple[int, dict
         return error(503, f"the buy's outcome is not known yet ({type(outcome).__name__}): retry with the same key")
     if isinstance(outcome, ApiError):
         return error(outcome.code, outcome.message, **outcome.extra)
-    if isinstance(outcome, BaseException):
-        raise outcome
+    if isinstance(outcome, BaseException):  # a bug or a storage fault: this buy's answer, not its batch's
+        log.error("buy %s failed: %r", buy.key, outcome, exc_info=outcome)
+        return error(500, f"the buy failed unexpectedly ({type(outcome).__name__}); its outcome is unknown: "
+                          "retry with the same key")
     if outcome["item_number"] != buy.item or outcome["quantity"] != buy.quantity:
         return error(422, "this idempotency key was already used for a different buy")
     if outcome["status"] == FAILED:
