@@ -9,8 +9,9 @@ from typing import Any
 from flask import Flask, Response, jsonify, request
 
 from catalog import books as catalogue
-from catalog.invalidation import Invalidator, book_key
+from catalog.invalidation import Invalidator
 from catalog.state import CatalogState
+from cluster.cachekeys import book_key
 from cluster.config import ClusterConfig
 from cluster.web import (
     check_deadline,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +24,6 @@ DEFAULT_BOOKS: list[dict[str, Any]] = [
     {"item_number": 7, "title": "Spring in the Pioneer Valley", "topic": "graduate school",
      "stock": DEFAULT_STOCK, "cost": 10.0},
 ]
-
-
-def topic_key(topic: str) -> str:
-    """Normalise a topic so that ``Distributed-Systems`` and ``distributed systems`` are the same."""
-    return re.sub(r"[\s_\-]+", " ", topic).strip().casefold()
 
 
 def validate(books: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -52,12 +52,6 @@ PUSH_TIMEOUT = 0.3
 TERM_SHIFT = 32
 
 
-def book_key(item: int) -> str:
-    """The cache key of a lookup. Searches show only numbers and titles, which no command changes,
-    so no write needs to touch their keys."""
-    return f"book:{item}"
-
-
 class Write:
     """What a held write learns while it runs: the log index its effect became readable at."""
 

@@ -11,7 +11,7 @@ import json
 import sqlite3
 from typing import Any
 
-from catalog.books import topic_key
+from cluster.cachekeys import topic_key
 from replication.statemachine import SQLiteStateMachine
 from replication.storage import transaction
 

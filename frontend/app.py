@@ -14,9 +14,9 @@ from typing import Any
 
 from flask import Flask, Response, g, jsonify, request
 
-from catalog.books import topic_key
 from cluster import metrics
 from cluster.admission import RETRY_AFTER
+from cluster.cachekeys import book_key, search_key
 from cluster.config import ClusterConfig
 from cluster.web import (
     ADMIN,
@@ -130,7 +130,7 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
             g.served_by = f"{reply.replica}@{reply.body['applied_index']}"
             return reply.body["applied_index"], reply.body["items"]
 
-        items = cache.get_or_fetch(f"topic:{topic_key(topic)}", fetch, usable=subscription.valid())
+        items = cache.get_or_fetch(search_key(topic), fetch, usable=subscription.valid())
         return traced(jsonify({"topic": topic, "items": items}))
 
     @app.get("/lookup/<item>")
@@ -143,7 +143,7 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
             # Fresh as of the log position it was read at (not merely its own last change).
             return reply.body["applied_index"], {k: reply.body[k] for k in BOOK_FIELDS}
 
-        return traced(jsonify(cache.get_or_fetch(f"book:{number}", fetch, usable=subscription.valid())))
+        return traced(jsonify(cache.get_or_fetch(book_key(number), fetch, usable=subscription.valid())))
 
     @app.post("/buy/<item>")
     def buy(item: str) -> Response:

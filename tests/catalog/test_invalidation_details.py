@@ -20,7 +20,8 @@ from harness import FakeLeadership
 from prometheus_client import REGISTRY
 
 import catalog.invalidation as inv_mod
-from catalog.invalidation import LEASE, Invalidator, book_key
+from catalog.invalidation import LEASE, Invalidator
+from cluster.cachekeys import book_key, search_key
 from replication.node import ProposalTimeout
 from replication.transport import PUSH_CHANNEL, Channel, FrameServer
 
@@ -105,8 +106,9 @@ def woke(clock: FakeClock) -> float:
     return clock.now + sum(clock.slept)
 
 
-def test_book_key() -> None:
+def test_cache_keys() -> None:
     assert book_key(17) == "book:17"
+    assert search_key("Distributed-Systems") == search_key(" distributed_systems ") == "topic:distributed systems"
 
 
 # -- terms and tokens ---------------------------------------------------------------------------------
