@@ -19,6 +19,7 @@ from cluster.web import (
     int_field,
     json_body,
     parse_item,
+    query_int,
     request_deadline,
     update_fields,
 )
@@ -28,6 +29,8 @@ from replication.transport import SUBSCRIBE_CHANNEL, subscriber_address
 log = logging.getLogger(__name__)
 #: Most decrements one batch may carry (an order leader sends what its buys have in flight).
 MAX_DECREMENTS = 256
+#: Most books one search answer carries (a page; ``more`` says whether another follows).
+MAX_PAGE = 1000
 #: A write's own time budget when its caller gave none (``X-Request-Timeout-Ms``).
 WRITE_DEADLINE = 5.0
 
@@ -139,10 +142,14 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
     @app.get("/books")
     @rt.guard
     def search() -> Response:
+        """``?topic=T[&after=N][&limit=L]``: a page of the topic's books above item number N; ``more``
+        says whether another page follows."""
         topic = request.args.get("topic", "")
+        after = query_int("after", 0, 2**62, 0)
+        limit = query_int("limit", 1, MAX_PAGE, MAX_PAGE)
         rt.ensure_readable()
-        applied, items = state.search_at(topic)
-        return jsonify({"topic": topic, "items": items, "applied_index": applied})
+        applied, items, more = state.search_at(topic, after, limit)
+        return jsonify({"topic": topic, "items": items, "more": more, "applied_index": applied})
 
     @app.post("/books/<item>/decrement")
     @rt.guard

@@ -70,12 +70,17 @@ class CatalogState(SQLiteStateMachine):
     def sold_out(self) -> list[int]:
         return [r[0] for r in self.read("SELECT item_number FROM books WHERE stock = 0 ORDER BY item_number")]
 
-    def search_at(self, topic: str) -> tuple[int, list[dict[str, Any]]]:
-        """Books on a topic and the applied index they were read at."""
+    def search_at(self, topic: str, after: int = 0, limit: int | None = None
+                  ) -> tuple[int, list[dict[str, Any]], bool]:
+        """Books on a topic with item numbers above ``after``, at most ``limit`` of them (None: all),
+        the applied index they were read at, and whether more follow. One index range scan
+        (``books_topic``): a page costs its own size, not the topic's."""
         applied, rows = self.read_at(
-            "SELECT item_number, title FROM books WHERE topic_key=? ORDER BY item_number", (topic_key(topic),)
+            "SELECT item_number, title FROM books WHERE topic_key=? AND item_number>? ORDER BY item_number LIMIT ?",
+            (topic_key(topic), after, -1 if limit is None else limit + 1),
         )
-        return applied, [{"item_number": r["item_number"], "title": r["title"]} for r in rows]
+        more = limit is not None and len(rows) > limit
+        return applied, [{"item_number": r["item_number"], "title": r["title"]} for r in rows[:limit]], more
 
     # -- commands ---------------------------------------------------------------------------------
     def execute(self, conn: sqlite3.Connection, index: int, command: dict[str, Any]) -> Any:

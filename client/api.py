@@ -96,8 +96,10 @@ class PygmyClient:
         return body
 
     # -- the public API -----------------------------------------------------------------------------
-    def search(self, topic: str) -> dict[str, Any]:
-        return self.request("GET", f"/search/{quote(topic, safe='')}")
+    def search(self, topic: str, limit: int | None = None, next: str | None = None) -> dict[str, Any]:
+        """A page of a topic's books; pass the answer's ``next`` back for the following page."""
+        params = {k: v for k, v in (("limit", limit), ("next", next)) if v is not None}
+        return self.request("GET", f"/search/{quote(topic, safe='')}", params=params or None)
 
     def lookup(self, item: int | str) -> dict[str, Any]:
         return self.request("GET", f"/lookup/{item}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import uuid
 from typing import Any
@@ -81,9 +82,11 @@ def run(args: argparse.Namespace) -> int:
     client = PygmyClient(args.url, timeout=args.timeout, token=token, retries=RETRIES)
     try:
         if args.command == "search":
-            res = client.search(args.topic)
+            res = client.search(args.topic, args.limit, args.next)
             text = table([[i["item_number"], i["title"]] for i in res["items"]], ["item", "title"]) \
                 if res["items"] else f"no books on topic {args.topic!r}"
+            if res.get("next"):
+                text += f"\nmore: pygmy search {shlex.quote(args.topic)} --next {res['next']}"
         elif args.command == "lookup":
             res = client.lookup(args.item)
             text = show_book(res)
@@ -116,8 +119,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     common.add_argument("--url", default=os.environ.get("PYGMY_URL", DEFAULT_URL), help="frontend URL")
     common.add_argument("--json", action="store_true", help="print the raw JSON answer")
     common.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
-    p = sub.add_parser("search", parents=[common], help="books on a topic")
+    p = sub.add_parser("search", parents=[common], help="books on a topic, a page at a time")
     p.add_argument("topic")
+    p.add_argument("--limit", type=int, default=None, help="books per page (default 100, at most 1000)")
+    p.add_argument("--next", default=None, help="the cursor a previous page printed, for the page after it")
     p = sub.add_parser("lookup", parents=[common], help="one book by item number")
     p.add_argument("item")
     p = sub.add_parser("buy", parents=[common], help="buy a book")

@@ -17,6 +17,7 @@ def book_key(item: int) -> str:
     return f"book:{item}"
 
 
-def search_key(topic: str) -> str:
-    """The cache key of a search, the same for every spelling of the topic."""
-    return f"topic:{topic_key(topic)}"
+def search_key(topic: str, after: int = 0, limit: int = 0) -> str:
+    """The cache key of a page of a search (books above item number ``after``, at most ``limit``),
+    the same for every spelling of the topic."""
+    return f"topic:{topic_key(topic)}" + (f"@{after}+{limit}" if after or limit else "")

@@ -204,6 +204,16 @@ def parse_item(value: str, what: str = "item number") -> int:
     return int(value)
 
 
+def query_int(name: str, lo: int, hi: int, default: int) -> int:
+    """A query parameter that must be a plain decimal integer within bounds, else a clear 400."""
+    raw = request.args.get(name)
+    if raw is None:
+        return default
+    if not raw.isascii() or not raw.isdigit() or len(raw) > 18 or not lo <= int(raw) <= hi:
+        fail(400, f"{name} must be an integer between {lo} and {hi}, not {raw[:40]!r}")
+    return int(raw)
+
+
 def int_field(data: dict[str, Any], name: str, lo: int, hi: int, default: int | None = None) -> int:
     """A JSON integer (not bool, not float) within bounds."""
     if name not in data:

@@ -6,6 +6,7 @@ single worker.
 
 from __future__ import annotations
 
+import base64
 import os
 import time
 import uuid
@@ -25,6 +26,7 @@ from cluster.web import (
     int_field,
     json_body,
     parse_item,
+    query_int,
     request_deadline,
     require_secret,
     update_fields,
@@ -40,10 +42,28 @@ READ_DEADLINE = 5.0
 UPDATE_DEADLINE = 5.0
 MAX_KEY = 200
 BOOK_FIELDS = ("item_number", "title", "topic", "stock", "cost")
+#: Books per search answer unless ``limit`` says otherwise, and the most ``limit`` may ask for.
+SEARCH_LIMIT, SEARCH_MAX = 100, 1000
 ORDER_FIELDS = ("order_number", "item_number", "title", "quantity", "cost", "total")
 #: What a buy hears when its time ran out before it was sent to the order leader: nothing was done.
 EXPIRED = Reply(504, {"error": {"code": 504, "message": "the buy's time budget was spent before it was sent"}},
                 "frontend")
+
+
+def cursor(after: int) -> str:
+    """The opaque ``next`` of a search answer: where the next page starts (clients only pass it back)."""
+    return base64.urlsafe_b64encode(f"after:{after}".encode()).decode().rstrip("=")
+
+
+def parse_cursor(raw: str) -> int:
+    try:
+        text = base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)).decode("ascii")
+    except (ValueError, UnicodeDecodeError):
+        text = ""
+    number = text.removeprefix("after:")
+    if not text.startswith("after:") or not number.isdigit() or len(number) > 18:
+        fail(400, "next must be the cursor of a previous search answer")
+    return int(number)
 
 
 def passthrough(reply: Reply, fields: tuple[str, ...] | None = None) -> Response:
@@ -125,13 +145,23 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
 
     @app.get("/search/<path:topic>")
     def search(topic: str) -> Response:
-        def fetch(floor: int) -> tuple[int, Any]:
-            reply = catalog_read("/books", floor, {"topic": topic})
-            g.served_by = f"{reply.replica}@{reply.body['applied_index']}"
-            return reply.body["applied_index"], reply.body["items"]
+        """A page of the topic's books: ``limit`` of them (default 100, at most 1,000), from the
+        ``next`` cursor of the previous page on; ``next`` is in the answer while more follow. Pages
+        are cached like any read (no command changes a book's number or title)."""
+        limit = query_int("limit", 1, SEARCH_MAX, SEARCH_LIMIT)
+        raw = request.args.get("next")
+        after = 0 if raw is None else parse_cursor(raw)
 
-        items = cache.get_or_fetch(search_key(topic), fetch, usable=subscription.valid())
-        return traced(jsonify({"topic": topic, "items": items}))
+        def fetch(floor: int) -> tuple[int, Any]:
+            reply = catalog_read("/books", floor, {"topic": topic, "after": after, "limit": limit})
+            g.served_by = f"{reply.replica}@{reply.body['applied_index']}"
+            return reply.body["applied_index"], {"items": reply.body["items"], "more": bool(reply.body.get("more"))}
+
+        page = cache.get_or_fetch(search_key(topic, after, limit), fetch, usable=subscription.valid())
+        body: dict[str, Any] = {"topic": topic, "items": page["items"]}
+        if page["more"] and page["items"]:
+            body["next"] = cursor(page["items"][-1]["item_number"])
+        return traced(jsonify(body))
 
     @app.get("/lookup/<item>")
     def lookup(item: str) -> Response:

@@ -131,14 +131,21 @@ def spec(server_url: str | None = None) -> dict[str, Any]:
     item = _number_param("item_number", "item number of a book")
     paths: dict[str, Any] = {
         "/search/{topic}": {"get": {
-            "operationId": "search", "summary": "Books of a topic (case-insensitive; '-' = space)",
-            "parameters": [{"name": "topic", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "operationId": "search", "summary": "A page of a topic's books (case-insensitive; '-' = space)",
+            "parameters": [
+                {"name": "topic", "in": "path", "required": True, "schema": {"type": "string"}},
+                {"name": "limit", "in": "query", "required": False, "description": "books per page (default 100)",
+                 "schema": {"type": "integer", "minimum": 1, "maximum": 1000}},
+                {"name": "next", "in": "query", "required": False,
+                 "description": "the `next` cursor of the previous page", "schema": {"type": "string"}},
+            ],
             "responses": {"200": _json({
                 "type": "object", "required": ["topic", "items"],
                 "properties": {"topic": {"type": "string"}, "items": {"type": "array", "items": {
                     "type": "object", "required": ["item_number", "title"],
-                    "properties": {"item_number": {"type": "integer"}, "title": {"type": "string"}}}}},
-            }, "the topic's books (empty for an unknown topic)"), **_errors()},
+                    "properties": {"item_number": {"type": "integer"}, "title": {"type": "string"}}}},
+                    "next": {"type": "string", "description": "present while more pages follow"}},
+            }, "a page of the topic's books, by item number (empty for an unknown topic)"), **_errors()},
         }},
         "/lookup/{item_number}": {"get": {
             "operationId": "lookup", "summary": "One book", "parameters": [item],

@@ -114,12 +114,24 @@ def test_search_normalises_the_topic(state: CatalogState, log: Log) -> None:
         {"item_number": 3, "title": BOOKS[2]["title"]},
         {"item_number": 4, "title": BOOKS[3]["title"]},
         {"item_number": 5, "title": BOOKS[4]["title"]},
-    ])
+    ], False)
     log(None)
     assert state.search_at("distributed_systems") == (1, [
         {"item_number": 1, "title": BOOKS[0]["title"]}, {"item_number": 2, "title": BOOKS[1]["title"]},
-    ])
-    assert state.search_at("cooking") == (1, [])
+    ], False)
+    assert state.search_at("cooking") == (1, [], False)
+
+
+def test_search_pages_by_item_number_and_says_whether_more_follow(state: CatalogState) -> None:
+    def numbers(after: int, limit: int | None) -> tuple[list[int], bool]:
+        _, items, more = state.search_at("graduate school", after, limit)
+        return [i["item_number"] for i in items], more
+
+    assert numbers(0, 2) == ([3, 4], True)
+    assert numbers(4, 2) == ([5], False)
+    assert numbers(0, 3) == ([3, 4, 5], False)  # exactly a page: no empty page after it
+    assert numbers(5, 2) == ([], False)
+    assert numbers(3, None) == ([4, 5], False)
 
 
 # -- decrement --------------------------------------------------------------------------------------

@@ -13,6 +13,11 @@ def test_human_and_json_output(cluster: Cluster) -> None:
     r = pygmy("search", "distributed systems", *u)
     assert r.returncode == 0 and "RPCs for Dummies" in r.stdout and r.stdout.startswith("item")
     assert json.loads(pygmy("search", "graduate-school", "--json", *u).stdout)["items"][0]["item_number"] == 3
+    r = pygmy("search", "graduate-school", "--limit", "3", *u)
+    more = r.stdout.strip().splitlines()[-1].split()
+    assert r.returncode == 0 and more[:4] == ["more:", "pygmy", "search", "graduate-school"], r.stdout
+    r = pygmy("search", "graduate-school", "--limit", "3", "--next", more[-1], *u)
+    assert r.returncode == 0 and "more:" not in r.stdout and "Spring in the Pioneer Valley" in r.stdout
     r = pygmy("lookup", "2", *u)
     assert r.returncode == 0 and "item 2: RPCs for Dummies" in r.stdout and "stock:" in r.stdout
     r = pygmy("buy", "2", "--quantity", "2", "--json", *u)

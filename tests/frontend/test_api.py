@@ -28,6 +28,30 @@ def test_search_topic_forms(cluster: Cluster) -> None:
     assert requests.get(f"{cluster.url}/search/knitting", timeout=5).json() == {"topic": "knitting", "items": []}
 
 
+def test_search_pages_follow_their_cursor_to_the_end(cluster: Cluster) -> None:
+    """``limit`` and the opaque ``next``: every book once, in order; no ``next`` on the last page;
+    the default page holds a seven-book topic whole, so its answer has no ``next`` either."""
+    url = f"{cluster.url}/search/graduate-school"
+    assert "next" not in requests.get(url, timeout=5).json()
+    pages, params = [], {"limit": "2"}
+    while True:
+        r = requests.get(url, params=params, timeout=5)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        pages.append([i["item_number"] for i in body["items"]])
+        if "next" not in body:
+            break
+        params = {"limit": "2", "next": body["next"]}
+        again = requests.get(url, params=params, timeout=5)  # a page is cached like any read
+        assert again.status_code == 200
+    assert pages == [[3, 4], [5, 6], [7]]
+    # Cached like any read: each of the two workers fills it once, then hits.
+    assert "hit" in {requests.get(url, params=params, timeout=5).headers["X-Cache"] for _ in range(10)}
+    for bad in ({"limit": "0"}, {"limit": "1001"}, {"limit": "two"}, {"limit": "-1"},
+                {"next": "not-a-cursor"}, {"next": ""}, {"next": "YWZ0ZXI6LTE"}):  # the last: "after:-1"
+        err(requests.get(url, params=bad, timeout=5), 400)
+
+
 def test_lookup(cluster: Cluster) -> None:
     book = requests.get(f"{cluster.url}/lookup/3", timeout=5).json()
     assert set(book) == {"item_number", "title", "topic", "stock", "cost"}
