@@ -33,6 +33,7 @@ from cluster.web import (
 )
 from frontend import openapi
 from frontend.cache import ReadCache
+from frontend.statusview import StatusView
 from frontend.subscription import Subscription
 from replication.batching import Combiner, CombinerTimeout
 from replication.router import ChannelRouter, HopError, Reply, TierRouter, TierUnavailable, overloaded
@@ -252,10 +253,15 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
             out[field] = int(counts.get(event, 0))
         return out
 
+    views = StatusView(lambda: dict(zip(("catalog", "order"), probe.map(tier_view, (catalog, orders)), strict=True)))
+
     @app.get("/status")
     def status() -> Response:
-        cat, ordr = probe.map(tier_view, (catalog, orders))
+        """This worker's own state, now, and the tiers' as of ``age_ms`` ago (``StatusView``)."""
+        tiers, age = views.get()
+        cat, ordr = tiers["catalog"], tiers["order"]
         return jsonify({
+            "age_ms": round(age * 1000, 1),
             "frontend": {"name": name, "cache": cache_status(), "worker": os.getpid(),
                          "admission": app.wsgi_app.snapshot(),  # type: ignore[attr-defined]
                          "lease": {"valid": subscription.valid(), "holder": subscription.holder(),

@@ -73,6 +73,7 @@ _STATUS = {
     "type": "object",
     "required": ["frontend", "catalog", "order"],
     "properties": {
+        "age_ms": {"type": "number", "minimum": 0, "description": "age of the catalog and order parts"},
         "frontend": {
             "type": "object",
             "required": ["name", "cache"],

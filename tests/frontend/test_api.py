@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import requests
 from harness import Cluster
 
@@ -145,7 +147,26 @@ def test_health_status_and_unknown_routes(cluster: Cluster) -> None:
         for r in st[tier]["replicas"]:
             assert {"name", "url", "role", "term", "leader", "commit_index", "applied_index",
                     "state_digest", "alive"} <= set(r)
+    assert st["age_ms"] >= 0
     err(requests.get(f"{cluster.url}/no/such/route", timeout=5), 404)
+
+
+def test_many_status_pollers_cost_the_replicas_a_bounded_number_of_rounds(cluster: Cluster) -> None:
+    """Each worker asks the replicas at most once per 0.25 s however many call /status (StatusView)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def replica_status_calls() -> float:
+        text = cluster.replica_get("catalog-1", "/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("pygmy_http_requests_total") and 'route="/status"' in line)
+
+    before, started = replica_status_calls(), time.monotonic()
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        answers = list(pool.map(lambda _: requests.get(f"{cluster.url}/status", timeout=5).status_code, range(60)))
+    took = time.monotonic() - started
+    assert answers == [200] * 60
+    workers = cluster.config()["frontend_workers"]
+    assert replica_status_calls() - before <= workers * (took / 0.25 + 1)
 
 
 def test_idempotent_retry(cluster: Cluster) -> None:
