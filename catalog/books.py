@@ -41,7 +41,10 @@ def validate(books: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if not isinstance(stock, int) or stock < 0 or not isinstance(cost, int | float) or cost < 0:
                 raise ValueError("stock must be a non-negative integer and cost a non-negative number")
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"book #{i + 1}: {exc}") from None
+            number = b.get("item_number") if isinstance(b, dict) else None
+            which = f"book #{i + 1} (item_number {number!r})" if number is not None else f"book #{i + 1}"
+            what = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise ValueError(f"{which}: {what}") from None
         seen.add(n)
         out.append({"item_number": n, "title": b["title"], "topic": b["topic"], "stock": stock, "cost": float(cost)})
     return out
@@ -54,6 +57,8 @@ def load(path: str | None) -> list[dict[str, Any]]:
     data = json.loads(Path(path).read_text())
     if isinstance(data, dict):
         data = data.get("books", [])
+    if not isinstance(data, list):
+        raise ValueError("expected a JSON list of books (or {\"books\": [...]})")
     return validate(data)
 
 

@@ -12,6 +12,7 @@ if ``/proc`` shows a live member of that process group that is this very service
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import requests
 
+from catalog.books import load as load_books
 from cluster.config import ClusterConfig, parse_name
 
 START_TIMEOUT = 30.0
@@ -282,6 +284,20 @@ def reset(config: ClusterConfig) -> None:
     shutil.rmtree(config.log_dir(), ignore_errors=True)
 
 
+def check_books(path: str) -> None:
+    """Read and check the catalogue file here, before any service starts: a bad file fails with the
+    book at fault named on the terminal, not as a replica that exits with the reason in its log."""
+    try:
+        load_books(path)
+    except OSError as exc:
+        raise LaunchError(f"cannot read the books file {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise LaunchError(f"the books file {path} is not JSON: {exc.msg} at line {exc.lineno}, "
+                          f"column {exc.colno}") from None
+    except ValueError as exc:
+        raise LaunchError(f"the books file {path} has a bad book: {exc}") from None
+
+
 def up(config: ClusterConfig, reset_state: bool = False, out: object = sys.stdout) -> int:
     """Run the whole cluster in the foreground until SIGINT/SIGTERM; print ``ready <url>`` when usable."""
     names = config.names()
@@ -293,6 +309,8 @@ def up(config: ClusterConfig, reset_state: bool = False, out: object = sys.stdou
     _wait_exited(stale)
     for n in names:
         config.pid_file(n).unlink(missing_ok=True)
+    if config.books:
+        check_books(config.books)
     if reset_state:
         reset(config)
     config.secret(create=True)

@@ -112,6 +112,24 @@ def test_reset_starts_empty(tmp_path: Path) -> None:
         c.stop()
 
 
+@pytest.mark.parametrize(("content", "says"), [
+    ('[{"item_number": 1, "title": "a", "topic": "t"}, {"item_number": 2, "title": "b", "topic": "t", "stock": -1}]',
+     "book #2 (item_number 2): stock must be"),
+    ('[{"item_number": 5, "title": "a", "topic": "t"}, {"item_number": 5, "title": "b", "topic": "t"}]',
+     "book #2 (item_number 5): item_number must be a unique"),
+    ('[{"item_number": 1, "topic": "t"}]', "book #1 (item_number 1): missing field 'title'"),
+    ('[{"item_number": 1, "title": "a", "topic": "t"},', "is not JSON: Expecting value at line 1"),
+    ('{"books": 7}', "expected a JSON list of books"),
+])
+def test_up_names_the_bad_book_and_starts_nothing(tmp_path: Path, content: str, says: str) -> None:
+    books = tmp_path / "books.json"
+    books.write_text(content)
+    data = tmp_path / "data"
+    r = pygmy("up", "--port-base", str(free_port_base()), "--data-dir", str(data), "--books", str(books), timeout=30)
+    assert r.returncode == 1 and says in r.stderr, r.stderr
+    assert not (data / "run").exists() or not any((data / "run").iterdir())  # no service was started
+
+
 def test_up_refuses_busy_ports(tmp_path: Path, cluster: Cluster) -> None:
     r = pygmy("up", "--port-base", str(cluster.port_base), "--data-dir", str(tmp_path / "other"), timeout=30)
     assert r.returncode != 0 and "in use" in r.stderr
