@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -199,23 +199,50 @@ def spawn(config: ClusterConfig, name: str) -> subprocess.Popen[bytes]:
     return proc
 
 
-def wait_healthy(config: ClusterConfig, names: list[str], timeout: float = START_TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
+def _cpu_ticks(group: int) -> int:
+    """CPU used so far by a process group (a service's master and workers), in clock ticks."""
+    total = 0
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                stat = (proc / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            if int(fields[2]) == group:
+                total += int(fields[11]) + int(fields[12])
+    return total
+
+
+def wait_healthy(config: ClusterConfig, names: list[str], stall: float = START_TIMEOUT,
+                 progress: Callable[[str], None] | None = None) -> None:
+    """Until every service answers its health check, for as long as they make progress: a service
+    still loading a large catalogue uses CPU; one that used none for ``stall`` seconds, or exited,
+    fails the start. ``progress`` hears of each service as it comes up."""
+    started = last = time.monotonic()
     pending = list(names)
+    used: dict[str, int] = {}
     with requests.Session() as s:
         while pending:
-            name = pending[0]
-            try:
-                if s.get(service_url(config, name) + "/health", timeout=(0.5, 2)).status_code == 200:
-                    pending.pop(0)
-                    continue
-            except requests.RequestException:
-                pass
-            pid = read_pid(config, name)
-            if pid is None or not group_alive(pid):
-                raise LaunchError(f"{name} exited during start-up; see {config.log_dir() / (name + '.log')}")
-            if time.monotonic() > deadline:
-                raise LaunchError(f"{name} did not become healthy in {timeout:.0f} s; see its log")
+            for name in list(pending):
+                try:
+                    if s.get(service_url(config, name) + "/health", timeout=(0.5, 2)).status_code == 200:
+                        pending.remove(name)
+                        last = time.monotonic()
+                        if progress:
+                            progress(f"{name} up after {last - started:.1f} s")
+                        continue
+                except requests.RequestException:
+                    pass
+                pid = read_pid(config, name)
+                if pid is None or not group_alive(pid):
+                    raise LaunchError(f"{name} exited during start-up; see {config.log_dir() / (name + '.log')}")
+                ticks = _cpu_ticks(pid)
+                if ticks > used.get(name, -1):
+                    used[name], last = ticks, time.monotonic()
+            if pending and time.monotonic() - last > stall:
+                raise LaunchError(f"{', '.join(pending)} did not become healthy and did no work for "
+                                  f"{stall:.0f} s; see the logs in {config.log_dir()}")
             time.sleep(0.1)
 
 
@@ -328,7 +355,7 @@ def up(config: ClusterConfig, reset_state: bool = False, out: object = sys.stdou
     try:
         for name in names:
             spawn(config, name)
-        wait_healthy(config, names)
+        wait_healthy(config, names, progress=lambda line: print(f"pygmy up: {line}", file=sys.stderr, flush=True))
         wait_leaders(config)
         print(f"ready {config.frontend_url(1)}", file=out, flush=True)  # type: ignore[call-overload]
         while True:

@@ -257,3 +257,23 @@ def test_kill_leaves_a_program_that_reused_the_pid_alone(tmp_path: Path, others:
     assert r.returncode != 0 and "not running" in r.stderr, r.stderr
     time.sleep(0.2)
     assert others[0].poll() is None
+
+
+def test_start_up_waits_while_a_service_works_and_fails_when_it_stalls(tmp_path: Path, others: list) -> None:
+    """A replica loading a large catalogue is not healthy yet but busy: waited for. One that does no
+    work for ``stall`` seconds, or exits, fails the start with its name."""
+    config = ClusterConfig(data_dir=str(tmp_path / "d"), port_base=free_port_base())
+    config.run_dir().mkdir(parents=True)
+    config.log_dir().mkdir()
+    idle = other(others)  # sleep 60: alive, never healthy, no CPU
+    config.pid_file("catalog-1").write_text(f"{idle}\n")
+    started = time.monotonic()
+    with pytest.raises(launcher.LaunchError, match="catalog-1 did not become healthy and did no work for 1 s"):
+        launcher.wait_healthy(config, ["catalog-1"], stall=1.0)
+    assert time.monotonic() - started < 5
+    busy = other(others, sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass")
+    config.pid_file("catalog-2").write_text(f"{busy}\n")
+    started = time.monotonic()
+    with pytest.raises(launcher.LaunchError, match="catalog-2 exited during start-up"):
+        launcher.wait_healthy(config, ["catalog-2"], stall=1.0)  # busy for 3 s: waited for, then gone
+    assert time.monotonic() - started > 2.5
