@@ -49,6 +49,15 @@ def leader(c: Cluster, tier: str, timeout: float = 10) -> str:
     raise AssertionError(f"no {tier} leader within {timeout} s")
 
 
+def new_leader(c: Cluster, tier: str, old: str, timeout: float = 10) -> str:
+    """The tier's leader once it is not ``old`` (the frontend's view may be up to 0.25 s old)."""
+    deadline = time.monotonic() + timeout
+    while (name := leader(c, tier, timeout)) == old:
+        assert time.monotonic() < deadline, f"no new {tier} leader after {old} was killed"
+        time.sleep(0.05)
+    return name
+
+
 def wait_converged(c: Cluster, timeout: float = 30) -> dict:
     """Every replica up, one leader per tier, all replicas of a tier at the same applied index."""
     deadline = time.monotonic() + timeout
@@ -191,7 +200,7 @@ def test_leader_and_follower_kills_under_load(cluster3: Cluster) -> None:
             victim = leader(c, tier)
             c.kill(victim)  # SIGKILL the leader
             time.sleep(2.0)
-            assert leader(c, tier) != victim, "no new leader after the old one was killed"
+            new_leader(c, tier, victim, timeout=1.0)
             c.restart(victim)
             time.sleep(1.0)
         for tier in ("catalog", "order"):
@@ -297,7 +306,7 @@ def test_a_leader_killed_between_sending_entries_and_writing_them(tmp_path: Path
                     assert time.monotonic() < deadline, f"{victim} did not die"
                     time.sleep(0.02)
                 crashed.append(victim)
-                assert leader(c, tier) != victim
+                new_leader(c, tier, victim)
                 c.restart(victim)
                 while len(load.acked) < acked + 10:
                     assert time.monotonic() < deadline + 20, "no buys acknowledged after the crash"
@@ -333,7 +342,7 @@ def test_a_leader_killed_with_a_batch_committed_and_unanswered(tmp_path: Path, t
                 assert time.monotonic() < deadline, f"no {tier} batch of two or more buys was committed"
                 time.sleep(0.02)
             acked = len(load.acked)
-            assert leader(c, tier) != victim
+            new_leader(c, tier, victim)
             c.restart(victim)
             while len(load.acked) < acked + 10:
                 assert time.monotonic() < deadline + 20, "no buys acknowledged after the crash"
