@@ -77,6 +77,17 @@ def test_cache_size_uses_its_own_catalogue(settings: h.Settings) -> None:
     assert [r[0] for r in data["table"]["rows"]] == [10, 1000]
 
 
+def test_store_size_measures_each_catalogue_size(settings: h.Settings) -> None:
+    from experiments import store_size
+
+    store_size.run(settings)
+    data = _check(settings, "store_size")
+    assert [r[0] for r in data["table"]["rows"]] == [7, 1000]
+    big = data["results"][1]
+    assert big["lookup"]["n"] == 10 and set(big["rss_mib"]) >= {"catalog-1", "order-1", "frontend-1"}
+    assert all(mib > 0 for sizes in big["rss_mib"].values() for mib in sizes)
+
+
 def test_report_renders_every_result(settings: h.Settings, ran: dict, tmp_path: Path) -> None:
     baseline.of_run(settings)  # measured once per run (already, if an experiment ran first) and saved
     out = report.write(settings.results_dir, settings.plots_dir, tmp_path / "REPORT.md")
