@@ -50,6 +50,7 @@ class Proc:
     pgrp: int
     state: str
     flags: int
+    cpu_ticks: int = 0  # user + system CPU so far, in clock ticks
 
 
 def _proc(pid: int) -> Proc | None:
@@ -60,9 +61,9 @@ def _proc(pid: int) -> Proc | None:
         return None
     # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
     rest = raw[raw.rfind(")") + 2:].split()
-    if len(rest) < 7:
+    if len(rest) < 13:
         return None
-    return Proc(pid, int(rest[2]), rest[0], int(rest[6]))
+    return Proc(pid, int(rest[2]), rest[0], int(rest[6]), int(rest[11]) + int(rest[12]))
 
 
 def _groups(pgids: Iterable[int]) -> dict[int, list[Proc]]:
@@ -199,21 +200,6 @@ def spawn(config: ClusterConfig, name: str) -> subprocess.Popen[bytes]:
     return proc
 
 
-def _cpu_ticks(group: int) -> int:
-    """CPU used so far by a process group (a service's master and workers), in clock ticks."""
-    total = 0
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                stat = (proc / "stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2:].split()
-            if int(fields[2]) == group:
-                total += int(fields[11]) + int(fields[12])
-    return total
-
-
 def wait_healthy(config: ClusterConfig, names: list[str], stall: float = START_TIMEOUT,
                  progress: Callable[[str], None] | None = None) -> None:
     """Until every service answers its health check, for as long as they make progress: a service
@@ -237,7 +223,7 @@ def wait_healthy(config: ClusterConfig, names: list[str], stall: float = START_T
                 pid = read_pid(config, name)
                 if pid is None or not group_alive(pid):
                     raise LaunchError(f"{name} exited during start-up; see {config.log_dir() / (name + '.log')}")
-                ticks = _cpu_ticks(pid)
+                ticks = sum(p.cpu_ticks for p in _group(pid))  # a service's master and workers
                 if ticks > used.get(name, -1):
                     used[name], last = ticks, time.monotonic()
             if pending and time.monotonic() - last > stall:
