@@ -83,6 +83,8 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         """The books a write just changed, read here after it applied (so at its index or later):
         caches refresh their entries from these instead of missing on the next lookup. Best effort:
         without them (a failed read) caches only drop the entries."""
+        if not items:
+            return None
         try:
             return {book_key(n): book for n, book in state.books(items).items()}
         except Exception:
@@ -97,7 +99,7 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         with invalidator.holding([book_key(item)]) as held:
             result = rt.propose(command)
             held.index = result["book"]["version"] if result["ok"] else 0
-            held.values = fresh([item])
+            held.values = fresh([item]) if result["ok"] else None
         if not result["ok"]:
             fail(result["error"]["code"], result["error"]["message"])
         return jsonify(result["book"])
@@ -186,7 +188,7 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         with invalidator.holding(sorted({book_key(d["item"]) for d in items})) as held:
             result = rt.propose({"op": "decrements", "items": items})
             held.index = result["index"]  # a floor for every key in it; unchanged books lose nothing
-            held.values = fresh(sorted({d["item"] for d in items}))
+            held.values = fresh(sorted({d["item"] for d, r in zip(items, result["results"], strict=True) if r["ok"]}))
         return jsonify({"results": [{"status": 200, "body": r["book"]} if r["ok"] else
                                     {"status": r["error"]["code"], "body": {"error": r["error"]}}
                                     for r in result["results"]]})

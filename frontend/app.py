@@ -51,6 +51,11 @@ EXPIRED = Reply(504, {"error": {"code": 504, "message": "the buy's time budget w
                 "frontend")
 
 
+def public_book(book: dict[str, Any]) -> dict[str, Any]:
+    """A book as lookups answer and cache it, whether read from a replica or carried by a release."""
+    return {k: book[k] for k in BOOK_FIELDS}
+
+
 def cursor(after: int) -> str:
     """The opaque ``next`` of a search answer: where the next page starts (clients only pass it back)."""
     return base64.urlsafe_b64encode(f"after:{after}".encode()).decode().rstrip("=")
@@ -106,7 +111,7 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
     def shape(key: str, book: Any) -> Any:
         """A book a release carries, as a lookup caches it (``book:N`` keys only)."""
         if key.startswith("book:") and isinstance(book, dict) and all(f in book for f in BOOK_FIELDS):
-            return {f: book[f] for f in BOOK_FIELDS}
+            return public_book(book)
         return None
 
     subscription = Subscription(cache, leases, secret, config.bind_address(name), config.advertise_host, name, shape)
@@ -172,7 +177,7 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
             reply = catalog_read(f"/books/{number}", floor)
             g.served_by = f"{reply.replica}@{reply.body['applied_index']}"
             # Fresh as of the log position it was read at (not merely its own last change).
-            return reply.body["applied_index"], {k: reply.body[k] for k in BOOK_FIELDS}
+            return reply.body["applied_index"], public_book(reply.body)
 
         return traced(jsonify(cache.get_or_fetch(book_key(number), fetch, usable=subscription.valid())))
 
