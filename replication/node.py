@@ -438,9 +438,10 @@ class ReplicaNode:
         """How long after a leader's lease ends, at least, a voter of its successor votes: every
         voter ignores votes for ``election_ticks_min`` after last hearing from a leader, and the
         leader's lease lasts ``effective_lease_ticks`` from a message a majority then heard (one of
-        them votes for any successor). So a successor leads only this long after that lease ended."""
+        them votes for any successor). So a successor leads only this long after that lease ended,
+        less one tick: the voter's count starts at its first tick after it heard, which may come at once."""
         c = self.config
-        return max(0, c.election_ticks_min - c.effective_lease_ticks()) * c.tick_ms / 1000.0
+        return max(0, c.election_ticks_min - c.effective_lease_ticks() - 1) * c.tick_ms / 1000.0
 
     def leader(self) -> tuple[str, str] | None:
         name = self._view.get("leader")

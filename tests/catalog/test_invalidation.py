@@ -219,6 +219,18 @@ def test_a_new_leader_waits_from_its_election_what_an_old_lease_can_outlast_it(s
     assert Publish(clock, inv, 12).join() == pytest.approx(3.0 + LEASE)
 
 
+def test_the_default_timing_gives_a_successor_90_ms_of_voters_quiet() -> None:
+    """300 ms of election timeout counted in 10 ms ticks from the first tick after hearing (290 ms at
+    least), against a 200 ms leader lease: 90 ms, so a new catalog leader waits 0.31 s."""
+    from types import SimpleNamespace
+
+    from replication.node import ReplicaNode, ReplicationConfig
+
+    quiet = ReplicaNode.vote_quiet_s(SimpleNamespace(config=ReplicationConfig()))  # type: ignore[arg-type]
+    assert quiet == pytest.approx(0.09)
+    assert LEASE - quiet == pytest.approx(0.31)
+
+
 def test_a_grant_never_outlasts_the_leader_lease_by_more_than_a_lease(setup) -> None:
     """A grant computed by a thread that stalled after the caller checked the leader lease must not
     reach further than the successor's wait allows."""
