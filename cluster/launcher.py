@@ -19,14 +19,17 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import requests
 
 from catalog.books import load as load_books
+from cluster import control
 from cluster.config import ClusterConfig, parse_name
 
 START_TIMEOUT = 30.0
@@ -311,6 +314,58 @@ def check_books(path: str) -> None:
         raise LaunchError(f"the books file {path} has a bad book: {exc}") from None
 
 
+class Faults:
+    """What ``pygmy up`` does for the requests on its control socket (``cluster/control.py``): kill a
+    service, pause it (SIGSTOP) for some seconds, start it again. Paused services are resumed when
+    their time is up, and all of them before the launcher stops the cluster."""
+
+    def __init__(self, config: ClusterConfig, say: Callable[[str], None] = lambda line: None) -> None:
+        self.config, self.say = config, say
+        self._paused: dict[str, tuple[int, float]] = {}  # name -> (process group, resume at)
+        self._lock = threading.Lock()
+
+    def handle(self, req: dict[str, Any]) -> dict[str, Any]:
+        action, name = req.get("action"), req.get("name")
+        if action not in control.ACTIONS:
+            raise control.ControlError(400, f"action must be one of {', '.join(control.ACTIONS)}")
+        if not isinstance(name, str) or name not in self.config.names():
+            raise control.ControlError(404, f"no service {name!r} in this cluster")
+        try:
+            if action == "kill":
+                with self._lock:
+                    self._paused.pop(name, None)
+                message = f"killed {name} (process group {kill(self.config, name)})"
+            elif action == "pause":
+                seconds = req.get("seconds", 5)
+                if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not (
+                        0 < seconds <= control.MAX_PAUSE):
+                    raise control.ControlError(400, f"seconds must be a number in (0, {control.MAX_PAUSE:g}]")
+                pid = running(self.config, name)
+                if pid is None:
+                    raise LaunchError(f"{name} is not running")
+                with self._lock:
+                    os.killpg(pid, signal.SIGSTOP)
+                    self._paused[name] = (pid, time.monotonic() + seconds)
+                message = f"paused {name} for {seconds:g} s"
+            else:
+                message = f"started {name} (pid {spawn(self.config, name).pid})"
+        except (LaunchError, ProcessLookupError) as exc:
+            raise control.ControlError(409, str(exc) or f"{name} is not running") from None
+        self.say(message + " (from a dashboard)")
+        return {"ok": True, "message": message}
+
+    def resume_due(self, everything: bool = False) -> None:
+        """SIGCONT the paused services whose time is up (all of them with ``everything``)."""
+        now = time.monotonic()
+        with self._lock:
+            due = [n for n, (_, at) in self._paused.items() if everything or now >= at]
+            for name in due:
+                pid, _ = self._paused.pop(name)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGCONT)
+                self.say(f"resumed {name}")
+
+
 def up(config: ClusterConfig, reset_state: bool = False, out: object = sys.stdout) -> int:
     """Run the whole cluster in the foreground until SIGINT/SIGTERM; print ``ready <url>`` when usable."""
     names = config.names()
@@ -336,13 +391,23 @@ def up(config: ClusterConfig, reset_state: bool = False, out: object = sys.stdou
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise _Stop(signum)
 
+    def say(line: str) -> None:
+        print(f"pygmy up: {line}", file=sys.stderr, flush=True)
+
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    faults = Faults(config, say)
+    server: control.ControlServer | None = None
     try:
         for name in names:
             spawn(config, name)
-        wait_healthy(config, names, progress=lambda line: print(f"pygmy up: {line}", file=sys.stderr, flush=True))
+        wait_healthy(config, names, progress=say)
         wait_leaders(config)
+        try:
+            server = control.ControlServer(config.run_dir(), faults.handle, faults.resume_due)
+            server.start()
+        except (control.ControlError, OSError) as exc:
+            say(f"no fault buttons on the dashboard: {exc}")
         print(f"ready {config.frontend_url(1)}", file=out, flush=True)  # type: ignore[call-overload]
         while True:
             _reap()  # services killed for fault injection must not linger as zombies
@@ -352,6 +417,9 @@ def up(config: ClusterConfig, reset_state: bool = False, out: object = sys.stdou
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if server is not None:
+            server.close()
+        faults.resume_due(everything=True)  # a stopped process would not hear SIGTERM
         stop_all(config, names)
 
 
