@@ -39,6 +39,11 @@ BUY_BATCH = Histogram(
     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256))
 CACHE_ENTRIES = Gauge("pygmy_cache_entries", "Entries in the frontend caches", ["service"],
                       multiprocess_mode="livesum")
+#: One figure of one frontend worker, per process (``pid`` label) while it lives: what the dashboard
+#: shows per worker. ``field``: hits, misses, invalidations, entries, pushes, lease_until (Unix time
+#: its lease runs to), lease_term (the catalog term that granted it).
+FRONTEND_WORKER = Gauge("pygmy_frontend_worker", "A frontend worker's own cache and lease figures",
+                        ["service", "field"], multiprocess_mode="liveall")
 
 
 def worker_exited(pid: int) -> None:

@@ -31,7 +31,7 @@ from cluster.web import (
     require_secret,
     update_fields,
 )
-from frontend import openapi
+from frontend import dashboard, openapi
 from frontend.cache import ReadCache
 from frontend.statusview import StatusView
 from frontend.subscription import Subscription
@@ -99,11 +99,16 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
     probe = ThreadPoolExecutor(max_workers=2, thread_name_prefix="health")
     events = {e: metrics.CACHE_EVENTS.labels(name, e) for e in ("hit", "miss", "invalidation", "eviction", "flush")}
     entries_gauge = metrics.CACHE_ENTRIES.labels(name)
+    worker = {f: metrics.FRONTEND_WORKER.labels(name, f) for f in dashboard.WORKER_FIELDS}
+    per_worker = {"hit": worker["hits"], "miss": worker["misses"], "invalidation": worker["invalidations"]}
 
     def on_cache_event(event: str, entries: int) -> None:
         if event in events:
             events[event].inc()
+        if event in per_worker:
+            per_worker[event].inc()
         entries_gauge.set(entries)
+        worker["entries"].set(entries)
 
     cache = ReadCache(config.cache_size, enabled=config.cache, on_event=on_cache_event)
     # Always subscribe, cache or not: the invalidation floors are what make follower reads fresh.
@@ -116,6 +121,14 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
 
     subscription = Subscription(cache, leases, secret, config.bind_address(name), config.advertise_host, name, shape)
     cache.lease_valid = subscription.valid
+
+    def mirror_lease() -> None:
+        holder = subscription.holder()
+        worker["lease_until"].set(time.time() + subscription.valid_for())
+        worker["lease_term"].set(holder[1] if holder else 0)
+        worker["pushes"].set(subscription.pushes)
+
+    subscription.on_change = mirror_lease
     app.extensions["pygmy_subscription"] = subscription
 
     def send_buys(items: list[tuple[dict[str, Any], float]]) -> list[Reply]:
@@ -273,6 +286,8 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
                                    "pushes": subscription.pushes}},
             "catalog": cat, "order": ordr,
         })
+
+    dashboard.register(app, config, name, views, admin)
 
     @app.get("/openapi.json")
     def openapi_document() -> Response:

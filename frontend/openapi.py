@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from frontend.dashboard import static_files
+
 MAX_ITEM = 999_999_999_999_999_999  # 18 digits: the largest path number we accept (fits SQLite)
 
 _ERROR = {
@@ -93,6 +95,28 @@ _STATUS = {
     },
 }
 
+_COUNT = {"type": "integer", "minimum": 0}
+_DASHBOARD = {
+    "type": "object",
+    "required": ["frontend", "now", "age_ms", "tiers", "workers", "operations", "faults"],
+    "properties": {
+        "frontend": {"type": "string"}, "now": {"type": "number", "description": "Unix time of this answer"},
+        "age_ms": {"type": "number", "minimum": 0, "description": "age of the tiers part"},
+        "tiers": {"type": "object", "required": ["catalog", "order"], "properties": {"catalog": _TIER, "order": _TIER}},
+        "workers": {"type": "array", "items": {
+            "type": "object", "required": ["pid", "entries", "hits", "misses", "invalidations", "lease_valid"],
+            "properties": {k: _COUNT for k in ("pid", "entries", "hits", "misses", "invalidations", "pushes",
+                                               "lease_left_ms", "lease_term")} | {"lease_valid": {"type": "boolean"}}}},
+        "operations": {"type": "object", "description": "search, lookup and buy since this frontend started",
+                       "additionalProperties": {"type": "object", "required": ["count", "errors", "buckets"], "properties": {
+                           "count": _COUNT, "errors": _COUNT,
+                           "buckets": {"type": "array", "description": "[upper bound in s (null: +Inf), requests at "
+                                                                       "or under it]", "items": {"type": "array"}}}}},
+        "faults": {"type": "boolean", "description": "whether /dashboard/faults can act (a `pygmy up` cluster)"},
+        "max_pause": {"type": "number"},
+    },
+}
+
 #: What each status means on this API; every one of them has the JSON error body.
 ERROR_MEANINGS = {
     400: "Bad input: a malformed number, body, field or header",
@@ -100,7 +124,7 @@ ERROR_MEANINGS = {
     403: "Wrong admin token",
     404: "No such item, order or route",
     405: "Method not allowed on this route",
-    409: "Out of stock, or stock would go negative",
+    409: "Out of stock, or stock would go negative; a fault the launcher cannot carry out, or no launcher",
     413: "Body over 64 KiB",
     414: "URL over 8 KiB",
     422: "Idempotency-Key already used for a different buy",
@@ -191,6 +215,37 @@ def spec(server_url: str | None = None) -> dict[str, Any]:
             "operationId": "metrics", "summary": "Prometheus text format",
             "responses": {"200": {"description": "metrics", "content": {"text/plain": {"schema": {"type": "string"}}}},
                           **_errors()},
+        }},
+        "/dashboard": {"get": {
+            "operationId": "dashboard", "summary": "The live cluster page (HTML; polls /dashboard/state)",
+            "responses": {"200": {"description": "the page", "content": {"text/html": {"schema": {"type": "string"}}}},
+                          **_errors()},
+        }},
+        "/dashboard/static/{filename}": {"get": {
+            "operationId": "dashboardFile", "summary": "The page's script, style and vendored chart library",
+            "parameters": [{"name": "filename", "in": "path", "required": True,
+                            "schema": {"type": "string", "enum": static_files()}}],
+            "responses": {"200": {"description": "the file", "content": {"*/*": {"schema": {"type": "string"}}}},
+                          **_errors()},
+        }},
+        "/dashboard/state": {"get": {
+            "operationId": "dashboardState", "summary": "What the page draws: tiers, this frontend's workers "
+                                                        "and its per-operation counts and latency histograms",
+            "responses": {"200": _json(_DASHBOARD, "the state, now"), **_errors()},
+        }},
+        "/dashboard/faults": {"post": {
+            "operationId": "dashboardFault",
+            "summary": "Kill, pause or start a replica (admin; clusters started by `pygmy up` only)",
+            "security": [{"adminToken": []}],
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "required": ["action", "name"],
+                "properties": {"action": {"type": "string", "enum": ["kill", "pause", "start"]},
+                               "name": {"type": "string", "description": "a replica, e.g. catalog-1"},
+                               "seconds": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 60,
+                                           "description": "how long a pause lasts (default 5)"}}}}}},
+            "responses": {"200": _json({"type": "object", "required": ["ok", "message"],
+                                        "properties": {"ok": {"type": "boolean"}, "message": {"type": "string"}}},
+                                       "done"), **_errors(401, 403, 409)},
         }},
         "/openapi.json": {"get": {
             "operationId": "openapi", "summary": "This document",

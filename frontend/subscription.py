@@ -58,6 +58,8 @@ class Subscription:
         self.url = f"tcp://{advertised_host(bind, advertise)}:{self._server.address[1]}"
         self._thread = threading.Thread(target=self._renew_loop, name="lease-renewal", daemon=True)
         self.pushes = 0
+        #: Told after every renewal and every push (the owner mirrors them into per-worker metrics).
+        self.on_change: Callable[[], None] = lambda: None
 
     def start(self) -> None:
         self._server.start()
@@ -74,6 +76,10 @@ class Subscription:
 
     def holder(self) -> tuple[str, int] | None:
         return self._holder
+
+    def valid_for(self) -> float:
+        """Seconds left on our lease (0 once it lapsed)."""
+        return max(0.0, self._valid_until - time.monotonic())
 
     # -- lease ------------------------------------------------------------------------------------
     def renew(self) -> bool:
@@ -94,6 +100,7 @@ class Subscription:
         self._holder = holder
         # Only now, with the grant's holds in force, may the cache be used under this lease.
         self._valid_until = sent + float(body["lease"]) - MARGIN
+        self.on_change()
         return True
 
     def _renew_loop(self) -> None:
@@ -124,3 +131,4 @@ class Subscription:
             fresh = {str(k): self.shape(str(k), v) for k, v in values[0].items()} if values and values[0] else None
             self.cache.release(int(token), [str(k) for k in keys], int(version), fresh)
         self.pushes += 1
+        self.on_change()
