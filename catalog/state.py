@@ -38,9 +38,17 @@ class CatalogState(SQLiteStateMachine):
                topic_key TEXT NOT NULL, stock INTEGER NOT NULL CHECK (stock >= 0),
                cost_cents INTEGER NOT NULL, version INTEGER NOT NULL DEFAULT 0)""",
         "CREATE INDEX IF NOT EXISTS books_topic ON books(topic_key, item_number)",
-        "CREATE TABLE IF NOT EXISTS idempotency (key TEXT PRIMARY KEY, result TEXT NOT NULL)",
+        # ``at``: the key's time (Unix seconds, in the command, so the same on every replica): for a
+        # decrement, when its buy's order was created (the order tier's clock, which its expiry
+        # uses too); for an update, when the catalog leader proposed it; 0: kept for good.
+        "CREATE TABLE IF NOT EXISTS idempotency (key TEXT PRIMARY KEY, result TEXT NOT NULL, at REAL NOT NULL DEFAULT 0)",
     )
     digest_tables = ("books", "idempotency")
+
+    def migrate(self, conn: sqlite3.Connection) -> None:
+        if "at" not in {r[1] for r in conn.execute("PRAGMA table_info(idempotency)")}:
+            conn.execute("ALTER TABLE idempotency ADD COLUMN at REAL NOT NULL DEFAULT 0")
+        conn.execute("CREATE INDEX IF NOT EXISTS idempotency_at ON idempotency(at)")
 
     def seed(self, books: list[dict[str, Any]]) -> None:
         """Load the initial catalogue into a brand-new replica (identical on every replica)."""
@@ -82,6 +90,9 @@ class CatalogState(SQLiteStateMachine):
         more = limit is not None and len(rows) > limit
         return applied, [{"item_number": r["item_number"], "title": r["title"]} for r in rows[:limit]], more
 
+    def key_count(self) -> int:
+        return int(self.read("SELECT COUNT(*) FROM idempotency")[0][0])
+
     # -- commands ---------------------------------------------------------------------------------
     def execute(self, conn: sqlite3.Connection, index: int, command: dict[str, Any]) -> Any:
         op = command["op"]
@@ -96,7 +107,20 @@ class CatalogState(SQLiteStateMachine):
             return self._update(conn, index, command)
         if op == "restock":
             return self._restock(conn, index, command)
+        if op == "expire":
+            return self._expire(conn, command)
         raise ValueError(f"unknown catalog command {op!r}")
+
+    def _remember(self, conn: sqlite3.Connection, cmd: dict[str, Any], result: dict[str, Any]) -> None:
+        conn.execute("INSERT INTO idempotency(key, result, at) VALUES (?, ?, ?)",
+                     (cmd["key"], json.dumps(result), float(cmd.get("at", 0))))
+
+    def _expire(self, conn: sqlite3.Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Forget the keys whose time is before ``before`` (Unix seconds, chosen by the order leader:
+        never after its oldest unfinished buy). Keys without a time (``at`` 0: from before key
+        windows, or a caller that gave none) are kept."""
+        forgotten = conn.execute("DELETE FROM idempotency WHERE at > 0 AND at < ?", (float(cmd["before"]),)).rowcount
+        return {"ok": True, "forgotten": forgotten}
 
     def _row(self, conn: sqlite3.Connection, item: int) -> sqlite3.Row | None:
         return conn.execute("SELECT * FROM books WHERE item_number=?", (item,)).fetchone()
@@ -119,7 +143,7 @@ class CatalogState(SQLiteStateMachine):
             result = error(404, f"no book with item number {item}")
         else:
             result = error(409, f"out of stock: {row['stock']} left of item {item}, {quantity} wanted")
-        conn.execute("INSERT INTO idempotency(key, result) VALUES (?, ?)", (key, json.dumps(result)))
+        self._remember(conn, cmd, result)
         return result
 
     def _update(self, conn: sqlite3.Connection, index: int, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -144,7 +168,7 @@ class CatalogState(SQLiteStateMachine):
             )
             result = {"ok": True, "book": book_dict(self._row(conn, item))}
         if key:
-            conn.execute("INSERT INTO idempotency(key, result) VALUES (?, ?)", (key, json.dumps(result)))
+            self._remember(conn, cmd, result)
         return result
 
     def _restock(self, conn: sqlite3.Connection, index: int, cmd: dict[str, Any]) -> dict[str, Any]:

@@ -35,14 +35,32 @@ def confirmed(order: dict[str, Any], title: str, cost: float) -> dict[str, Any]:
 
 class OrderState(SQLiteStateMachine):
     schema = (
+        # ``key`` is NULL once forgotten: the order stays, a retry with its key is a new buy.
+        # ``windowed``: its key may be forgotten (1 for intents written since key windows exist;
+        # an older one's catalog key has no time, so both tiers keep that key for good).
         """CREATE TABLE IF NOT EXISTS orders (
-               order_number INTEGER PRIMARY KEY, key TEXT NOT NULL UNIQUE,
+               order_number INTEGER PRIMARY KEY, key TEXT UNIQUE,
                item_number INTEGER NOT NULL, quantity INTEGER NOT NULL,
                title TEXT, cost_cents INTEGER, status TEXT NOT NULL,
-               error_code INTEGER, error_message TEXT, created_at TEXT NOT NULL)""",
+               error_code INTEGER, error_message TEXT, created_at TEXT NOT NULL,
+               windowed INTEGER NOT NULL DEFAULT 0)""",
         "CREATE INDEX IF NOT EXISTS orders_status ON orders(status)",
     )
     digest_tables = ("orders",)
+
+    def migrate(self, conn: sqlite3.Connection) -> None:
+        """Orders from before key windows had ``key NOT NULL``: the table is rebuilt with the same rows."""
+        notnull = {r[1]: r[3] for r in conn.execute("PRAGMA table_info(orders)")}
+        if notnull.get("key"):
+            conn.execute("ALTER TABLE orders RENAME TO orders_before_windows")
+            conn.execute(self.schema[0])
+            cols = ("order_number, key, item_number, quantity, title, cost_cents, status, error_code, "
+                    "error_message, created_at")
+            conn.execute(f"INSERT INTO orders({cols}) SELECT {cols} FROM orders_before_windows")
+            conn.execute("DROP TABLE orders_before_windows")
+            conn.execute(self.schema[1])
+        # The keys still remembered, oldest first: what an expiry walks.
+        conn.execute("CREATE INDEX IF NOT EXISTS orders_keys_by_age ON orders(created_at) WHERE key IS NOT NULL")
 
     # -- reads ------------------------------------------------------------------------------------
     def order(self, number: int) -> dict[str, Any] | None:
@@ -52,16 +70,30 @@ class OrderState(SQLiteStateMachine):
     def pending(self) -> list[dict[str, Any]]:
         return [order_dict(r) for r in self.read("SELECT * FROM orders WHERE status=? ORDER BY order_number", (PENDING,))]
 
+    def oldest_pending(self) -> str | None:
+        """``created_at`` of the oldest unfinished buy, if any (its keys must be kept)."""
+        return self.read("SELECT MIN(created_at) FROM orders WHERE status=?", (PENDING,))[0][0]
+
+    def key_count(self) -> int:
+        return int(self.read("SELECT COUNT(*) FROM orders WHERE key IS NOT NULL")[0][0])
+
     # -- commands ---------------------------------------------------------------------------------
     def execute(self, conn: sqlite3.Connection, index: int, command: dict[str, Any]) -> Any:
         op = command["op"]
+        if op == "expire":
+            # Finished orders created before ``before`` forget their keys; unfinished ones keep them.
+            forgotten = conn.execute(
+                "UPDATE orders SET key = NULL WHERE key IS NOT NULL AND created_at < ? AND status != ? "
+                "AND windowed = 1", (command["before"], PENDING)).rowcount
+            return {"forgotten": forgotten}
         key = command["key"]
         if op == "intent":
             if conn.execute("SELECT 1 FROM orders WHERE key=?", (key,)).fetchone() is None:
                 conn.execute(
-                    "INSERT INTO orders(order_number, key, item_number, quantity, status, created_at) "
-                    "VALUES ((SELECT COALESCE(MAX(order_number), 0) + 1 FROM orders), ?, ?, ?, ?, ?)",
-                    (key, command["item"], command["quantity"], PENDING, command["created_at"]),
+                    "INSERT INTO orders(order_number, key, item_number, quantity, status, created_at, windowed) "
+                    "VALUES ((SELECT COALESCE(MAX(order_number), 0) + 1 FROM orders), ?, ?, ?, ?, ?, ?)",
+                    (key, command["item"], command["quantity"], PENDING, command["created_at"],
+                     1 if command.get("windowed") else 0),
                 )
         elif op == "confirm":
             row = conn.execute("SELECT * FROM orders WHERE key=? AND status=?", (key, PENDING)).fetchone()

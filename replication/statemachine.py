@@ -108,7 +108,14 @@ class SQLiteStateMachine(StateMachine):
                 conn.execute(stmt)
             conn.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('applied_index', 0)")
             conn.commit()
+            with transaction(conn):
+                self.migrate(conn)
             self._install_digest(conn)
+
+    def migrate(self, conn: sqlite3.Connection) -> None:
+        """Bring a database written by an older version up to this schema (in one transaction, before
+        the digest's triggers are checked: a changed table gets them anew). Deterministic: every
+        replica migrates its own copy to the same rows."""
 
     def _install_digest(self, conn: sqlite3.Connection) -> None:
         """Create the digest row and its triggers once; a database from before them (or whose
@@ -249,6 +256,10 @@ class SQLiteStateMachine(StateMachine):
             source.commit()
             source.backup(self._conn())
             source.close()
+            conn = self._conn()
+            with transaction(conn):  # a snapshot from an older version: brought up to this schema
+                self.migrate(conn)
+        self._install_digest(conn)
 
     def digest(self) -> str:
         """O(1): the maintained sum, not a scan."""

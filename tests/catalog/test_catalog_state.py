@@ -6,6 +6,7 @@ Decrements are idempotent by key and never take stock below zero; updates change
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -329,3 +330,39 @@ def test_helpers() -> None:
     assert error(503, "busy") == {"ok": False, "error": {"code": 503, "message": "busy"}}
     row = {"item_number": 7, "title": "T", "topic": "t", "stock": 2, "cost_cents": 1999, "version": 4}
     assert book_dict(row) == {"item_number": 7, "title": "T", "topic": "t", "stock": 2, "cost": 19.99, "version": 4}
+
+
+# -- key windows --------------------------------------------------------------------------------------
+def test_expire_forgets_keys_before_its_time_and_keeps_the_rest(state: CatalogState, log: Log) -> None:
+    log({**decrement(1, 1, "old"), "at": 100.0})
+    log({**decrement(1, 1, "new"), "at": 200.0})
+    log(decrement(1, 1, "timeless"))  # no time: kept for good
+    log({**update(2, stock_delta=1), "key": "u-old", "at": 150.0})
+    before = stocks(state)
+    assert log({"op": "expire", "before": 200.0}) == {"ok": True, "forgotten": 2}
+    assert state.key_count() == 2
+    assert stocks(state) == before, "forgetting keys changes no book"
+    # A forgotten key is a new request; a remembered one still repeats its first answer.
+    assert log({**decrement(1, 1, "old"), "at": 300.0})["book"]["stock"] == before[0] - 1
+    assert log({**decrement(1, 1, "new"), "at": 300.0})["book"]["stock"] == before[0] + 1, "its first answer"
+    applied, kept, recomputed = state.full_digest()
+    assert kept == recomputed
+
+
+def test_a_database_from_before_key_windows_keeps_its_keys_and_digest(tmp_path: Path) -> None:
+    """The idempotency table without ``at``: migrated in place, its keys without a time (kept)."""
+    path = tmp_path / "old.db"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE idempotency (key TEXT PRIMARY KEY, result TEXT NOT NULL)")
+    conn.execute("INSERT INTO idempotency VALUES ('k1', '{\"ok\": true}')")
+    conn.commit()
+    conn.close()
+    migrated = [CatalogState(path), CatalogState(tmp_path / "copy.db")]
+    migrated[1].restore(0, migrated[0].snapshot())
+    for s in migrated:
+        assert s.key_count() == 1
+        s.apply(1, {"op": "expire", "before": 10**10})
+        assert s.key_count() == 1, "a key without a time is never forgotten"
+        applied, kept, recomputed = s.full_digest()
+        assert kept == recomputed
+    assert migrated[0].applied_and_digest() == migrated[1].applied_and_digest()

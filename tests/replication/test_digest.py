@@ -19,8 +19,12 @@ from order.state import OrderState
 ITEMS = st.integers(1, 8)  # 8 is not in the catalogue: 404s are commands too
 KEYS = st.sampled_from([f"k{i}" for i in range(6)])  # few keys: repeats exercise idempotency
 
+TIMES = st.sampled_from([0.0, 100.0, 200.0])  # a key's time; 0: kept for good
+DATES = st.sampled_from(["2026-11-22T12:00:00.000+00:00", "2026-11-23T12:00:00.000+00:00"])
 CATALOG_COMMANDS = st.one_of(
-    st.fixed_dictionaries({"op": st.just("decrement"), "item": ITEMS, "quantity": st.integers(1, 600), "key": KEYS}),
+    st.fixed_dictionaries({"op": st.just("decrement"), "item": ITEMS, "quantity": st.integers(1, 600), "key": KEYS,
+                           "at": TIMES}),
+    st.fixed_dictionaries({"op": st.just("expire"), "before": st.sampled_from([50.0, 150.0, 250.0])}),
     st.fixed_dictionaries({"op": st.just("update"), "item": ITEMS, "stock_delta": st.integers(-1200, 50),
                            "cost": st.one_of(st.none(), st.floats(0, 100).map(lambda c: round(c, 2))),
                            "key": st.one_of(st.none(), KEYS)}),
@@ -29,7 +33,8 @@ CATALOG_COMMANDS = st.one_of(
 )
 ORDER_COMMANDS = st.one_of(
     st.fixed_dictionaries({"op": st.just("intent"), "key": KEYS, "item": ITEMS, "quantity": st.integers(1, 3),
-                           "created_at": st.just("2026-11-23T12:00:00.000+00:00")}),
+                           "created_at": DATES, "windowed": st.booleans()}),
+    st.fixed_dictionaries({"op": st.just("expire"), "before": DATES}),
     st.fixed_dictionaries({"op": st.just("confirm"), "key": KEYS, "title": st.text(max_size=5),
                            "cost": st.floats(0, 100).map(lambda c: round(c, 2))}),
     st.fixed_dictionaries({"op": st.just("fail"), "key": KEYS, "code": st.sampled_from([404, 409]),
