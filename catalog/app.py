@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from flask import Flask, Response, jsonify, request
@@ -91,6 +92,14 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
             log.exception("could not read the books a write changed; caches will miss on them")
             return None
 
+    def key_time(body: dict[str, Any]) -> float:
+        """A decrement's ``at``: when its buy's order was created (Unix seconds), which the order
+        tier's key expiry goes by; 0 or absent: the key is kept for good."""
+        at = body.get("at", 0)
+        if isinstance(at, bool) or not isinstance(at, int | float) or not 0 <= at <= time.time() + 3600:
+            fail(400, "at must be a time in Unix seconds")
+        return float(at)
+
     def write(item: int, command: dict[str, Any]) -> Response:
         """Propose a change to one book, held out of every leased cache until it is applied here."""
         rt.leader_only()
@@ -162,7 +171,8 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         key = body.get("key")
         if not isinstance(key, str) or not 0 < len(key) <= 256:
             fail(400, "key must be a non-empty string")
-        return write(number, {"op": "decrement", "item": number, "quantity": quantity, "key": key})
+        return write(number, {"op": "decrement", "item": number, "quantity": quantity, "key": key,
+                              "at": key_time(body)})
 
     @app.post("/books/decrements")
     @rt.guard
@@ -182,7 +192,7 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
             if not isinstance(key, str) or not 0 < len(key) <= 256:
                 fail(400, "key must be a non-empty string")
             items.append({"item": int_field(d, "item", 1, 2**62), "quantity": int_field(d, "quantity", 1, 1000),
-                          "key": key})
+                          "key": key, "at": key_time(d)})
         rt.leader_only()
         check_deadline(request_deadline(WRITE_DEADLINE), "the decrements were proposed")
         with invalidator.holding(sorted({book_key(d["item"]) for d in items})) as held:
@@ -204,7 +214,22 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
             if not isinstance(key, str) or not 0 < len(key) <= 256:
                 fail(400, "key must be a non-empty string")
             command["key"] = key
+            command["at"] = time.time()
         return write(number, command)
+
+    @app.post("/keys/expire")
+    @rt.guard
+    def expire_keys() -> Response:
+        """Forget the idempotency keys used before ``before`` (Unix seconds). The order leader asks,
+        since it knows which buys are unfinished: it never names a time after the oldest of them."""
+        body = json_body(required=True)
+        before = body.get("before")
+        if isinstance(before, bool) or not isinstance(before, int | float) or not 0 <= before <= time.time():
+            fail(400, "before must be a time (Unix seconds) in the past")
+        rt.leader_only()
+        check_deadline(request_deadline(WRITE_DEADLINE), "the expiry was proposed")
+        # Books are unchanged: no hold, no release.
+        return jsonify(rt.propose({"op": "expire", "before": float(before)}))
 
     rt.start()
     if config.restock_every > 0 and config.restock_amount > 0:

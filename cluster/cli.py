@@ -14,7 +14,7 @@ from typing import Any
 
 from client import cli as client_cli
 from cluster import launcher
-from cluster.config import ClusterConfig, parse_name
+from cluster.config import MIN_KEY_WINDOW, ClusterConfig, parse_name
 
 
 def _urls(value: str) -> list[str]:
@@ -42,6 +42,7 @@ SETTINGS: dict[str, tuple[str, Any, str]] = {
     "books": ("books", str, "PYGMY_BOOKS"),
     "restock_every": ("restock_every", float, "PYGMY_RESTOCK_EVERY"),
     "restock_amount": ("restock_amount", int, "PYGMY_RESTOCK_AMOUNT"),
+    "key_window": ("key_window", float, "PYGMY_KEY_WINDOW"),
     "catalog_urls": ("catalog_urls", _urls, "PYGMY_CATALOG_URLS"),
     "order_urls": ("order_urls", _urls, "PYGMY_ORDER_URLS"),
     "advertise_host": ("advertise_host", str, "PYGMY_ADVERTISE_HOST"),
@@ -68,6 +69,7 @@ def add_cluster_options(p: argparse.ArgumentParser, serve: bool = False) -> None
     p.add_argument("--books", help="JSON file with the initial catalogue")
     p.add_argument("--restock-every", type=float, help="seconds between deliveries for sold-out books (off)")
     p.add_argument("--restock-amount", type=int, help="copies delivered per sold-out book")
+    p.add_argument("--key-window", type=float, help="seconds an idempotency key is remembered (default 86400)")
     p.add_argument("--bind", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--netns", help="run service NAME in network namespace NETNS-NAME (made beforehand; "
                                    "see experiments/nemesis.py), each at its own address")
@@ -105,6 +107,8 @@ def resolve(args: argparse.Namespace, use_cluster_file: bool) -> ClusterConfig:
         raise SystemExit("pygmy: --frontends and --frontend-workers must be at least 1")
     if min(*config.limits("frontend").values(), *config.limits("catalog").values()) < 1:
         raise SystemExit("pygmy: every --*-limit must be at least 1")
+    if not config.key_window >= MIN_KEY_WINDOW:
+        raise SystemExit(f"pygmy: --key-window must be at least {MIN_KEY_WINDOW:g} s (longer than a buy may take)")
     return config
 
 

@@ -15,6 +15,8 @@ from typing import Any
 
 TIERS = ("frontend", "catalog", "order")
 TIER_OFFSET = {"catalog": 100, "order": 200}
+#: The shortest key window: longer than any buy's own time budget and retries across a failover.
+MIN_KEY_WINDOW = 10.0
 
 
 @dataclass
@@ -56,6 +58,10 @@ class ClusterConfig:
     replica_read_limit: int = 48
     #: How long the frontend keeps retrying a buy (same idempotency key) across a failover.
     buy_deadline: float = 5.0
+    #: Seconds an idempotency key is remembered (buys, and the catalog's decrements and updates):
+    #: a retry within it returns the first answer; after it, the key is forgotten and a retry is a
+    #: new request. Never while the buy that used it is unfinished (``order.app.KeyExpirer``).
+    key_window: float = 86_400.0
 
     # -- naming and addressing ----------------------------------------------------------------
     def limits(self, tier: str) -> dict[str, int]:

@@ -54,6 +54,7 @@ class Proc:
     state: str
     flags: int
     cpu_ticks: int = 0  # user + system CPU so far, in clock ticks
+    rss_pages: int = 0  # resident memory, in pages
 
 
 def _proc(pid: int) -> Proc | None:
@@ -64,9 +65,9 @@ def _proc(pid: int) -> Proc | None:
         return None
     # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
     rest = raw[raw.rfind(")") + 2:].split()
-    if len(rest) < 13:
+    if len(rest) < 22:
         return None
-    return Proc(pid, int(rest[2]), rest[0], int(rest[6]), int(rest[11]) + int(rest[12]))
+    return Proc(pid, int(rest[2]), rest[0], int(rest[6]), int(rest[11]) + int(rest[12]), int(rest[21]))
 
 
 def _groups(pgids: Iterable[int]) -> dict[int, list[Proc]]:
@@ -80,6 +81,12 @@ def _groups(pgids: Iterable[int]) -> dict[int, list[Proc]]:
 
 def _group(pgid: int) -> list[Proc]:
     return _groups([pgid])[pgid]
+
+
+def group_members(pgids: Iterable[int]) -> list[Proc]:
+    """The live (not zombie) processes of these process groups: a service's Gunicorn master and
+    workers, for the CPU and memory figures of the experiments."""
+    return [p for procs in _groups(pgids).values() for p in procs if p.state not in ZOMBIE]
 
 
 def _dying(p: Proc) -> bool:

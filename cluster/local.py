@@ -18,7 +18,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,22 +58,6 @@ def pygmy(*args: str, env: dict[str, str] | None = None, timeout: float = 60) ->
     """Run the ``pygmy`` command line as a user would."""
     return subprocess.run([sys.executable, "-m", "cluster.cli", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
-
-
-def group_processes(groups: set[int]) -> Iterator[tuple[Path, list[str]]]:
-    """``(/proc/PID, the fields of its stat after the name)`` of every live process in these process
-    groups (a service's Gunicorn master and workers): field 2 is the group, 11 and 12 user and system
-    CPU in clock ticks."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            stat = (proc / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[2]) in groups:
-            yield proc, fields
 
 
 class LocalCluster:

@@ -46,7 +46,8 @@ def _worker_exit(server: Any, worker: Any) -> None:
 
     worker_exited(worker.pid)
     app = getattr(worker, "wsgi", None)
-    for ext in ("pygmy_buys", "pygmy_restocker", "pygmy_subscription", "pygmy_invalidator", "pygmy_runtime"):
+    for ext in ("pygmy_key_expirer", "pygmy_buys", "pygmy_restocker", "pygmy_subscription", "pygmy_invalidator",
+                "pygmy_runtime"):
         owner = getattr(app, "extensions", {}).get(ext)
         if owner is not None:
             try:

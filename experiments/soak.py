@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import random
 import tempfile
 import threading
@@ -19,7 +20,8 @@ from pathlib import Path
 
 import requests
 
-from cluster.local import LocalCluster, free_port_base, group_processes
+from cluster.launcher import group_members
+from cluster.local import LocalCluster, free_port_base
 
 MIX = (("lookup", 0.55), ("search", 0.2), ("buy", 0.2), ("order", 0.05))
 TOPICS = ("distributed systems", "graduate-school", "Distributed%20Systems", "nothing here")
@@ -27,15 +29,7 @@ TOPICS = ("distributed systems", "graduate-school", "Distributed%20Systems", "no
 
 def group_rss_kib(pgid: int) -> int:
     """Resident memory of every process in one process group (Gunicorn master and workers)."""
-    total = 0
-    for proc, _ in group_processes({pgid}):
-        try:
-            for line in (proc / "status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            continue
-    return total
+    return sum(p.rss_pages for p in group_members([pgid])) * os.sysconf("SC_PAGE_SIZE") // 1024
 
 
 def memory(c: LocalCluster) -> dict[str, tuple[int, int]]:

@@ -11,6 +11,7 @@ Ratios are to the 7-book store of the same run. It prints numbers; nothing here 
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from typing import Any
@@ -18,16 +19,17 @@ from typing import Any
 import requests
 
 from catalog.books import synthetic
-from cluster.local import LocalCluster, group_processes
+from cluster.launcher import group_members
+from cluster.local import LocalCluster
 from experiments import harness as h
 
 TOPICS = 50
-_PAGE = 4096
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def rss_mib(c: LocalCluster) -> dict[str, list[int]]:
     """Each service's processes (Gunicorn master and workers), resident MiB, smallest first."""
-    return {name: sorted(int(f[21]) * _PAGE // 2**20 for _, f in group_processes({group}))
+    return {name: sorted(p.rss_pages * _PAGE // 2**20 for p in group_members([group]))
             for name, group in c.process_groups().items()}
 
 

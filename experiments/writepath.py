@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 
 from catalog.books import synthetic
-from cluster.local import LocalCluster, group_processes
+from cluster.launcher import group_members
+from cluster.local import LocalCluster
 from experiments import baseline
 from experiments import harness as h
 
@@ -38,7 +39,7 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 
 def cluster_cpu_s(c: LocalCluster) -> float:
     """CPU seconds (user + system) used so far by every process of the cluster's services."""
-    ticks = sum(int(f[11]) + int(f[12]) for _, f in group_processes(set(c.process_groups().values())))
+    ticks = sum(p.cpu_ticks for p in group_members(c.process_groups().values()))
     return ticks / _TICKS
 
 

@@ -121,7 +121,7 @@ class BuyProcessor:
         created = datetime.now(UTC).isoformat(timespec="milliseconds")
         intents = self._intents.call_many(
             [{"op": "intent", "key": buys[i].key, "item": buys[i].item, "quantity": buys[i].quantity,
-              "created_at": created} for i in todo],
+              "created_at": created, "windowed": True} for i in todo],
             [min(2 * PROPOSE_TIMEOUT + 1, buys[i].deadline - now) for i in todo])
         recorded: list[int] = []
         for i, r in zip(todo, intents, strict=True):
@@ -166,8 +166,8 @@ class BuyProcessor:
             self._in_flight.update(keys)
         try:
             replies = self._decrements.call_many(
-                [({"item": orders[i]["item_number"], "quantity": orders[i]["quantity"], "key": orders[i]["key"]},
-                  ends[i]) for i in pending],
+                [({"item": orders[i]["item_number"], "quantity": orders[i]["quantity"], "key": orders[i]["key"],
+                   "at": unix(orders[i]["created_at"])}, ends[i]) for i in pending],
                 [min(2 * CATALOG_DEADLINE + 1, max(0.0, ends[i] - now)) for i in pending])
             refused: list[tuple[int, dict[str, Any]]] = []
             for i, reply in zip(pending, replies, strict=True):
@@ -193,7 +193,10 @@ class BuyProcessor:
                 try:
                     failed = self._propose_all([c for _, c in refused], "fails")
                     for (i, _), order in zip(refused, failed, strict=True):
-                        out[i] = order
+                        # None: finished meanwhile and its key already forgotten (a buy older than
+                        # the key window); its outcome is whatever finished it.
+                        out[i] = order if order is not None else ApiError(
+                            503, "the buy was finished elsewhere and its key has expired")
                 except Exception as exc:  # left pending: a read or the sweep records it later
                     for i, _ in refused:
                         out[i] = exc
@@ -281,6 +284,64 @@ class BuyProcessor:
                 self.finish(order)
             except Exception as exc:  # retried on the next sweep
                 log.warning("could not finish order %s yet: %s", order["order_number"], exc)
+
+
+def unix(created_at: str) -> float:
+    """An order's ``created_at`` (ISO 8601, UTC, milliseconds) in Unix seconds: its keys' time."""
+    return datetime.fromisoformat(created_at).timestamp()
+
+
+def iso(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds")
+
+
+class KeyExpirer:
+    """Forgets idempotency keys older than the key window, on both tiers, from the order leader.
+
+    The order leader picks the time ``T``: the window's start, or the creation of its oldest
+    unfinished buy if that is older. The catalog forgets decrement keys whose time (their order's
+    creation) is before ``T``; only once it has, the order tier forgets the keys of finished orders
+    created before ``T``. So an unfinished buy keeps its keys on both tiers, and an order's key is
+    never forgotten while the catalog still remembers its decrement (a retry would get a new order
+    and the old decrement's answer). Both removals are log commands carrying ``T``: every replica
+    forgets the same rows. Assumes the order replicas' clocks differ by less than the window.
+    """
+
+    def __init__(self, rt: ReplicaRuntime, state: OrderState, catalog: TierRouter, window: float) -> None:
+        self.rt, self.state, self.catalog, self.window = rt, state, catalog, window
+        #: Often enough that a key outlives its window by a small fraction of it.
+        self.every = min(60.0, max(1.0, window / 10))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="key-expirer", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        """Supervised: a failed round (no catalog, no quorum, a bug) is logged; the next one retries."""
+        while not self._stop.wait(self.every):
+            if not self.rt.node.is_leader():
+                continue
+            try:
+                self.expire()
+            except Exception as exc:
+                log.warning("key expiry round failed (retried in %.0f s): %s", self.every, exc)
+
+    def expire(self) -> dict[str, int]:
+        """One round; how many keys each tier forgot."""
+        cutoff = iso(time.time() - self.window)
+        oldest = self.state.oldest_pending()
+        if oldest is not None and oldest < cutoff:
+            cutoff = oldest
+        reply = self.catalog.write("/keys/expire", {"before": unix(cutoff)}, time.monotonic() + PROPOSE_TIMEOUT)
+        if reply.status != 200:
+            raise RuntimeError(f"the catalog did not forget its keys: {reply.status} {reply.body}")
+        mine = self.rt.propose({"op": "expire", "before": cutoff}, PROPOSE_TIMEOUT)
+        return {"catalog": int(reply.body["forgotten"]), "order": int(mine["forgotten"])}
 
 
 def public_order(order: dict[str, Any]) -> dict[str, Any]:
@@ -381,4 +442,7 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
     rt.start()
     buys.start()
     app.extensions["pygmy_buys"] = buys
+    expirer = KeyExpirer(rt, state, catalog, config.key_window)
+    expirer.start()
+    app.extensions["pygmy_key_expirer"] = expirer
     return app

@@ -4,6 +4,7 @@ Run by ``bash scripts/compose.sh test`` (``make compose-test``) once the stack i
 
 1. smoke: search, lookup, buy (and an idempotent retry), order, the lookup shows the new stock;
    ``POST /update`` takes the admin token (``PYGMY_ADMIN_TOKEN``) and refuses the internal secret;
+   ``/dashboard`` is served, shows no fault buttons and refuses fault requests (no ``pygmy up`` here);
 2. failover: find the catalog and order leaders in the frontend's ``GET /status``, SIGKILL both
    containers with ``docker compose kill``, and check that lookups and buys go on (new leaders, every
    buy acknowledged exactly once, retried with its Idempotency-Key through at most one failover window);
@@ -144,6 +145,22 @@ def admin(book: dict[str, Any]) -> None:
     code, body = call("POST", "/update/1", same, {"Authorization": f"Bearer {token}"})
     check(code == 200 and body.get("cost") == book["cost"], f"the admin token updates a book ({code} {body})")
     log("admin ok: /update takes the admin token, refuses none and the internal secret")
+    dashboard(token)
+
+
+def dashboard(token: str) -> None:
+    """The live page is served in containers too, without fault buttons: only ``pygmy up`` owns
+    processes it can kill, so the frontend refuses fault requests here (409), even with the token."""
+    req = urllib.request.Request(URL + "/dashboard")
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        check(resp.status == 200 and resp.headers["Content-Type"].startswith("text/html"), "GET /dashboard is the page")
+    code, st = call("GET", "/dashboard/state")
+    check(code == 200 and st.get("faults") is False and st["tiers"]["catalog"]["leader"],
+          f"the page's state shows the tiers and no fault buttons ({code} {st.get('faults')})")
+    code, body = call("POST", "/dashboard/faults", {"action": "kill", "name": "catalog-1"},
+                      {"Authorization": f"Bearer {token}"})
+    check(code == 409, f"a fault request is refused where pygmy up did not start the services ({code} {body})")
+    log("dashboard ok: served, no fault buttons, fault requests refused")
 
 
 def failover(compose: list[str], orders: list[dict[str, Any]], args: argparse.Namespace) -> tuple[str, str]:
