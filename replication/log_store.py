@@ -43,6 +43,11 @@ class LogStore:
         self._conn.execute("PRAGMA synchronous=FULL")
         for stmt in SCHEMA:
             self._conn.execute(stmt)
+        #: Each entry's size as stored (its JSON command), oldest first, and their sum: what the
+        #: node compacts by besides the count (``ReplicationConfig.keep_bytes``).
+        self._sizes: dict[int, int] = {
+            idx: n for idx, n in self._conn.execute("SELECT idx, COALESCE(LENGTH(command), 0) FROM raft_log ORDER BY idx")}
+        self.log_bytes = sum(self._sizes.values())
 
     def close(self) -> None:
         self._conn.close()
@@ -91,6 +96,8 @@ class LogStore:
         if hard_state is None and not entries and truncate_from is None and snapshot is None:
             return  # a Ready with only messages (heartbeats): no transaction, no sync
         c = self._conn
+        rows = [(e.index, e.term, None if e.command is None else json.dumps(e.command, separators=(",", ":")))
+                for e in entries]
         with transaction(c):
             if snapshot is not None:
                 c.execute("DELETE FROM raft_log")
@@ -98,19 +105,20 @@ class LogStore:
                 c.execute("DELETE FROM raft_meta WHERE key IN ('installing_index', 'installing_term')")
             if truncate_from is not None:
                 c.execute("DELETE FROM raft_log WHERE idx >= ?", (truncate_from,))
-            c.executemany(
-                "INSERT OR REPLACE INTO raft_log(idx, term, command) VALUES (?, ?, ?)",
-                (
-                    (
-                        e.index,
-                        e.term,
-                        None if e.command is None else json.dumps(e.command, separators=(",", ":")),
-                    )
-                    for e in entries
-                ),
-            )
+            c.executemany("INSERT OR REPLACE INTO raft_log(idx, term, command) VALUES (?, ?, ?)", rows)
             if hard_state is not None:
                 self._set(term=hard_state.term, vote=hard_state.vote or "", commit=hard_state.commit)
+        # Sizes only once the transaction is in: a failed save leaves them as the disk is.
+        if snapshot is not None:
+            self._sizes.clear()
+            self.log_bytes = 0
+        if truncate_from is not None:
+            for idx in [i for i in self._sizes if i >= truncate_from]:
+                self.log_bytes -= self._sizes.pop(idx)
+        for idx, _, command in rows:
+            self.log_bytes -= self._sizes.pop(idx, 0)  # a rewritten index goes to the end, where it belongs
+            self._sizes[idx] = len(command or "")
+            self.log_bytes += self._sizes[idx]
 
     def begin_install(self, index: int, term: int) -> None:
         """Record the intent to install a snapshot before the state machine is overwritten, so a
@@ -126,6 +134,21 @@ class LogStore:
         with transaction(self._conn) as c:
             c.execute("DELETE FROM raft_log WHERE idx <= ?", (index,))
             self._set(snapshot_index=index, snapshot_term=term)
+        for idx in list(self._sizes):
+            if idx > index:
+                break
+            self.log_bytes -= self._sizes.pop(idx)
+
+    def index_keeping(self, budget: int) -> int:
+        """The highest index whose compaction leaves at most ``budget`` bytes of entries after it
+        (0 if the log is within budget already)."""
+        total, last = self.log_bytes, 0
+        for idx, size in self._sizes.items():
+            if total <= budget:
+                break
+            total -= size
+            last = idx
+        return last
 
     def _set(self, **values: object) -> None:
         self._conn.executemany(

@@ -81,6 +81,11 @@ class ReplicationConfig(CoreConfig):
     keep_entries: int = 10_000
     #: Compact only once this many more entries accumulated (amortises the DELETE).
     compact_slack: int = 2_000
+    #: And by size: applied entries are compacted away once the log holds more than
+    #: ``keep_bytes + compact_slack_bytes`` of commands, down to ``keep_bytes`` (batched entries of
+    #: hundreds of buys each would otherwise keep hundreds of MiB on disk and in memory).
+    keep_bytes: int = 16 * 2**20
+    compact_slack_bytes: int = 4 * 2**20
     connect_timeout: float = 0.2
     #: Longest a frame may take to leave (a peer that stopped reading: the connection is dropped).
     send_timeout: float = 0.5
@@ -752,9 +757,15 @@ class ReplicaNode:
             self._apply_cond.notify_all()
 
     def _maybe_compact(self) -> None:
-        cfg = self.config
-        if self.core.applied - self.core.snap_index > cfg.keep_entries + cfg.compact_slack:
-            res = self.core.compact(self.core.applied - cfg.keep_entries)
+        """Compact applied entries by count and by size, whichever asks for more."""
+        cfg, core = self.config, self.core
+        upto = 0
+        if core.applied - core.snap_index > cfg.keep_entries + cfg.compact_slack:
+            upto = core.applied - cfg.keep_entries
+        if self.store.log_bytes > cfg.keep_bytes + cfg.compact_slack_bytes:
+            upto = max(upto, self.store.index_keeping(cfg.keep_bytes))
+        if min(upto, core.applied) > core.snap_index:
+            res = core.compact(upto)
             if res is not None:
                 self.store.compact(*res)
 

@@ -78,3 +78,30 @@ def test_a_full_disk_fails_the_save_cleanly_and_the_store_recovers(tmp_path):
     store.save(HardState(2, "n1", 0), big)
     assert store.load().entries[-1] == big[-1]
     assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def size(store: LogStore) -> int:
+    return store._conn.execute("SELECT COALESCE(SUM(LENGTH(command)), 0) FROM raft_log").fetchone()[0]
+
+
+def test_the_logs_size_is_kept_through_every_change_and_a_restart(tmp_path):
+    store = LogStore(tmp_path / "raft.db")
+    store.save(None, entries(1, 20))
+    assert store.log_bytes == size(store) > 0
+    store.save(None, entries(15, 16, term=2), truncate_from=15)
+    assert store.log_bytes == size(store)
+    store.save(None, [Entry(17, 2, {"big": "y" * 500}), Entry(18, 2, None)])
+    assert store.log_bytes == size(store)
+    store.compact(10, 1)
+    assert store.log_bytes == size(store)
+    big = 500 + len('{"big":""}')
+    # The oldest entries go first, as few as leave the rest within the budget.
+    assert store.index_keeping(big) == 16, "entries 11-16 go, the big one and the empty one stay"
+    assert store.index_keeping(big - 1) == 17
+    assert store.index_keeping(size(store)) == 0, "within budget: nothing to compact"
+    total = size(store)
+    store.close()
+    again = LogStore(tmp_path / "raft.db")
+    assert again.log_bytes == total
+    again.save(None, entries(31, 33, term=3), snapshot=(30, 3))
+    assert again.log_bytes == size(again)

@@ -56,8 +56,8 @@ class Switch:
 
 
 class Harness:
-    def __init__(self, tmp: Path, n: int = 3) -> None:
-        self.tmp = tmp
+    def __init__(self, tmp: Path, n: int = 3, config: ReplicationConfig = CONFIG) -> None:
+        self.tmp, self.config = tmp, config
         self.switches: dict[str, Switch] = {}
         self.servers = []
         self.peers: dict[str, str] = {}
@@ -78,7 +78,7 @@ class Harness:
 
     def start(self, name: str) -> ReplicaNode:
         sm = KV(self.tmp / name / "state.db")
-        node = ReplicaNode(name, self.peers, sm, self.tmp / name, SECRET, CONFIG, addresses=self.addresses)
+        node = ReplicaNode(name, self.peers, sm, self.tmp / name, SECRET, self.config, addresses=self.addresses)
         app = Flask(name)
         app.register_blueprint(node.blueprint)
         node.start()
@@ -123,6 +123,32 @@ def cluster(tmp_path):
     h = Harness(tmp_path)
     try:
         yield h
+    finally:
+        h.close()
+
+
+def test_the_log_is_compacted_by_size_as_well_as_by_count(tmp_path: Path) -> None:
+    """Big commands, a count budget never reached: the size budget alone keeps the log small, on disk
+    and in memory, on every replica; a follower that missed more than it keeps gets a snapshot."""
+    big = "x" * 1000
+    config = ReplicationConfig(keep_entries=10_000, compact_slack=2_000, keep_bytes=20_000, compact_slack_bytes=10_000)
+    h = Harness(tmp_path, config=config)
+    try:
+        leader = h.leader()
+        away = next(n for n in h.nodes if n != leader.name)
+        h.stop(away)
+        for i in range(120):
+            leader.propose({"k": f"k{i % 5}", "add": 1, "pad": big}, timeout=2)
+        for node in h.nodes.values():
+            store = node.store
+            on_disk = store._conn.execute("SELECT COALESCE(SUM(LENGTH(command)), 0) FROM raft_log").fetchone()[0]
+            assert store.log_bytes == on_disk, "the running total is what the file holds"
+            assert on_disk <= config.keep_bytes + config.compact_slack_bytes + 1100
+            assert node.core.snap_index > 60, "compacted by size, far below the count budget"
+            assert len(node.core._log) == node.core.last_index - node.core.snap_index
+        back = h.start(away)
+        h.converge(timeout=10)
+        assert back.snapshots_installed == 1
     finally:
         h.close()
 
