@@ -93,8 +93,8 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
             return None
 
     def key_time(body: dict[str, Any]) -> float:
-        """A decrement's ``at``: when its buy's order was created (Unix seconds), which the order
-        tier's key expiry goes by; 0 or absent: the key is kept for good."""
+        """A decrement's ``at``: when the order leader sent it (Unix seconds), which the key expiry
+        goes by on both tiers (``order.app.KeyExpirer``); 0 or absent: the key is kept for good."""
         at = body.get("at", 0)
         if isinstance(at, bool) or not isinstance(at, int | float) or not 0 <= at <= time.time() + 3600:
             fail(400, "at must be a time in Unix seconds")

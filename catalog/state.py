@@ -39,8 +39,8 @@ class CatalogState(SQLiteStateMachine):
                cost_cents INTEGER NOT NULL, version INTEGER NOT NULL DEFAULT 0)""",
         "CREATE INDEX IF NOT EXISTS books_topic ON books(topic_key, item_number)",
         # ``at``: the key's time (Unix seconds, in the command, so the same on every replica): for a
-        # decrement, when its buy's order was created (the order tier's clock, which its expiry
-        # uses too); for an update, when the catalog leader proposed it; 0: kept for good.
+        # decrement, when the order leader sent it (the first time: a repeat returns the first row);
+        # for an update, when the catalog leader proposed it; 0: kept for good.
         "CREATE TABLE IF NOT EXISTS idempotency (key TEXT PRIMARY KEY, result TEXT NOT NULL, at REAL NOT NULL DEFAULT 0)",
     )
     digest_tables = ("books", "idempotency")

@@ -121,7 +121,7 @@ class BuyProcessor:
         created = datetime.now(UTC).isoformat(timespec="milliseconds")
         intents = self._intents.call_many(
             [{"op": "intent", "key": buys[i].key, "item": buys[i].item, "quantity": buys[i].quantity,
-              "created_at": created, "windowed": True} for i in todo],
+              "created_at": created} for i in todo],
             [min(2 * PROPOSE_TIMEOUT + 1, buys[i].deadline - now) for i in todo])
         recorded: list[int] = []
         for i, r in zip(todo, intents, strict=True):
@@ -162,12 +162,15 @@ class BuyProcessor:
         now = time.monotonic()
         ends = [d if d is not None else now + 2 * CATALOG_DEADLINE + 1 for d in deadlines]
         keys = [orders[i]["key"] for i in pending]
+        # The keys' time: when this decrement is sent. The catalog keeps the first one it got; the
+        # outcome records this one, never earlier, so the order forgets the key no sooner (KeyExpirer).
+        sent = time.time()
         with self._lock:
             self._in_flight.update(keys)
         try:
             replies = self._decrements.call_many(
                 [({"item": orders[i]["item_number"], "quantity": orders[i]["quantity"], "key": orders[i]["key"],
-                   "at": unix(orders[i]["created_at"])}, ends[i]) for i in pending],
+                   "at": sent}, ends[i]) for i in pending],
                 [min(2 * CATALOG_DEADLINE + 1, max(0.0, ends[i] - now)) for i in pending])
             refused: list[tuple[int, dict[str, Any]]] = []
             for i, reply in zip(pending, replies, strict=True):
@@ -179,11 +182,12 @@ class BuyProcessor:
                 elif reply.status == 200:
                     # Decided: the catalog's decrement under this key is committed. Answer now.
                     title, cost = reply.body["title"], reply.body["cost"]
-                    self._confirm(key, title, cost)
+                    self._confirm(key, title, cost, sent)
                     out[i] = confirmed(orders[i], title, cost)
                 elif reply.status in (404, 409):
                     err = reply.body["error"]
-                    refused.append((i, {"op": "fail", "key": key, "code": reply.status, "message": err["message"]}))
+                    refused.append((i, {"op": "fail", "key": key, "code": reply.status, "message": err["message"],
+                                        "at": sent}))
                 elif reply.status == 504:
                     out[i] = DeadlineSpent("after its intent was recorded, before the stock was taken")
                 else:
@@ -213,9 +217,9 @@ class BuyProcessor:
         metrics.BUY_BATCH.labels(self.rt.name, "decrements").observe(sum(1 for _, d in items if d > time.monotonic()))
         return self.catalog.write_batch("/books/decrements", items, CATALOG_DEADLINE, EXPIRED)
 
-    def _confirm(self, key: str, title: str, cost: float) -> None:
+    def _confirm(self, key: str, title: str, cost: float, at: float) -> None:
         """Record a decided outcome, soon (with the next intents, or by the confirmer thread)."""
-        self._confirms.put({"op": "confirm", "key": key, "title": title, "cost": cost})
+        self._confirms.put({"op": "confirm", "key": key, "title": title, "cost": cost, "at": at})
         self._confirm_due.set()
 
     def _waiting_confirms(self) -> list[dict[str, Any]]:
@@ -287,24 +291,27 @@ class BuyProcessor:
 
 
 def unix(created_at: str) -> float:
-    """An order's ``created_at`` (ISO 8601, UTC, milliseconds) in Unix seconds: its keys' time."""
+    """An order's ``created_at`` (ISO 8601, UTC, milliseconds) in Unix seconds."""
     return datetime.fromisoformat(created_at).timestamp()
-
-
-def iso(t: float) -> str:
-    return datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds")
 
 
 class KeyExpirer:
     """Forgets idempotency keys older than the key window, on both tiers, from the order leader.
 
-    The order leader picks the time ``T``: the window's start, or the creation of its oldest
-    unfinished buy if that is older. The catalog forgets decrement keys whose time (their order's
-    creation) is before ``T``; only once it has, the order tier forgets the keys of finished orders
-    created before ``T``. So an unfinished buy keeps its keys on both tiers, and an order's key is
-    never forgotten while the catalog still remembers its decrement (a retry would get a new order
-    and the old decrement's answer). Both removals are log commands carrying ``T``: every replica
-    forgets the same rows. Assumes the order replicas' clocks differ by less than the window.
+    A key's time is when the order leader sent its decrement: the catalog keeps the first time it
+    got, and the order's confirm or fail records the one that decided it, so never an earlier one.
+    The order leader picks a time ``T``: the window's start, or the creation of its oldest unfinished
+    buy if that is older. The catalog forgets the keys whose time is before ``T``; only once it has,
+    the order tier forgets the keys of finished orders whose time is before ``T``. So:
+
+    * an unfinished buy keeps its keys on both tiers (``T`` is not after its creation, and its
+      decrement was sent after that; a decrement sent after this round began is newer than ``T``);
+    * an order never forgets a key the catalog still remembers (a retry would then make a new order
+      whose decrement gets the old one's answer): its time is not before the catalog's, and the
+      catalog went first with the same ``T``.
+
+    Both removals are log commands carrying ``T``: every replica forgets the same rows. Assumes the
+    order replicas' clocks differ by much less than the window.
     """
 
     def __init__(self, rt: ReplicaRuntime, state: OrderState, catalog: TierRouter, window: float) -> None:
@@ -324,7 +331,8 @@ class KeyExpirer:
     def _run(self) -> None:
         """Supervised: a failed round (no catalog, no quorum, a bug) is logged; the next one retries."""
         while not self._stop.wait(self.every):
-            if not self.rt.node.is_leader():
+            # A leader whose state holds every committed entry: its pending orders are all there are.
+            if not (self.rt.node.is_leader() and self.rt.node.can_serve_reads()):
                 continue
             try:
                 self.expire()
@@ -333,11 +341,11 @@ class KeyExpirer:
 
     def expire(self) -> dict[str, int]:
         """One round; how many keys each tier forgot."""
-        cutoff = iso(time.time() - self.window)
+        cutoff = time.time() - self.window
         oldest = self.state.oldest_pending()
-        if oldest is not None and oldest < cutoff:
-            cutoff = oldest
-        reply = self.catalog.write("/keys/expire", {"before": unix(cutoff)}, time.monotonic() + PROPOSE_TIMEOUT)
+        if oldest is not None:
+            cutoff = min(cutoff, unix(oldest))
+        reply = self.catalog.write("/keys/expire", {"before": cutoff}, time.monotonic() + PROPOSE_TIMEOUT)
         if reply.status != 200:
             raise RuntimeError(f"the catalog did not forget its keys: {reply.status} {reply.body}")
         mine = self.rt.propose({"op": "expire", "before": cutoff}, PROPOSE_TIMEOUT)

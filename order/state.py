@@ -36,20 +36,22 @@ def confirmed(order: dict[str, Any], title: str, cost: float) -> dict[str, Any]:
 class OrderState(SQLiteStateMachine):
     schema = (
         # ``key`` is NULL once forgotten: the order stays, a retry with its key is a new buy.
-        # ``windowed``: its key may be forgotten (1 for intents written since key windows exist;
-        # an older one's catalog key has no time, so both tiers keep that key for good).
+        # ``key_time``: when its decrement was sent (Unix seconds, from the confirm or fail), the
+        # time the catalog keeps for the same key at most; NULL (unfinished, or finished before key
+        # windows existed): the key is kept.
         """CREATE TABLE IF NOT EXISTS orders (
                order_number INTEGER PRIMARY KEY, key TEXT UNIQUE,
                item_number INTEGER NOT NULL, quantity INTEGER NOT NULL,
                title TEXT, cost_cents INTEGER, status TEXT NOT NULL,
                error_code INTEGER, error_message TEXT, created_at TEXT NOT NULL,
-               windowed INTEGER NOT NULL DEFAULT 0)""",
+               key_time REAL)""",
         "CREATE INDEX IF NOT EXISTS orders_status ON orders(status)",
     )
     digest_tables = ("orders",)
 
     def migrate(self, conn: sqlite3.Connection) -> None:
-        """Orders from before key windows had ``key NOT NULL``: the table is rebuilt with the same rows."""
+        """Orders from before key windows had ``key NOT NULL`` and no ``key_time``: the table is
+        rebuilt with the same rows, their keys kept for good."""
         notnull = {r[1]: r[3] for r in conn.execute("PRAGMA table_info(orders)")}
         if notnull.get("key"):
             conn.execute("ALTER TABLE orders RENAME TO orders_before_windows")
@@ -60,7 +62,7 @@ class OrderState(SQLiteStateMachine):
             conn.execute("DROP TABLE orders_before_windows")
             conn.execute(self.schema[1])
         # The keys still remembered, oldest first: what an expiry walks.
-        conn.execute("CREATE INDEX IF NOT EXISTS orders_keys_by_age ON orders(created_at) WHERE key IS NOT NULL")
+        conn.execute("CREATE INDEX IF NOT EXISTS orders_keys_by_age ON orders(key_time) WHERE key IS NOT NULL")
 
     # -- reads ------------------------------------------------------------------------------------
     def order(self, number: int) -> dict[str, Any] | None:
@@ -81,30 +83,30 @@ class OrderState(SQLiteStateMachine):
     def execute(self, conn: sqlite3.Connection, index: int, command: dict[str, Any]) -> Any:
         op = command["op"]
         if op == "expire":
-            # Finished orders created before ``before`` forget their keys; unfinished ones keep them.
+            # Finished orders whose key's time is before ``before`` forget it; unfinished ones keep it.
             forgotten = conn.execute(
-                "UPDATE orders SET key = NULL WHERE key IS NOT NULL AND created_at < ? AND status != ? "
-                "AND windowed = 1", (command["before"], PENDING)).rowcount
+                "UPDATE orders SET key = NULL WHERE key IS NOT NULL AND key_time < ? AND status != ?",
+                (float(command["before"]), PENDING)).rowcount
             return {"forgotten": forgotten}
         key = command["key"]
         if op == "intent":
             if conn.execute("SELECT 1 FROM orders WHERE key=?", (key,)).fetchone() is None:
                 conn.execute(
-                    "INSERT INTO orders(order_number, key, item_number, quantity, status, created_at, windowed) "
-                    "VALUES ((SELECT COALESCE(MAX(order_number), 0) + 1 FROM orders), ?, ?, ?, ?, ?, ?)",
-                    (key, command["item"], command["quantity"], PENDING, command["created_at"],
-                     1 if command.get("windowed") else 0),
+                    "INSERT INTO orders(order_number, key, item_number, quantity, status, created_at) "
+                    "VALUES ((SELECT COALESCE(MAX(order_number), 0) + 1 FROM orders), ?, ?, ?, ?, ?)",
+                    (key, command["item"], command["quantity"], PENDING, command["created_at"]),
                 )
         elif op == "confirm":
             row = conn.execute("SELECT * FROM orders WHERE key=? AND status=?", (key, PENDING)).fetchone()
             if row is not None:
                 done = confirmed(order_dict(row), command["title"], command["cost"])
-                conn.execute("UPDATE orders SET status=?, title=?, cost_cents=? WHERE key=? AND status=?",
-                             (CONFIRMED, done["title"], int(round(done["cost"] * 100)), key, PENDING))
+                conn.execute("UPDATE orders SET status=?, title=?, cost_cents=?, key_time=? WHERE key=? AND status=?",
+                             (CONFIRMED, done["title"], int(round(done["cost"] * 100)), command.get("at"), key,
+                              PENDING))
         elif op == "fail":
             conn.execute(
-                "UPDATE orders SET status=?, error_code=?, error_message=? WHERE key=? AND status=?",
-                (FAILED, command["code"], command["message"], key, PENDING),
+                "UPDATE orders SET status=?, error_code=?, error_message=?, key_time=? WHERE key=? AND status=?",
+                (FAILED, command["code"], command["message"], command.get("at"), key, PENDING),
             )
         else:
             raise ValueError(f"unknown order command {op!r}")

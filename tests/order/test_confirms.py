@@ -33,8 +33,8 @@ def buys() -> Any:
 
 def test_the_next_intents_entry_carries_the_confirms_waiting(buys: Any) -> None:
     processor, rt = buys
-    processor._confirm("k1", "t", 1.0)
-    processor._confirm("k2", "t", 2.0)
+    processor._confirm("k1", "t", 1.0, 5.0)
+    processor._confirm("k2", "t", 2.0, 5.0)
     intent = {"op": "intent", "key": "k3"}
     assert processor._propose_intents([intent]) == [{"applied": intent}]
     (entry,) = rt.proposed
@@ -48,16 +48,16 @@ def test_without_buys_the_confirmer_records_them_alone_and_a_failure_is_survived
     processor._confirmer.start()
     try:
         rt.fail = True
-        processor._confirm("k1", "t", 1.0)  # lost with its entry: the sweep redoes it from the key
+        processor._confirm("k1", "t", 1.0, 5.0)  # lost with its entry: the sweep redoes it from the key
         time.sleep(order_app.CONFIRM_LINGER * 5)
         rt.fail = False
-        processor._confirm("k2", "t", 1.0)
+        processor._confirm("k2", "t", 1.0, 5.0)
         deadline = time.monotonic() + 5
         while not rt.proposed:
             assert time.monotonic() < deadline, "the confirm was never proposed"
             time.sleep(0.01)
         assert [[c["key"] for c in entry] for entry in rt.proposed] == [["k2"]]
-        processor._confirm("k3", "t", 1.0)
+        processor._confirm("k3", "t", 1.0, 5.0)
     finally:
         processor._stop.set()
         processor._confirm_due.set()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import requests
 from harness import Cluster, start_cluster
 
 from cluster.launcher import running
-from order.app import KeyExpirer, iso, unix
+from order.app import KeyExpirer, unix
 from order.state import OrderState
 from replication.router import Reply
 
@@ -53,10 +54,15 @@ def rt(tmp_path: Path) -> FakeRuntime:
     return FakeRuntime(OrderState(tmp_path / "order.db"))
 
 
+def iso(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds")
+
+
 def order(rt: FakeRuntime, key: str, created: float, finish: bool = True) -> None:
-    rt.propose({"op": "intent", "key": key, "item": 1, "quantity": 1, "created_at": iso(created), "windowed": True})
+    """An order created at ``created`` whose decrement was sent a second later."""
+    rt.propose({"op": "intent", "key": key, "item": 1, "quantity": 1, "created_at": iso(created)})
     if finish:
-        rt.propose({"op": "confirm", "key": key, "title": "t", "cost": 1.0})
+        rt.propose({"op": "confirm", "key": key, "title": "t", "cost": 1.0, "at": created + 1})
 
 
 def test_the_window_start_when_every_buy_is_finished(rt: FakeRuntime) -> None:
@@ -67,7 +73,7 @@ def test_the_window_start_when_every_buy_is_finished(rt: FakeRuntime) -> None:
     assert KeyExpirer(rt, rt.state, catalog, WINDOW).expire() == {"catalog": 4, "order": 1}  # type: ignore[arg-type]
     (path, body), = catalog.asked
     assert path == "/keys/expire" and now - WINDOW - 1 < body["before"] <= time.time() - WINDOW
-    assert rt.proposed[-1] == {"op": "expire", "before": iso(body["before"])}, "both tiers use the same time"
+    assert rt.proposed[-1] == {"op": "expire", "before": body["before"]}, "both tiers use the same time"
     assert rt.state.order(1)["key"] is None and rt.state.order(2)["key"] == "young"
 
 

@@ -236,33 +236,31 @@ def test_a_batch_applies_each_command_as_alone_in_order(tmp_path: Path) -> None:
 
 
 # -- key windows --------------------------------------------------------------------------------------
-EARLY, LATE = "2026-01-01T00:00:00.000+00:00", "2026-01-03T00:00:00.000+00:00"
-
-
-def test_expire_forgets_keys_of_finished_orders_only(state: OrderState, log: Log) -> None:
-    for key in ("done", "refused", "open"):
-        log({**intent(key, created_at=EARLY), "windowed": True})
-    log(intent("old-style", created_at=EARLY))  # written before key windows: kept for good
-    log({**intent("recent"), "windowed": True})
-    log(confirm("done"))
-    log(fail("refused"))
-    log(confirm("recent"))
-    log(confirm("old-style"))
-    assert log({"op": "expire", "before": AT}) == {"forgotten": 2}
+def test_expire_forgets_keys_of_finished_orders_by_their_time_only(state: OrderState, log: Log) -> None:
+    for key in ("done", "refused", "open", "old-style", "recent"):
+        log(intent(key))
+    log({**confirm("done"), "at": 100.0})
+    log({**fail("refused"), "at": 150.0})
+    log(confirm("old-style"))  # decided before key windows: no time, kept for good
+    log({**confirm("recent"), "at": 300.0})
+    assert log({"op": "expire", "before": 200.0}) == {"forgotten": 2}
     assert state.key_count() == 3
     assert [o["key"] for o in state.pending()] == ["open"], "an unfinished buy keeps its key"
-    assert state.oldest_pending() == EARLY
+    assert state.oldest_pending() == AT
     # The order stays; its key is free again: a retry with it is a new buy.
     assert state.order(1)["status"] == CONFIRMED and state.order(1)["key"] is None
-    again = log({**intent("done", created_at=LATE), "windowed": True})
+    again = log(intent("done", created_at=LATE))
     assert again["order_number"] == 6 and again["status"] == PENDING
     assert log(confirm("recent"))["order_number"] == 5, "a remembered key still finds its order"
     applied, kept, recomputed = state.full_digest()
     assert kept == recomputed
 
 
+LATE = "2026-01-03T00:00:00.000+00:00"
+
+
 def test_a_database_from_before_key_windows_is_migrated_with_its_orders(tmp_path: Path) -> None:
-    """``key NOT NULL`` and no ``windowed``: rebuilt with the same rows, their keys kept for good."""
+    """``key NOT NULL`` and no ``key_time``: rebuilt with the same rows, their keys kept for good."""
     path = tmp_path / "old.db"
     conn = sqlite3.connect(path)
     conn.execute("""CREATE TABLE orders (
@@ -271,20 +269,19 @@ def test_a_database_from_before_key_windows_is_migrated_with_its_orders(tmp_path
                title TEXT, cost_cents INTEGER, status TEXT NOT NULL,
                error_code INTEGER, error_message TEXT, created_at TEXT NOT NULL)""")
     conn.execute("INSERT INTO orders VALUES (1, 'k1', 2, 1, 'RPCs for Dummies', 1500, 'confirmed', NULL, NULL, ?)",
-                 (EARLY,))
-    conn.execute("INSERT INTO orders VALUES (2, 'k2', 3, 1, NULL, NULL, 'pending', NULL, NULL, ?)", (EARLY,))
+                 (AT,))
+    conn.execute("INSERT INTO orders VALUES (2, 'k2', 3, 1, NULL, NULL, 'pending', NULL, NULL, ?)", (AT,))
     conn.commit()
     conn.close()
     s = OrderState(path)
     assert s.order(1)["key"] == "k1" and s.order(1)["total"] == 15.0 and s.pending()[0]["key"] == "k2"
-    s.apply(1, {"op": "expire", "before": LATE})
+    s.apply(1, {"op": "expire", "before": 10**10})
     assert s.key_count() == 2, "keys from before windows are kept"
-    s.apply(2, {**intent("k3", created_at=EARLY), "windowed": True})
-    s.apply(3, confirm("k3"))
-    s.apply(4, {"op": "expire", "before": LATE})
-    assert s.order(3)["key"] is None and s.key_count() == 2
+    s.apply(2, {**confirm("k2"), "at": 50.0})  # finished now, with a time: forgettable
+    s.apply(3, {"op": "expire", "before": 10**10})
+    assert s.order(2)["key"] is None and s.order(1)["key"] == "k1" and s.key_count() == 1
     applied, kept, recomputed = s.full_digest()
     assert kept == recomputed
     fresh = OrderState(tmp_path / "fresh.db")
-    fresh.restore(4, s.snapshot())
+    fresh.restore(3, s.snapshot())
     assert fresh.applied_and_digest() == s.applied_and_digest()

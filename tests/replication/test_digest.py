@@ -33,12 +33,12 @@ CATALOG_COMMANDS = st.one_of(
 )
 ORDER_COMMANDS = st.one_of(
     st.fixed_dictionaries({"op": st.just("intent"), "key": KEYS, "item": ITEMS, "quantity": st.integers(1, 3),
-                           "created_at": DATES, "windowed": st.booleans()}),
-    st.fixed_dictionaries({"op": st.just("expire"), "before": DATES}),
+                           "created_at": DATES}),
+    st.fixed_dictionaries({"op": st.just("expire"), "before": st.sampled_from([50.0, 150.0, 250.0])}),
     st.fixed_dictionaries({"op": st.just("confirm"), "key": KEYS, "title": st.text(max_size=5),
-                           "cost": st.floats(0, 100).map(lambda c: round(c, 2))}),
+                           "cost": st.floats(0, 100).map(lambda c: round(c, 2))}, optional={"at": TIMES}),
     st.fixed_dictionaries({"op": st.just("fail"), "key": KEYS, "code": st.sampled_from([404, 409]),
-                           "message": st.text(max_size=5)}),
+                           "message": st.text(max_size=5)}, optional={"at": TIMES}),
 )
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 _dirs = itertools.count()
