@@ -1,5 +1,6 @@
 """Bounded growth (#14): steady buying for ten minutes with a short key window, and what each replica
-keeps over time: idempotency keys (catalog table, order keys), orders, and Raft log entries and bytes.
+keeps over time: idempotency keys (catalog table, order keys), orders, and Raft log entries and bytes;
+and the p50 of status, a cached lookup and a buy, one at a time, fresh and again after the orders.
 
     python -m experiments.growth [--quick] [--minutes 10] [--window 120]
 
@@ -60,13 +61,29 @@ def _buyer(url: str, token: str, stop: threading.Event, seed: int, bought: list[
                         client.update(item, stock_delta=10_000)
 
 
+def quiet_p50s(c: Any, n: int) -> dict[str, dict[str, Any]]:
+    """One client, one request at a time, on a quiet cluster: the costs that must not grow with the
+    orders kept (``/status`` of the frontend and of the catalog leader, a cached lookup, a buy)."""
+    leader = h.leader(c, "catalog")
+    with c.client() as client:
+        out = {"frontend_status": h.stats([h.timed(client.status)[0] for _ in range(n)]),
+               "replica_status": h.stats([h.timed(lambda: c.replica_get(leader, "/status"))[0] for _ in range(n)]),
+               "lookup": h.stats([h.timed(lambda i=i: client.lookup(1 + i % 7))[0] for i in range(n)])}
+        client.update(4, stock_delta=n)  # enough stock for the buys below, whatever was sold
+        out["buy"] = h.stats([h.timed(lambda: client.buy(4))[0] for _ in range(n)])
+    return out
+
+
 def run(settings: h.Settings, minutes: float | None = None, window: float | None = None,
         clients: int = 8) -> dict[str, Any]:
     minutes = minutes if minutes is not None else settings.size(10.0, 2.0, 0.4)
     window = window if window is not None else settings.size(120.0, 30.0, 10.0)
     every = settings.size(10.0, 5.0, 2.0)
     series: list[dict[str, Any]] = []
+    n = settings.size(200, 100, 10)
     with h.cluster(settings, "--key-window", str(window)) as c:
+        quiet_p50s(c, max(5, n // 4))  # warm-up (connections, caches, a cluster just started): not kept
+        fresh = quiet_p50s(c, n)
         stop = threading.Event()
         bought = [0] * clients
         threads = [threading.Thread(target=_buyer, args=(c.url, c.admin_token(), stop, i, bought), daemon=True)
@@ -77,14 +94,17 @@ def run(settings: h.Settings, minutes: float | None = None, window: float | None
         try:
             while (elapsed := time.monotonic() - started) < minutes * 60:
                 series.append({"t": round(elapsed, 1), "buys": sum(bought),
-                               **{n: sample(c.data_dir, n) for n in REPLICAS}})
+                               **{name: sample(c.data_dir, name) for name in REPLICAS}})
                 time.sleep(every)
         finally:
             stop.set()
             for t in threads:
                 t.join(timeout=15)
         series.append({"t": round(time.monotonic() - started, 1), "buys": sum(bought),
-                       **{n: sample(c.data_dir, n) for n in REPLICAS}})
+                       **{name: sample(c.data_dir, name) for name in REPLICAS}})
+        time.sleep(every)  # let the last batches, confirms and compactions finish: a quiet cluster again
+        quiet_p50s(c, max(5, n // 4))
+        grown = quiet_p50s(c, n)
     last = series[-1]
     # "Stopped growing": the largest value in the last third of the run against the largest before.
     cut = [s for s in series if s["t"] >= window * 1.5] or series[-1:]
@@ -103,11 +123,19 @@ def run(settings: h.Settings, minutes: float | None = None, window: float | None
     width = [max(len(str(x)) for x in col) for col in zip(columns, *rows, strict=True)]
     for line in [columns, *rows]:
         print("  ".join(str(x).ljust(w) for x, w in zip(line, width, strict=True)))
+    orders = last["order-1"].get("orders", 0)
+    costs = [[op, f"{fresh[op]['p50']:.2f}", f"{grown[op]['p50']:.2f}", f"{grown[op]['p50'] / fresh[op]['p50']:.2f}x"]
+             for op in fresh]
+    print(f"p50 (ms), one request at a time on the quiet cluster: fresh, then after {orders} orders")
+    for row in [["operation", "fresh", f"after {orders} orders", "ratio"], *costs]:
+        print("  ".join(f"{x:<18}" for x in row))
     plots = [_plot(settings, series, window)]
     data = {"title": "Bounded growth under steady buying",
             "description": f"{clients} clients buying for {minutes:g} min with a {window:g} s key window; what each "
                            "replica keeps, sampled from its files. See experiments/growth.py.",
-            "window_s": window, "buys": sum(bought), "series": series,
+            "window_s": window, "buys": sum(bought), "series": series, "fresh": fresh, "grown": grown,
+            "costs": {"columns": ["operation", "fresh p50 ms", f"after {orders} orders p50 ms", "ratio"],
+                      "rows": costs},
             "table": {"columns": columns, "rows": rows}, "plots": plots}
     h.save(settings, "growth", data)
     return data
