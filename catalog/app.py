@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any
 
@@ -24,7 +23,7 @@ from cluster.web import (
     request_deadline,
     update_fields,
 )
-from replication.service import ReplicaRuntime
+from replication.service import Periodic, ReplicaRuntime
 from replication.transport import SUBSCRIBE_CHANNEL, subscriber_address
 
 log = logging.getLogger(__name__)
@@ -36,39 +35,27 @@ MAX_PAGE = 1000
 WRITE_DEADLINE = 5.0
 
 
-class Restocker:
+class Restocker(Periodic):
     """Periodic delivery of new stock for sold-out books, proposed by the leader through the log."""
 
     def __init__(self, runtime: ReplicaRuntime, state: CatalogState, invalidator: Invalidator,
                  every: float, amount: int) -> None:
-        self.runtime, self.state, self.invalidator = runtime, state, invalidator
-        self.every, self.amount = every, amount
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="restocker", daemon=True)
+        super().__init__("restocker", every)
+        self.runtime, self.state, self.invalidator, self.amount = runtime, state, invalidator, amount
 
-    def start(self) -> None:
-        self._thread.start()
+    def due(self) -> bool:
+        return self.runtime.node.is_leader()
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2)
-
-    def _run(self) -> None:
-        """Supervised: a failed round (no quorum, a full disk, a bug) is logged; the next one retries."""
-        while not self._stop.wait(self.every):
-            if not self.runtime.node.is_leader():
-                continue
-            try:
-                # The command names its books, so their cache keys are held before it is proposed.
-                items = self.state.sold_out()
-                if not items:
-                    continue
-                with self.invalidator.holding([book_key(n) for n in items]) as write:
-                    result = self.runtime.propose({"op": "restock", "amount": self.amount, "items": items},
-                                                  timeout=self.every)
-                    write.index = result["index"]
-            except Exception as exc:  # the next round tries again; a lost round only delays delivery
-                log.warning("restock round failed: %s", exc)
+    def work(self) -> None:
+        # The command names its books, so their cache keys are held before it is proposed. A lost
+        # round only delays the delivery.
+        items = self.state.sold_out()
+        if not items:
+            return
+        with self.invalidator.holding([book_key(n) for n in items]) as write:
+            result = self.runtime.propose({"op": "restock", "amount": self.amount, "items": items},
+                                          timeout=self.every)
+            write.index = result["index"]
 
 
 def create_app(config: ClusterConfig, k: int) -> Flask:

@@ -30,7 +30,7 @@ from order.state import CONFIRMED, FAILED, PENDING, OrderState, confirmed
 from replication.batching import Combiner, CombinerTimeout
 from replication.node import NotLeader, ProposalTimeout
 from replication.router import Reply, TierRouter, TierUnavailable
-from replication.service import ReplicaRuntime
+from replication.service import Periodic, ReplicaRuntime
 
 log = logging.getLogger(__name__)
 
@@ -295,7 +295,7 @@ def unix(created_at: str) -> float:
     return datetime.fromisoformat(created_at).timestamp()
 
 
-class KeyExpirer:
+class KeyExpirer(Periodic):
     """Forgets idempotency keys older than the key window, on both tiers, from the order leader.
 
     A key's time is when the order leader sent its decrement: the catalog keeps the first time it
@@ -315,29 +315,16 @@ class KeyExpirer:
     """
 
     def __init__(self, rt: ReplicaRuntime, state: OrderState, catalog: TierRouter, window: float) -> None:
+        # Often enough that a key outlives its window by a small fraction of it.
+        super().__init__("key-expirer", min(60.0, max(1.0, window / 10)))
         self.rt, self.state, self.catalog, self.window = rt, state, catalog, window
-        #: Often enough that a key outlives its window by a small fraction of it.
-        self.every = min(60.0, max(1.0, window / 10))
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="key-expirer", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
+    def due(self) -> bool:
+        # A leader whose state holds every committed entry: its pending orders are all there are.
+        return self.rt.node.is_leader() and self.rt.node.can_serve_reads()
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        """Supervised: a failed round (no catalog, no quorum, a bug) is logged; the next one retries."""
-        while not self._stop.wait(self.every):
-            # A leader whose state holds every committed entry: its pending orders are all there are.
-            if not (self.rt.node.is_leader() and self.rt.node.can_serve_reads()):
-                continue
-            try:
-                self.expire()
-            except Exception as exc:
-                log.warning("key expiry round failed (retried in %.0f s): %s", self.every, exc)
+    def work(self) -> None:
+        self.expire()
 
     def expire(self) -> dict[str, int]:
         """One round; how many keys each tier forgot."""

@@ -6,6 +6,8 @@ turns its exceptions into HTTP answers (421 with the leader's name, 503 while no
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Any
 
 from flask import Flask, Response, jsonify, request
@@ -17,8 +19,43 @@ from replication.node import NotLeader, ProposalTimeout, ReadIndexUnavailable, R
 from replication.statemachine import StateMachine
 from replication.transport import RAFT_PORT_OFFSET
 
+log = logging.getLogger(__name__)
+
 #: Longest a read waits for its replica to apply an index the caller already saw.
 READ_WAIT = 0.5
+
+
+class Periodic:
+    """A replica's periodic duty (the catalog's restocking, the order leader's key expiry): ``work``
+    every ``every`` seconds while ``due``, on a thread of its own that ``stop`` ends. Supervised: a
+    failed round (no quorum, a full disk, a bug) is logged and the next one retries."""
+
+    def __init__(self, name: str, every: float) -> None:
+        self.name, self.every = name, every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def due(self) -> bool:
+        return True
+
+    def work(self) -> None:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            if not self.due():
+                continue
+            try:
+                self.work()
+            except Exception as exc:  # the next round tries again
+                log.warning("%s: a round failed (retried in %.0f s): %s", self.name, self.every, exc)
 
 
 class ReplicaRuntime:
