@@ -99,9 +99,9 @@ def _drop_confirms(flag: str) -> None:
 
     confirm = order_app.BuyProcessor._confirm
 
-    def dropped(self, key, title, cost):  # type: ignore[no-untyped-def]
+    def dropped(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         if not os.path.exists(flag):
-            confirm(self, key, title, cost)
+            confirm(self, *args, **kwargs)
 
     order_app.BuyProcessor._confirm = dropped
 
