@@ -58,6 +58,16 @@ def snapshots_installed(c: LocalCluster, name: str) -> int:
     return log.read_text(errors="replace").count("installed a snapshot") if log.exists() else 0
 
 
+def caught_up(c: LocalCluster, leader: str, name: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lead, st = h.replica_status(c, leader), h.replica_status(c, name)
+        if lead and st and st["applied_index"] >= lead["commit_index"]:
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"{name} did not catch up with {leader} within {timeout} s")
+
+
 def run(settings: h.Settings) -> dict[str, Any]:
     books = settings.size(1_000_000, 100_000, 20_000)
     writes = 3 * (KEEP_ENTRIES + SLACK)
@@ -73,7 +83,7 @@ def run(settings: h.Settings) -> dict[str, Any]:
             with c.client() as cl:  # past the leader's log: it compacts the entries the victim needs
                 for i in range(writes):
                     cl.update(1 + i % 7, stock_delta=1)
-            h.wait_caught_up(c, "catalog")  # the other follower: its memory is the steady state
+            caught_up(c, leader, healthy)  # the other follower: its memory is the steady state
             steady = memory(c, healthy, "VmRSS")
             reset_peaks(c, leader)
             leader_before = memory(c, leader, "VmRSS")
