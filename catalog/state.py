@@ -8,7 +8,9 @@ depend on float formatting.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
+from pathlib import Path
 from typing import Any
 
 from cluster.cachekeys import topic_key
@@ -49,6 +51,10 @@ class CatalogState(SQLiteStateMachine):
         if "at" not in {r[1] for r in conn.execute("PRAGMA table_info(idempotency)")}:
             conn.execute("ALTER TABLE idempotency ADD COLUMN at REAL NOT NULL DEFAULT 0")
         conn.execute("CREATE INDEX IF NOT EXISTS idempotency_at ON idempotency(at)")
+
+    def is_new(self) -> bool:
+        """Nothing applied and no books: a replica that never started, or whose data was deleted."""
+        return self.applied_index() == 0 and not self.read("SELECT 1 FROM books LIMIT 1")
 
     def seed(self, books: list[dict[str, Any]]) -> None:
         """Load the initial catalogue into a brand-new replica (identical on every replica)."""
@@ -184,3 +190,21 @@ class CatalogState(SQLiteStateMachine):
         conn.executemany("UPDATE books SET stock = stock + ?, version = ? WHERE item_number = ?",
                          [(cmd["amount"], index, n) for n in items])
         return {"ok": True, "items": items, "index": index}
+
+
+def build_seed(books: list[dict[str, Any]], dest: Path) -> None:
+    """The initial catalogue as a state file of its own, written once (atomically: to a temporary
+    name, then renamed) for every new replica to copy (``restore(0, dest)``): one parse and one
+    digest for the whole cluster instead of one per replica, and a starting replica's memory stays
+    at a page cache's worth however many books there are."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + ".building")
+    for leftover in (tmp, Path(f"{tmp}-wal"), Path(f"{tmp}-shm")):
+        leftover.unlink(missing_ok=True)
+    state = CatalogState(tmp)
+    try:
+        state.seed(books)
+        state.read("PRAGMA journal_mode=DELETE")  # one self-contained file, nothing beside it
+    finally:
+        state.close()
+    os.replace(tmp, dest)

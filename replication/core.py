@@ -81,7 +81,7 @@ class Snapshot:
 
     index: int
     term: int
-    data: bytes | None
+    data: Any
 
 
 @dataclass(slots=True)
@@ -96,7 +96,8 @@ class Message:
     - heartbeat: ``commit`` = min(follower match, leader commit) (safe to commit without a log check).
     - heartbeat_resp: ``index`` = the follower's commit index (committed, hence matching the leader);
       ``conflict_index`` = its last index + 1, so a leader notices a follower that lost its log.
-    - snapshot: ``snapshot_index``/``snapshot_term``; ``payload`` = state bytes filled by the driver.
+    - snapshot: ``snapshot_index``/``snapshot_term``; ``payload`` = the state, as the driver has it
+      (the node: the file it streamed the state into; the simulator: bytes). The core only passes it on.
     ``leader_commit`` is the leader's real commit (for the follower's "recovering" status) and ``ctx``
     the leader's tick when it sent the request, echoed back so the leader lease counts from send time.
     """
@@ -116,7 +117,7 @@ class Message:
     snapshot_index: int = 0
     snapshot_term: int = 0
     ctx: int = 0
-    payload: bytes | None = None
+    payload: Any = None
 
     _INT_FIELDS = (
         "index",
@@ -141,7 +142,7 @@ class Message:
             d["success"] = True
         if self.entries:
             d["entries"] = [e.to_dict() for e in self.entries]
-        if self.payload is not None:
+        if isinstance(self.payload, bytes):
             d["payload"] = base64.b64encode(self.payload).decode("ascii")
         return d
 

@@ -6,7 +6,8 @@ Threads, all owned and joined by ``stop()``:
   machine. It drains an inbox of peer messages and proposals, ticks every ``tick_ms``, then handles
   the core's ``Ready``: persist (durably) -> send -> apply -> advance;
 - one sender per peer: coalesces queued messages into one frame on a long-lived connection
-  (``replication.transport``; drops on error: Raft retransmits);
+  (``replication.transport``; drops on error: Raft retransmits), and streams snapshots to that
+  peer in chunks (``replication.snapshots``);
 - the frame server's accept thread and one reader per connected peer: they put what arrives in the
   inbox;
 - one notifier: runs leader listeners, so a listener may itself call ``propose``.
@@ -17,6 +18,8 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import secrets
+import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -32,7 +35,8 @@ from cluster.web import secret_refusal
 from replication.core import CANDIDATE, SNAPSHOT, CoreConfig, Entry, Message, RaftCore, Ready
 from replication.log_store import LogStore
 from replication.router import pooled_session
-from replication.statemachine import StateMachine
+from replication.snapshots import Incoming, stream_frames
+from replication.statemachine import Pin, StateMachine
 from replication.storage import describe, is_storage_fault
 from replication.transport import RAFT_CHANNEL, Channel, FrameClient, FrameServer, raft_address
 
@@ -89,7 +93,12 @@ class ReplicationConfig(CoreConfig):
     connect_timeout: float = 0.2
     #: Longest a frame may take to leave (a peer that stopped reading: the connection is dropped).
     send_timeout: float = 0.5
+    #: Longest one chunk of a snapshot may take to leave.
     snapshot_send_timeout: float = 10.0
+    #: A snapshot streams, then installs, for seconds at a million books: the core waits this long
+    #: for its acknowledgement before sending it again (and a sender that has just streamed one
+    #: skips the core's repeats for as long).
+    snapshot_timeout_ticks: int = 1000
     #: Cap on messages per frame (heartbeats and appends are coalesced up to it).
     max_batch_messages: int = 64
 
@@ -129,6 +138,10 @@ class _Proposal:
         self.done.set()
 
 
+class _Stopping(Exception):
+    """The node stops: a snapshot stream in progress is abandoned."""
+
+
 class _Sender:
     """Delivers messages to one peer on its own thread, so a slow peer delays nobody else."""
 
@@ -137,6 +150,8 @@ class _Sender:
         self.queue: queue.Queue[Message | None] = queue.Queue()
         self.client = FrameClient(address, node.secret, node.name, RAFT_CHANNEL, node.config.connect_timeout)
         self.thread = threading.Thread(target=self._run, name=f"raft-send-{node.name}->{peer}", daemon=True)
+        self._stop = False
+        self._quiet_until = 0.0
 
     def offer(self, m: Message) -> None:
         """From the event loop: straight onto the wire when that cannot block and nothing is queued
@@ -148,32 +163,31 @@ class _Sender:
     def _run(self) -> None:
         """Supervised: an unexpected error costs the batch in hand (Raft retransmits), not the thread."""
         cfg = self.node.config
-        while True:
+        while not self._stop:
             first = self.queue.get()
             if first is None:
                 break
             batch = [first]
-            stop = False
             while len(batch) < cfg.max_batch_messages:
                 try:
                     m = self.queue.get_nowait()
                 except queue.Empty:
                     break
                 if m is None:
-                    stop = True
+                    self._stop = True
                     break
                 batch.append(m)
             try:
-                snaps = [m for m in batch if m.type == SNAPSHOT]
                 rest = [m for m in batch if m.type != SNAPSHOT]
                 if rest:
                     self._send(rest, cfg.send_timeout)
-                for m in snaps:
-                    self._send([m], cfg.snapshot_send_timeout)
+                snaps = [m for m in batch if m.type == SNAPSHOT]
+                if snaps and not self._stop:
+                    self._stream_snapshot(snaps[-1])  # the core's repeats of one request: one is enough
+            except _Stopping:
+                break
             except Exception:
                 log.exception("%s -> %s: sending failed; dropping the batch", self.node.name, self.peer)
-            if stop:
-                break
         self.client.close()
 
     def _send(self, msgs: list[Message], timeout: float) -> None:
@@ -181,6 +195,56 @@ class _Sender:
             self.client.send({"messages": [m.to_dict() for m in msgs]}, timeout)
         except OSError as exc:
             log.debug("%s -> %s: %s", self.node.name, self.peer, exc)
+
+    def _stream_snapshot(self, m: Message) -> None:
+        """Copy the state to a file and stream it in chunks, then the message (see
+        ``replication.snapshots``). Heartbeats and appends queued meanwhile go out between chunks,
+        so the peer keeps hearing from its leader. A failure drops the stream: the core sends the
+        snapshot again once its acknowledgement is overdue."""
+        node, cfg = self.node, self.node.config
+        if time.monotonic() < self._quiet_until:
+            return  # one was streamed just now: the peer acknowledges it, or the core asks again
+        pin, term = node._pin_state()
+        path = node.snapshot_out / f"{self.peer}.db"
+        try:
+            if not term:
+                return  # the pinned index's term is not known here yet: the core asks again
+            m.snapshot_index, m.snapshot_term = pin.index, term
+            pin.write(path)
+        finally:
+            pin.close()
+        sid = f"{m.term}-{m.snapshot_index}-{secrets.token_hex(4)}"
+        log.info("%s: streaming a snapshot at index %d to %s (%d bytes)", node.name, m.snapshot_index, self.peer,
+                 path.stat().st_size)
+        try:
+            for frame in stream_frames(sid, path):
+                self._between_chunks()
+                if "snapshot" in frame:
+                    frame["messages"] = [m.to_dict()]
+                self.client.send(frame, cfg.snapshot_send_timeout)
+        except OSError as exc:
+            log.warning("%s: the snapshot stream to %s broke: %s", node.name, self.peer, exc)
+            return
+        finally:
+            path.unlink(missing_ok=True)
+        self._quiet_until = time.monotonic() + cfg.snapshot_timeout_ticks * cfg.tick_ms / 1000.0
+
+    def _between_chunks(self) -> None:
+        """Send what the loop queued for this peer meanwhile (another snapshot request is the one
+        being served); stop the stream if the node is stopping."""
+        msgs = []
+        while True:
+            try:
+                m = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if m is None:
+                self._stop = True
+                raise _Stopping
+            if m.type != SNAPSHOT:
+                msgs.append(m)
+        if msgs:
+            self._send(msgs, self.node.config.send_timeout)
 
 
 class _ReadIndexBatcher:
@@ -275,6 +339,13 @@ class ReplicaNode:
         self.config = config or ReplicationConfig()
         self.data_dir = Path(data_dir)
         self.store = LogStore(self.data_dir / "raft.db")
+        #: Snapshots: received ones land in ``snapshots/in``, copies for peers in ``snapshots/out``;
+        #: both emptied at start (a crash may leave a stream half-written in either).
+        self._incoming = Incoming(self.data_dir / "snapshots" / "in")
+        self._stepped_snapshots: list[Path] = []
+        self.snapshot_out = self.data_dir / "snapshots" / "out"
+        shutil.rmtree(self.snapshot_out, ignore_errors=True)
+        self.snapshot_out.mkdir(parents=True, exist_ok=True)
         self._seed = seed
         self.core = self._load_core()
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -334,7 +405,7 @@ class ReplicaNode:
             persisted = self.store.load()
         self._applied = self.sm.applied_index()
         self._durable_vote = (persisted.hard_state.term, persisted.hard_state.vote)
-        return RaftCore(
+        core = RaftCore(
             self.name,
             list(self.peers),
             hard_state=persisted.hard_state,
@@ -344,6 +415,18 @@ class ReplicaNode:
             config=self.config,
             rng=self._seed,
         )
+        #: The index and term of the last entry the state machine applied (under the apply lock):
+        #: what a snapshot pinned by a sender thread, away from the core, is labelled with.
+        self._applied_at = (self._applied, core.term_at(self._applied) or 0)
+        return core
+
+    def _pin_state(self) -> tuple[Pin, int]:
+        """The state held still for a snapshot, and the term of its last applied entry (0: unknown).
+        Microseconds under the apply lock; the copy is made afterwards, by the caller."""
+        with self._apply_lock:
+            pin = self.sm.pin()
+            index, term = self._applied_at
+        return pin, (term if index == pin.index else 0)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -386,6 +469,7 @@ class ReplicaNode:
         self._proposals.clear()
         with self._apply_cond:
             self._apply_cond.notify_all()
+        self._incoming.close()
         self.store.close()
 
     # -- public API ------------------------------------------------------------------------------
@@ -558,12 +642,26 @@ class ReplicaNode:
 
     def _on_frame(self, peer: str, frame: Any) -> None:
         """A frame from an authenticated connection (a reader thread): its messages from ``peer`` to us
-        go to the event loop; anything else is ignored, as a lost message would be."""
-        raw = frame.get("messages") if isinstance(frame, dict) else None
-        if isinstance(raw, list):
-            msgs = [m for m in self._parse(raw) if m.src == peer]
-            if msgs:
-                self._inbox.put(("msgs", msgs))
+        go to the event loop; anything else is ignored, as a lost message would be. A snapshot
+        message goes only with the stream it closes, and only if the whole stream arrived."""
+        if not isinstance(frame, dict):
+            return
+        if "chunk" in frame:
+            self._incoming.chunk(peer, frame["chunk"])
+            return
+        raw = frame.get("messages")
+        if not isinstance(raw, list):
+            return
+        msgs = [m for m in self._parse(raw) if m.src == peer]
+        snaps = [m for m in msgs if m.type == SNAPSHOT]
+        if snaps:
+            msgs = [m for m in msgs if m.type != SNAPSHOT]
+            path = self._incoming.finish(peer, frame.get("snapshot")) if len(snaps) == 1 else None
+            if path is not None:
+                snaps[0].payload = path
+                msgs.append(snaps[0])
+        if msgs:
+            self._inbox.put(("msgs", msgs))
 
     # -- event loop ------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -647,6 +745,8 @@ class ReplicaNode:
         if kind == "msgs":
             for m in value:
                 self.core.step(m)
+                if m.type == SNAPSHOT and isinstance(m.payload, Path):
+                    self._stepped_snapshots.append(m.payload)
         elif kind == "propose":
             prop: _Proposal = value
             index = self.core.propose(prop.command)
@@ -670,6 +770,11 @@ class ReplicaNode:
 
     def _process_ready(self, tick_wall: float) -> None:
         rd = self.core.ready()
+        if self._stepped_snapshots:  # received files the core ignored (stale) or superseded
+            for path in self._stepped_snapshots:
+                if rd.snapshot is None or path is not rd.snapshot.data:
+                    self._incoming.discard(path)
+            self._stepped_snapshots = []
         if not rd.is_empty():
             self._commit_seen = self.core.commit
             if rd.send_first:  # a leader's appends: its own disk write overlaps the followers'
@@ -689,8 +794,12 @@ class ReplicaNode:
             self.store.begin_install(snap.index, snap.term)
             if snap.data is None:
                 raise RuntimeError("snapshot message without payload")
-            with self._apply_lock:
-                self.sm.restore(snap.index, snap.data)
+            try:
+                with self._apply_lock:
+                    self.sm.restore(snap.index, snap.data)
+                    self._applied_at = (snap.index, snap.term)
+            finally:  # installed, or lost with the rest of what the loop held (it reloads from disk)
+                self._incoming.discard(snap.data)
             self.snapshots_installed += 1
             log.info("%s: installed a snapshot at index %d (its log was behind the leader's compaction)",
                      self.name, snap.index)
@@ -718,12 +827,6 @@ class ReplicaNode:
 
     def _send(self, msgs: list[Message]) -> None:
         for m in msgs:
-            if m.type == SNAPSHOT:
-                with self._apply_lock:
-                    m.snapshot_index = self.sm.applied_index()
-                    m.payload = self.sm.snapshot()
-                m.snapshot_term = self.core.term_at(m.snapshot_index) or 0
-                log.info("%s: sending a snapshot at index %d to %s", self.name, m.snapshot_index, m.dst)
             sender = self._senders.get(m.dst)
             if sender is not None:
                 sender.offer(m)
@@ -734,6 +837,7 @@ class ReplicaNode:
             return
         with self._apply_lock:  # a storage fault raises: the loop's supervisor retries the batch
             outcomes = self.sm.apply_many([(e.index, e.command) for e in todo])
+            self._applied_at = (todo[-1].index, todo[-1].term)
         self._set_applied(todo[-1].index)  # readers see the batch once it is committed, as a whole
         for e, (result, error) in zip(todo, outcomes, strict=True):
             if error is not None:  # a deterministic command failure: the same on every replica

@@ -44,6 +44,26 @@ def _show(value: str) -> str:
     return value[:16]
 
 
+class Pin:
+    """A state held still for copying: an open read transaction on a connection of its own (WAL:
+    the applier goes on writing meanwhile, and the copy is of the state at ``index``, whole)."""
+
+    def __init__(self, index: int, conn: sqlite3.Connection) -> None:
+        self.index, self._conn = index, conn
+
+    def write(self, path: Path) -> None:
+        """Copy the pinned state to a new SQLite file at ``path`` (page by page: bounded memory)."""
+        path.unlink(missing_ok=True)
+        dest = sqlite3.connect(str(path))
+        try:
+            self._conn.backup(dest)  # within our open read transaction: its snapshot, not the latest
+        finally:
+            dest.close()
+
+    def close(self) -> None:
+        self._conn.close()  # ends the read transaction; the WAL may be checkpointed past it
+
+
 class StateMachine(ABC):
     """What the replication layer needs from a service's state."""
 
@@ -68,12 +88,23 @@ class StateMachine(ABC):
         return out
 
     @abstractmethod
-    def snapshot(self) -> bytes:
-        """The whole state as of ``applied_index()``, for a follower whose log was compacted away."""
+    def pin(self) -> Pin:
+        """The state as of now, held still (a read snapshot, taken in microseconds) so that it can be
+        copied to a file at leisure while commands go on being applied: what a follower whose log was
+        compacted away is sent."""
+
+    def snapshot_to(self, path: Path) -> int:
+        """Write the whole state to ``path``; the applied index it is at."""
+        pin = self.pin()
+        try:
+            pin.write(path)
+            return pin.index
+        finally:
+            pin.close()
 
     @abstractmethod
-    def restore(self, index: int, data: bytes) -> None:
-        """Replace the whole state with a snapshot taken at ``index``."""
+    def restore(self, index: int, source: Path) -> None:
+        """Replace the whole state with the snapshot in file ``source``, taken at ``index``."""
 
     @abstractmethod
     def digest(self) -> str:
@@ -239,25 +270,29 @@ class SQLiteStateMachine(StateMachine):
     def execute(self, conn: sqlite3.Connection, index: int, command: dict[str, Any]) -> Any:
         """Run one command inside the open transaction; must be deterministic."""
 
-    def snapshot(self) -> bytes:
-        with self._write_lock:
-            return self._conn().serialize()
+    def pin(self) -> Pin:
+        conn = sqlite3.connect(self.path, timeout=10, isolation_level=None, check_same_thread=False)
+        try:
+            conn.execute("BEGIN DEFERRED")  # the read snapshot starts at the first read, here:
+            index = int(conn.execute("SELECT value FROM meta WHERE key='applied_index'").fetchone()[0])
+        except BaseException:
+            conn.close()
+            raise
+        return Pin(index, conn)
 
-    def restore(self, index: int, data: bytes) -> None:
+    def restore(self, index: int, source: Path) -> None:
+        """Page by page from the file into the live database (SQLite's backup): memory stays at a
+        page cache's worth however large the state, and readers on other connections (WAL) see the
+        old state until the copy commits, then the new one."""
         with self._write_lock:
-            # A WAL database serializes with file-format bytes 18-19 = 2, which an in-memory copy
-            # cannot write to ("unable to open database file"): mark it rollback-journal (1).
-            image = bytearray(data)
-            if image[18:20] == b"\x02\x02":
-                image[18:20] = b"\x01\x01"
-            source = sqlite3.connect(":memory:")
-            source.deserialize(bytes(image))
-            source.execute("UPDATE meta SET value=? WHERE key='applied_index'", (index,))
-            source.commit()
-            source.backup(self._conn())
-            source.close()
+            src = sqlite3.connect(str(source), isolation_level=None)  # only read: several may share it
+            try:
+                src.backup(self._conn())
+            finally:
+                src.close()
             conn = self._conn()
             with transaction(conn):  # a snapshot from an older version: brought up to this schema
+                conn.execute("UPDATE meta SET value=? WHERE key='applied_index'", (index,))
                 self.migrate(conn)
         self._install_digest(conn)
 

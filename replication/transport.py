@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct(">I")
-#: Largest frame accepted: a snapshot travels as one frame.
+#: Largest frame accepted: appends of thousands of batched commands (snapshots go in 1 MiB chunks).
 MAX_FRAME = 1 << 30
 #: A new connection must say hello within this long.
 HELLO_TIMEOUT = 2.0

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from catalog.state import CatalogState, book_dict, cents, error
+from catalog.state import CatalogState, book_dict, build_seed, cents, error
 
 BOOKS = [
     {"item_number": 1, "title": "How to get a good grade in 677 in 20 minutes a day",
@@ -317,7 +317,8 @@ def test_replicas_applying_the_same_log_have_the_same_digest(tmp_path: Path) -> 
 def test_a_snapshot_carries_the_books_and_the_keys(state: CatalogState, log: Log, tmp_path: Path) -> None:
     first = log(decrement(1, 2, "a"))
     other = CatalogState(tmp_path / "other.db")
-    other.restore(state.applied_index(), state.snapshot())
+    state.snapshot_to(tmp_path / "snap.db")
+    other.restore(state.applied_index(), tmp_path / "snap.db")
     assert other.digest() == state.digest() and other.applied_index() == 1
     assert other.apply(2, decrement(1, 2, "a")) == first  # the key came along: no second decrement
     assert other.book(1)["stock"] == 8
@@ -358,7 +359,8 @@ def test_a_database_from_before_key_windows_keeps_its_keys_and_digest(tmp_path: 
     conn.commit()
     conn.close()
     migrated = [CatalogState(path), CatalogState(tmp_path / "copy.db")]
-    migrated[1].restore(0, migrated[0].snapshot())
+    migrated[0].snapshot_to(tmp_path / "snap.db")
+    migrated[1].restore(0, tmp_path / "snap.db")
     for s in migrated:
         assert s.key_count() == 1
         s.apply(1, {"op": "expire", "before": 10**10})
@@ -366,3 +368,19 @@ def test_a_database_from_before_key_windows_keeps_its_keys_and_digest(tmp_path: 
         applied, kept, recomputed = s.full_digest()
         assert kept == recomputed
     assert migrated[0].applied_and_digest() == migrated[1].applied_and_digest()
+
+
+def test_a_replica_started_from_the_built_catalogue_holds_what_seeding_it_would(tmp_path: Path) -> None:
+    books = [{"item_number": n, "title": f"b{n}", "topic": f"t{n % 3}", "stock": n, "cost": n / 4} for n in range(1, 300)]
+    build_seed(books, tmp_path / "seed" / "catalog.db")
+    copied, seeded = CatalogState(tmp_path / "a.db"), CatalogState(tmp_path / "b.db")
+    assert copied.is_new() and seeded.is_new()
+    copied.restore(0, tmp_path / "seed" / "catalog.db")
+    seeded.seed(books)
+    assert not copied.is_new()
+    assert copied.applied_and_digest() == seeded.applied_and_digest() == (0, copied.full_digest()[2])
+    assert copied.book(299) == seeded.book(299)
+    assert copied.apply(1, update(5, stock_delta=1)) == seeded.apply(1, update(5, stock_delta=1))
+    assert copied.digest() == seeded.digest()
+    copied.close()
+    seeded.close()

@@ -27,6 +27,10 @@ Without the variables below it does nothing.
   to commit a batch of two or more buys' commands (the catalog's decrements, the order tier's
   intents or confirms) deletes the file and SIGKILLs its own process group before anyone hears of
   it: the batch is in the log, its answers never leave.
+- ``PYGMY_TEST_CRASH_MID_SNAPSHOT=<file>``: snapshots stream in 4 KiB chunks; when the file says
+  ``<tier> sender`` (or ``<tier> receiver``), the first replica of that tier to have sent (received)
+  three chunks of a snapshot stream deletes the file and SIGKILLs its own process group right
+  there: a stream cut short at either end, a partial file left on the receiver.
 - ``PYGMY_TEST_DROP_CONFIRMS=<file>``: while the file exists, an order leader answers buys but never
   records their confirm (as if it died right after answering): the crash instant between a buy's
   answer and its confirm, held open for as long as a test needs.
@@ -127,17 +131,41 @@ def _hold_decrements(flag: str) -> None:
     Combiner.__init__ = holding_init
 
 
-def _die_if_named(flag: str, service: str) -> None:
-    """If ``flag`` names ``service``'s tier: delete it and SIGKILL our own process group, here."""
+def _die_if_named(flag: str, service: str, role: str = "") -> None:
+    """If ``flag`` names ``service``'s tier (and ``role``, when it names one): delete it and SIGKILL
+    our own process group, here."""
     import signal
 
     try:
-        tier = open(flag).read().strip()  # noqa: SIM115
+        tier, _, wanted = open(flag).read().strip().partition(" ")  # noqa: SIM115
     except OSError:
         return
-    if tier and service.startswith(tier + "-"):
+    if tier and service.startswith(tier + "-") and wanted == role:
         os.unlink(flag)
         os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+def _crash_mid_snapshot(flag: str) -> None:
+    from replication import node, snapshots
+
+    snapshots.CHUNK_BYTES = 4096
+    between = node._Sender._between_chunks
+    chunk = snapshots.Incoming.chunk
+    sent: dict[str, int] = {}
+
+    def sending(self):  # type: ignore[no-untyped-def]
+        sent[self.peer] = sent.get(self.peer, 0) + 1  # called before each frame of a stream
+        if sent[self.peer] > 3:
+            _die_if_named(flag, self.node.name, "sender")
+        between(self)
+
+    def receiving(self, peer, body):  # type: ignore[no-untyped-def]
+        chunk(self, peer, body)
+        if isinstance(body, dict) and body.get("offset", 0) >= 2 * snapshots.CHUNK_BYTES:
+            _die_if_named(flag, self.directory.parent.parent.name, "receiver")  # <data>/<name>/snapshots/in
+
+    node._Sender._between_chunks = sending
+    snapshots.Incoming.chunk = receiving
 
 
 def _crash_unpersisted(flag: str) -> None:
@@ -170,6 +198,8 @@ def _crash_mid_batch(flag: str) -> None:
 
 if os.environ.get("PYGMY_TEST_CRASH_MID_BATCH"):
     _crash_mid_batch(os.environ["PYGMY_TEST_CRASH_MID_BATCH"])
+if os.environ.get("PYGMY_TEST_CRASH_MID_SNAPSHOT"):
+    _crash_mid_snapshot(os.environ["PYGMY_TEST_CRASH_MID_SNAPSHOT"])
 if os.environ.get("PYGMY_TEST_CRASH_UNPERSISTED"):
     _crash_unpersisted(os.environ["PYGMY_TEST_CRASH_UNPERSISTED"])
 if os.environ.get("PYGMY_TEST_DROP_CONFIRMS"):

@@ -283,5 +283,6 @@ def test_a_database_from_before_key_windows_is_migrated_with_its_orders(tmp_path
     applied, kept, recomputed = s.full_digest()
     assert kept == recomputed
     fresh = OrderState(tmp_path / "fresh.db")
-    fresh.restore(3, s.snapshot())
+    s.snapshot_to(tmp_path / "snap.db")
+    fresh.restore(3, tmp_path / "snap.db")
     assert fresh.applied_and_digest() == s.applied_and_digest()
