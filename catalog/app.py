@@ -60,7 +60,12 @@ class Restocker(Periodic):
 
 def create_app(config: ClusterConfig, k: int) -> Flask:
     state = CatalogState(config.replica_dir(f"catalog-{k}") / "state.db")
-    state.seed(catalogue.load(config.books))
+    if state.is_new():  # else the books file is not read at all: the state is on disk already
+        seed = config.seed_file()
+        if seed.exists():  # built once by ``pygmy up``: copied page by page, not parsed
+            state.restore(0, seed)
+        else:  # started on its own (a container, ``pygmy serve``): it reads the file itself
+            state.seed(catalogue.load(config.books))
     rt = ReplicaRuntime("catalog", k, config, state)
     invalidator = Invalidator(rt.node, rt.secret)
     app = rt.create_app()

@@ -133,6 +133,11 @@ class ClusterConfig:
     def replica_dir(self, name: str) -> Path:
         return self.root / name
 
+    def seed_file(self) -> Path:
+        """The catalogue a new catalog replica starts from, built once by ``pygmy up --books``
+        (``catalog.books.build_seed``): a replica copies it rather than parse the JSON itself."""
+        return self.root / "seed" / "catalog.db"
+
     def pid_file(self, name: str) -> Path:
         return self.run_dir() / f"{name}.pid"
 

@@ -14,6 +14,7 @@ import pytest
 import requests
 from harness import Cluster, free_port_base, pygmy
 
+from catalog.state import CatalogState
 from client.api import PygmyError
 from cluster import launcher
 from cluster.config import ClusterConfig
@@ -277,3 +278,24 @@ def test_start_up_waits_while_a_service_works_and_fails_when_it_stalls(tmp_path:
     with pytest.raises(launcher.LaunchError, match="catalog-2 exited during start-up"):
         launcher.wait_healthy(config, ["catalog-2"], stall=1.0)  # busy for 3 s: waited for, then gone
     assert time.monotonic() - started > 2.5
+
+
+def test_the_catalogue_is_built_once_for_a_new_cluster_and_kept_once_it_began(tmp_path: Path) -> None:
+    config = ClusterConfig(data_dir=str(tmp_path / "d"))
+    first = [{"item_number": n, "title": f"b{n}", "topic": "t", "stock": 5, "cost": 1.0} for n in range(1, 50)]
+    said: list[str] = []
+    launcher.prepare_seed(config, first, said.append)
+    seed = config.seed_file()
+    assert seed.exists() and "49 books" in said[0]
+    assert [p.name for p in seed.parent.iterdir()] == ["catalog.db"], "one file, nothing half-built beside it"
+    # A catalog replica began from it: a later ``up`` naming another file keeps the seed it began from.
+    state = CatalogState(config.replica_dir("catalog-1") / "state.db")
+    state.restore(0, seed)
+    built = seed.stat().st_mtime_ns
+    launcher.prepare_seed(config, first[:3], said.append)
+    assert seed.stat().st_mtime_ns == built and len(said) == 2
+    state.close()
+    # After a reset nothing began: the seven built-in books need no seed, and a stale one goes.
+    launcher.reset(config)
+    launcher.prepare_seed(config, None, said.append)
+    assert not seed.exists()

@@ -3,6 +3,7 @@ unless its log is gone — and serves no read from before it caught up."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from pathlib import Path
@@ -11,6 +12,8 @@ import pytest
 import requests
 from harness import Cluster, free_port_base
 from test_faults import leader, wait_converged
+
+from catalog.books import synthetic
 
 
 def follower_of(c: Cluster, tier: str) -> str:
@@ -102,3 +105,28 @@ def test_catch_up_from_the_log_then_by_snapshot_then_from_nothing(small_log_clus
     assert len({r["state_digest"] for r in st["catalog"]["replicas"]}) == 1
     with c.client() as client:
         assert client.lookup(3)["stock"] == 1005
+
+
+def test_a_new_replica_of_a_big_catalogue_copies_the_built_one_and_reads_no_file(tmp_path: Path) -> None:
+    """``pygmy up --books`` builds the catalogue once; a replica started from nothing copies it. With
+    the JSON file gone, a replica that parsed it would not start: this one starts, catches up and
+    agrees with its peers."""
+    books = tmp_path / "books.json"
+    books.write_text(json.dumps(synthetic(300, topics=5)))
+    c = Cluster(tmp_path / "d", free_port_base(), ["--books", str(books)]).start(reset=True)
+    try:
+        assert (c.data_dir / "seed" / "catalog.db").exists()
+        victim = follower_of(c, "catalog")
+        c.kill(victim)
+        shutil.rmtree(c.data_dir / victim)
+        books.unlink()
+        with c.client() as client:
+            client.update(250, stock_delta=5)
+        c.restart(victim)
+        st = wait_converged(c)
+        assert len({r["state_digest"] for r in st["catalog"]["replicas"]}) == 1
+        auth = {"Authorization": f"Bearer {c.secret()}"}
+        got = requests.get(f"{c.replica_url(victim)}/books/250", headers=auth, timeout=5).json()
+        assert got["stock"] == 1005 and got["title"] == "Synthetic book 250"
+    finally:
+        c.stop()
