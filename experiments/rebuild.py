@@ -93,6 +93,9 @@ def run(settings: h.Settings) -> dict[str, Any]:
             answered = time.monotonic() - started
             h.wait_caught_up(c, "catalog", timeout=300)
             rebuilt = time.monotonic() - started
+            deadline = time.monotonic() + 30  # the state is readable a moment before the install is logged
+            while not snapshots_installed(c, victim) and time.monotonic() < deadline:
+                time.sleep(0.1)
             digests = {r["state_digest"] for r in h.tier_status(c, "catalog")["replicas"]}
             out = {"books": books, "writes_while_down": writes, "answered_s": answered, "rebuilt_s": rebuilt,
                    "snapshots_installed": snapshots_installed(c, victim), "digests_equal": len(digests) == 1,
