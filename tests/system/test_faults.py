@@ -362,8 +362,8 @@ def test_snapshot_streams_cut_by_a_kill_at_either_end(tmp_path: Path) -> None:
     each restarted replica clears what it was sent, is sent the state again, and every invariant holds
     on every replica, with every digest verified against its rows."""
     flag = tmp_path / "crash-mid-snapshot"
-    env = cluster_env(PYGMY_TEST_CRASH_MID_SNAPSHOT=str(flag), PYGMY_RAFT_KEEP_ENTRIES="60",
-                      PYGMY_RAFT_COMPACT_SLACK="20", PYGMY_RAFT_SNAPSHOT_TIMEOUT_TICKS="200")
+    env = cluster_env(PYGMY_TEST_CRASH_MID_SNAPSHOT=str(flag), PYGMY_RAFT_KEEP_ENTRIES="30",
+                      PYGMY_RAFT_COMPACT_SLACK="10", PYGMY_RAFT_SNAPSHOT_TIMEOUT_TICKS="100")
     c = Cluster(tmp_path / "d", free_port_base(), [], env)
     c.start(reset=True)
     load = Load()
@@ -390,10 +390,15 @@ def test_snapshot_streams_cut_by_a_kill_at_either_end(tmp_path: Path) -> None:
                 before = installed(victim)
                 c.kill(victim)
                 with c.client() as client:  # past what the leader keeps: only a snapshot brings it back
-                    for i in range(150):
+                    for i in range(60):
                         client.update(1 + i % 7, cost=float(10 + i))
                 flag.write_text(f"catalog {side}")
-                c.restart(victim)
+                try:
+                    c.restart(victim)
+                except AssertionError:
+                    if flag.exists():
+                        raise
+                    # The receiver died of the hook before its start-up was over: as meant.
                 deadline = time.monotonic() + 30
                 while flag.exists():
                     assert time.monotonic() < deadline, f"no snapshot stream reached its {side}'s third chunk"
@@ -412,7 +417,7 @@ def test_snapshot_streams_cut_by_a_kill_at_either_end(tmp_path: Path) -> None:
                     assert time.monotonic() < deadline + 30, "no buys acknowledged after the crash"
                     time.sleep(0.1)
 
-        run_faulty_load(c, faults, load)
+        run_faulty_load(c, faults, load, buyers=2)  # fewer orders to check on every replica afterwards
         assert [k.split(":")[0] for k in killed] == ["receiver", "sender"], killed
         assert_buys_only_delayed(load)
         check_invariants(c, load)
