@@ -82,10 +82,11 @@ def test_store_size_measures_each_catalogue_size(settings: h.Settings) -> None:
 
     store_size.run(settings)
     data = _check(settings, "store_size")
-    assert [r[0] for r in data["table"]["rows"]] == [7, 1000]
-    big = data["results"][1]
+    assert [r[0] for r in data["table"]["rows"]] == ["7", "1,000", "1,000 + 600 orders"]
+    big, grown = data["results"][1:]
     assert big["lookup"]["n"] == 10 and set(big["rss_mib"]) >= {"catalog-1", "order-1", "frontend-1"}
     assert all(mib > 0 for sizes in big["rss_mib"].values() for mib in sizes)
+    assert grown["orders"] == 600 and grown["orders_per_s"] > 0 and grown["buy"]["n"] == 10
 
 
 def test_report_renders_every_result(settings: h.Settings, ran: dict, tmp_path: Path) -> None:
