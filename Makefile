@@ -30,6 +30,7 @@ bench: install
 	$(BIN)/python -m experiments.writepath $(if $(QUICK),--quick,)
 	$(BIN)/python -m experiments.soak $(if $(QUICK),--clients 20 --duration 20,)
 	$(BIN)/python -m experiments.store_size --no-progress $(if $(QUICK),--quick,)
+	$(BIN)/python -m experiments.rebuild $(if $(QUICK),--quick,)
 
 # Linearizability runs judged by Porcupine (needs Go): RUNS fresh clusters of DURATION seconds each.
 RUNS ?= 10

@@ -89,6 +89,15 @@ def test_store_size_measures_each_catalogue_size(settings: h.Settings) -> None:
     assert grown["orders"] == 600 and grown["orders_per_s"] > 0 and grown["buy"]["n"] == 10
 
 
+def test_rebuild_brings_a_wiped_follower_back_by_a_snapshot(settings: h.Settings) -> None:
+    from experiments import rebuild
+
+    out = rebuild.run(settings)
+    assert out["books"] == 20_000 and out["snapshots_installed"] == 1 and out["digests_equal"]
+    assert out["victim_peak_mib"] > 0 and out["steady_follower_rss_mib"] > 0 and out["leader_peak_mib"] > 0
+    assert (settings.results_dir / "rebuild.json").exists()
+
+
 def test_report_renders_every_result(settings: h.Settings, ran: dict, tmp_path: Path) -> None:
     baseline.of_run(settings)  # measured once per run (already, if an experiment ran first) and saved
     out = report.write(settings.results_dir, settings.plots_dir, tmp_path / "REPORT.md")
