@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_raft_node import KV, Harness
 
 from replication import snapshots
 from replication.node import ReplicationConfig
 from replication.snapshots import Incoming, stream_frames
-from tests.replication.test_raft_node import KV, Harness
 
 
 @pytest.fixture
