@@ -326,22 +326,23 @@ def check_books(path: str) -> list[dict[str, Any]]:
 def prepare_seed(config: ClusterConfig, books: list[dict[str, Any]] | None,
                  say: Callable[[str], None] = lambda line: None) -> None:
     """Build the catalogue every new catalog replica starts from (``ClusterConfig.seed_file``), once,
-    here, from the file just checked: the replicas copy it instead of each parsing the JSON again.
+    here, from the file just checked (``books``; None: the seven built-in books): the replicas copy
+    it instead of each parsing the JSON again.
 
     Only for a cluster whose catalog replicas hold no state yet: once they exist, the seed they
     began from stays, so that a replica started later from nothing (its data deleted) begins where
-    they did, whatever file is named now."""
+    they did, whatever file is named now. (A data dir begun before seeds has none: a replica started
+    there from nothing reads the file named now, as every replica used to.)"""
     seed = config.seed_file()
     begun = [n for n in config.names() if n.startswith("catalog-") and (config.replica_dir(n) / "state.db").exists()]
     if begun:
         return
-    if books is None:  # the seven built-in books: nothing worth building
-        seed.unlink(missing_ok=True)
-        return
-    say(f"building the catalogue of {len(books):,} books for the replicas")
+    if books is not None:
+        say(f"building the catalogue of {len(books):,} books for the replicas")
     started = time.monotonic()
-    build_seed(books, seed)
-    say(f"catalogue built in {time.monotonic() - started:.1f} s ({seed.stat().st_size / 2**20:.0f} MiB)")
+    build_seed(books if books is not None else load_books(None), seed)
+    if books is not None:
+        say(f"catalogue built in {time.monotonic() - started:.1f} s ({seed.stat().st_size / 2**20:.0f} MiB)")
 
 
 class Faults:

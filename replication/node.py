@@ -20,6 +20,7 @@ import os
 import queue
 import secrets
 import shutil
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -96,8 +97,8 @@ class ReplicationConfig(CoreConfig):
     #: Longest one chunk of a snapshot may take to leave.
     snapshot_send_timeout: float = 10.0
     #: A snapshot streams, then installs, for seconds at a million books: the core waits this long
-    #: for its acknowledgement before sending it again (and a sender that has just streamed one
-    #: skips the core's repeats for as long).
+    #: for its acknowledgement before sending it again (a repeat queued while a stream is under way
+    #: is dropped: the stream answers it).
     snapshot_timeout_ticks: int = 1000
     #: Cap on messages per frame (heartbeats and appends are coalesced up to it).
     max_batch_messages: int = 64
@@ -151,7 +152,6 @@ class _Sender:
         self.client = FrameClient(address, node.secret, node.name, RAFT_CHANNEL, node.config.connect_timeout)
         self.thread = threading.Thread(target=self._run, name=f"raft-send-{node.name}->{peer}", daemon=True)
         self._stop = False
-        self._quiet_until = 0.0
 
     def offer(self, m: Message) -> None:
         """From the event loop: straight onto the wire when that cannot block and nothing is queued
@@ -202,32 +202,37 @@ class _Sender:
         so the peer keeps hearing from its leader. A failure drops the stream: the core sends the
         snapshot again once its acknowledgement is overdue."""
         node, cfg = self.node, self.node.config
-        if time.monotonic() < self._quiet_until:
-            return  # one was streamed just now: the peer acknowledges it, or the core asks again
-        pin, term = node._pin_state()
+        if node._stopping.is_set():
+            return
         path = node.snapshot_out / f"{self.peer}.db"
         try:
-            if not term:
-                return  # the pinned index's term is not known here yet: the core asks again
-            m.snapshot_index, m.snapshot_term = pin.index, term
-            pin.write(path)
-        finally:
-            pin.close()
-        sid = f"{m.term}-{m.snapshot_index}-{secrets.token_hex(4)}"
-        log.info("%s: streaming a snapshot at index %d to %s (%d bytes)", node.name, m.snapshot_index, self.peer,
-                 path.stat().st_size)
-        try:
+            pin, term = node._pin_state()
+            try:
+                if not term:
+                    return  # the pinned index's term is not known here yet: the core asks again
+                m.snapshot_index, m.snapshot_term = pin.index, term
+                pin.write(path)
+            finally:
+                pin.close()
+            sid = f"{m.term}-{m.snapshot_index}-{secrets.token_hex(4)}"
+            log.info("%s: streaming a snapshot at index %d to %s (%d bytes)", node.name, m.snapshot_index,
+                     self.peer, path.stat().st_size)
+            connects = None
             for frame in stream_frames(sid, path):
                 self._between_chunks()
                 if "snapshot" in frame:
                     frame["messages"] = [m.to_dict()]
                 self.client.send(frame, cfg.snapshot_send_timeout)
-        except OSError as exc:
+                if connects is None:
+                    connects = self.client.connects
+                elif self.client.connects != connects:
+                    # A frame went out on a new connection: the peer may read the two connections'
+                    # chunks out of order and drop the stream, so it is not worth finishing.
+                    raise ConnectionResetError("the connection was replaced during the stream")
+        except (OSError, sqlite3.Error) as exc:
             log.warning("%s: the snapshot stream to %s broke: %s", node.name, self.peer, exc)
-            return
         finally:
             path.unlink(missing_ok=True)
-        self._quiet_until = time.monotonic() + cfg.snapshot_timeout_ticks * cfg.tick_ms / 1000.0
 
     def _between_chunks(self) -> None:
         """Send what the loop queued for this peer meanwhile (another snapshot request is the one
@@ -243,8 +248,8 @@ class _Sender:
                 raise _Stopping
             if m.type != SNAPSHOT:
                 msgs.append(m)
-        if msgs:
-            self._send(msgs, self.node.config.send_timeout)
+        if msgs:  # as patient as a chunk: a timeout here would reset the connection mid-stream
+            self._send(msgs, self.node.config.snapshot_send_timeout)
 
 
 class _ReadIndexBatcher:
@@ -791,10 +796,10 @@ class ReplicaNode:
     def _persist(self, rd: Ready) -> None:
         snap = rd.snapshot
         if snap is not None:
-            self.store.begin_install(snap.index, snap.term)
             if snap.data is None:
                 raise RuntimeError("snapshot message without payload")
             try:
+                self.store.begin_install(snap.index, snap.term)
                 with self._apply_lock:
                     self.sm.restore(snap.index, snap.data)
                     self._applied_at = (snap.index, snap.term)

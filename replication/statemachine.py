@@ -285,7 +285,9 @@ class SQLiteStateMachine(StateMachine):
         page cache's worth however large the state, and readers on other connections (WAL) see the
         old state until the copy commits, then the new one."""
         with self._write_lock:
-            src = sqlite3.connect(str(source), isolation_level=None)  # only read: several may share it
+            # Read-only: several replicas may copy one file, and a missing file is an error rather
+            # than a new empty database installed as the state at ``index``.
+            src = sqlite3.connect(f"{Path(source).resolve().as_uri()}?mode=ro", uri=True, isolation_level=None)
             try:
                 src.backup(self._conn())
             finally:

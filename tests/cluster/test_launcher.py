@@ -14,6 +14,7 @@ import pytest
 import requests
 from harness import Cluster, free_port_base, pygmy
 
+from catalog.books import DEFAULT_BOOKS
 from catalog.state import CatalogState
 from client.api import PygmyError
 from cluster import launcher
@@ -295,7 +296,12 @@ def test_the_catalogue_is_built_once_for_a_new_cluster_and_kept_once_it_began(tm
     launcher.prepare_seed(config, first[:3], said.append)
     assert seed.stat().st_mtime_ns == built and len(said) == 2
     state.close()
-    # After a reset nothing began: the seven built-in books need no seed, and a stale one goes.
+    # After a reset nothing began: the seven built-in books get their seed too, so a replica
+    # started from nothing later begins from them whatever file is named then.
     launcher.reset(config)
     launcher.prepare_seed(config, None, said.append)
-    assert not seed.exists()
+    fresh = CatalogState(tmp_path / "fresh.db")
+    fresh.restore(0, seed)
+    assert [fresh.book(n)["title"] for n in (1, 7)] == [DEFAULT_BOOKS[0]["title"], DEFAULT_BOOKS[6]["title"]]
+    assert fresh.book(8) is None and len(said) == 2, "nothing said for the built-in books"
+    fresh.close()
