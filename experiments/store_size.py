@@ -10,15 +10,19 @@ books (``catalog.books.synthetic``, 50 topics), each measured the same way:
   leader's batch endpoint (``POST /buys``, 256 buys per request: the frontend workers' path through
   both logs, batched harder than clients would).
 
-Ratios are to the 7-book store of the same run. It prints numbers; nothing here asserts a timing.
+Each ratio is to a 7-book store running beside the one measured, the two measured alternately,
+request by request (both see the same machine; separate runs minutes apart on a shared machine
+differ by more than the effects measured here). It prints numbers; nothing here asserts a timing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -40,28 +44,48 @@ def rss_mib(c: LocalCluster) -> dict[str, list[int]]:
             for name, group in c.process_groups().items()}
 
 
-def measure(c: LocalCluster, books: int, n: int, rng: random.Random) -> dict[str, Any]:
-    """p50 of each request kind, one request at a time on the quiet cluster."""
+OPS = ("status", "replica_status", "lookup", "catalog_read", "search", "buy")
+
+
+@contextlib.contextmanager
+def requesters(c: LocalCluster, books: int, rng: random.Random) -> Iterator[dict[str, Callable[[int], Any]]]:
+    """One request of each kind on ``c``, as a call taking the request's number."""
     leader = h.leader(c, "catalog")
     with c.client() as cl, requests.Session() as replica:
-        cl.status()
         replica.headers["Authorization"] = f"Bearer {c.secret()}"
         books_url = c.replica_url(leader) + "/books/"
         status_url = c.replica_url(leader) + "/status"
-        return {
-            "status": h.stats([h.timed(cl.status)[0] for _ in range(n)]),
-            "replica_status": h.stats([h.timed(lambda: replica.get(status_url, timeout=5).raise_for_status())[0]
-                                       for _ in range(n)]),
+        yield {
+            "status": lambda i: cl.status(),
+            "replica_status": lambda i: replica.get(status_url, timeout=5).raise_for_status(),
             # The same seven books at every size: the frontend's path, cached after the first read.
-            "lookup": h.stats([h.timed(lambda i=i: cl.lookup(1 + i % 7))[0] for i in range(n)]),
+            "lookup": lambda i: cl.lookup(1 + i % 7),
             # A random book from the catalog leader itself: the storage path, never cached.
-            "catalog_read": h.stats([h.timed(lambda: replica.get(
-                books_url + str(rng.randint(1, books)), timeout=5).raise_for_status())[0] for _ in range(n)]),
-            "search": h.stats([h.timed(lambda: cl.search("topic 1", limit=100))[0] for _ in range(n)]),
+            "catalog_read": lambda i: replica.get(books_url + str(rng.randint(1, books)), timeout=5).raise_for_status(),
+            "search": lambda i: cl.search("topic 1", limit=100),
             # A durable buy of one of the seven first books (each starts with 1,000).
-            "buy": h.stats([h.timed(lambda i=i: cl.buy(1 + i % 7, key=f"size-{uuid.uuid4().hex}"))[0]
-                            for i in range(n)]),
+            "buy": lambda i: cl.buy(1 + i % 7, key=f"size-{uuid.uuid4().hex}"),
         }
+
+
+def measure(base: LocalCluster, c: LocalCluster, books: int, n: int, rng: random.Random) -> dict[str, Any]:
+    """p50 of each request kind on ``c`` and on the seven-book ``base``, one request at a time,
+    alternating between the two (which goes first alternates too), so that both see the same
+    machine: a ratio between runs minutes apart on a shared machine is mostly its noise."""
+    out: dict[str, Any] = {}
+    with requesters(base, 7, rng) as on_base, requesters(c, books, rng) as on_c:
+        for op in OPS:
+            for k in range(5):  # warm both (connections, caches)
+                on_base[op](k)
+                on_c[op](k)
+            times: dict[str, list[float]] = {"base": [], "this": []}
+            for i in range(n):
+                pair = [("base", on_base[op]), ("this", on_c[op])]
+                for side, call in pair if i % 2 else pair[::-1]:
+                    times[side].append(h.timed(lambda call=call, i=i: call(i))[0])
+            mine, theirs = h.stats(times["this"]), h.stats(times["base"])
+            out[op] = {**mine, "base_p50": theirs["p50"], "ratio": mine["p50"] / theirs["p50"]}
+    return out
 
 
 def place_orders(c: LocalCluster, books: int, orders: int, rng: random.Random) -> float:
@@ -86,43 +110,43 @@ def place_orders(c: LocalCluster, books: int, orders: int, rng: random.Random) -
     return orders / (time.monotonic() - started)
 
 
-def one(settings: h.Settings, books: int, n: int, orders: int) -> list[dict[str, Any]]:
-    """The fresh store; and again after ``orders`` orders, if any."""
+def one(settings: h.Settings, base: LocalCluster, books: int, n: int, orders: int) -> list[dict[str, Any]]:
+    """The fresh store; and again after ``orders`` orders, if any; each against ``base``."""
     rng = random.Random(books)
     started = time.monotonic()
     with h.cluster(settings, books=synthetic(books, topics=TOPICS)) as c:
         ready = time.monotonic() - started
-        out = [{"books": books, "orders": 0, "ready_s": ready, **measure(c, books, n, rng), "rss_mib": rss_mib(c)}]
+        out = [{"books": books, "orders": 0, "ready_s": ready, **measure(base, c, books, n, rng),
+                "rss_mib": rss_mib(c)}]
         if orders:
             rate = place_orders(c, books, orders, rng)
             h.wait_caught_up(c, "order")
             h.wait_caught_up(c, "catalog")
             out.append({"books": books, "orders": orders, "ready_s": None, "orders_per_s": rate,
-                        **measure(c, books, n, rng), "rss_mib": rss_mib(c)})
+                        **measure(base, c, books, n, rng), "rss_mib": rss_mib(c)})
     return out
-
-
-OPS = ("status", "replica_status", "lookup", "catalog_read", "search", "buy")
 
 
 def run(settings: h.Settings) -> dict[str, Any]:
     sizes = settings.size([7, 100_000, 1_000_000], [7, 100_000, 1_000_000], [7, 1_000])
     n = settings.size(200, 100, 10)
     orders = settings.size(100_000, 100_000, 600)
-    results = [r for b in h.progress(settings, sizes, desc="store sizes")
-               for r in one(settings, b, n, orders if b == sizes[-1] else 0)]
-    base = results[0]
+    # The seven-book store every other is compared with, running beside each of them.
+    with h.cluster(settings, books=synthetic(7, topics=TOPICS)) as base:
+        results = [r for b in h.progress(settings, sizes, desc="store sizes")
+                   for r in one(settings, base, b, n, orders if b == sizes[-1] else 0)]
     rows = []
     for r in results:
         cat = max(max(v) for k, v in r["rss_mib"].items() if k.startswith("catalog"))
         rest = max(max(v) for k, v in r["rss_mib"].items() if not k.startswith("catalog"))
         rows.append([f"{r['books']:,}" + (f" + {r['orders']:,} orders" if r["orders"] else ""),
                      "-" if r["ready_s"] is None else round(r["ready_s"], 1),
-                     *(f"{r[op]['p50']:.2f} ms = {r[op]['p50'] / base[op]['p50']:.2f}x" for op in OPS), cat, rest])
+                     *(f"{r[op]['p50']:.2f} ms = {r[op]['ratio']:.2f}x" for op in OPS), cat, rest])
     columns = ["books", "ready after (s)", "frontend /status p50", "catalog leader /status p50",
                "lookup p50 (books 1-7)", "catalog read p50 (random)", "first search page p50", "buy p50",
                "catalog RSS max (MiB)", "other RSS max (MiB)"]
     width = [max(len(str(x)) for x in col) for col in zip(columns, *rows, strict=True)]
+    print("p50 = its ratio to a seven-book store measured alternately with it, request by request")
     for line in [columns, *rows]:
         print("  ".join(str(x).ljust(w) for x, w in zip(line, width, strict=True)))
     if results[-1]["orders"]:
@@ -130,9 +154,9 @@ def run(settings: h.Settings) -> dict[str, Any]:
     h.save(settings, "store_size", {
         "title": "Costs as the store grows", "description": "Start-up, p50 of status (frontend and catalog "
         "leader), lookup, a random catalog read, the first search page and a buy, and memory per process, "
-        "at each catalogue size and again after many orders on the largest; ratios to 7 books in the same "
-        "run. See experiments/store_size.py.", "results": results,
-        "table": {"columns": columns, "rows": rows}, "plots": []})
+        "at each catalogue size and again after many orders on the largest; each ratio is to a seven-book "
+        "store running beside it, measured alternately with it. See experiments/store_size.py.",
+        "results": results, "table": {"columns": columns, "rows": rows}, "plots": []})
     return {"results": results}
 
 

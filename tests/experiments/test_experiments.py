@@ -87,6 +87,7 @@ def test_store_size_measures_each_catalogue_size(settings: h.Settings) -> None:
     assert big["lookup"]["n"] == 10 and set(big["rss_mib"]) >= {"catalog-1", "order-1", "frontend-1"}
     assert all(mib > 0 for sizes in big["rss_mib"].values() for mib in sizes)
     assert grown["orders"] == 600 and grown["orders_per_s"] > 0 and grown["buy"]["n"] == 10
+    assert all(r[op]["ratio"] > 0 and r[op]["base_p50"] > 0 for r in data["results"] for op in store_size.OPS)
 
 
 def test_rebuild_brings_a_wiped_follower_back_by_a_snapshot(settings: h.Settings) -> None:
