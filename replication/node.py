@@ -168,15 +168,7 @@ class _Sender:
             if first is None:
                 break
             batch = [first]
-            while len(batch) < cfg.max_batch_messages:
-                try:
-                    m = self.queue.get_nowait()
-                except queue.Empty:
-                    break
-                if m is None:
-                    self._stop = True
-                    break
-                batch.append(m)
+            self._drain(batch, cfg.max_batch_messages)
             try:
                 rest = [m for m in batch if m.type != SNAPSHOT]
                 if rest:
@@ -237,19 +229,25 @@ class _Sender:
     def _between_chunks(self) -> None:
         """Send what the loop queued for this peer meanwhile (another snapshot request is the one
         being served); stop the stream if the node is stopping."""
-        msgs = []
-        while True:
+        queued: list[Message] = []
+        self._drain(queued, self.queue.qsize() + 1)
+        if self._stop:
+            raise _Stopping
+        msgs = [m for m in queued if m.type != SNAPSHOT]
+        if msgs:  # as patient as a chunk: a timeout here would reset the connection mid-stream
+            self._send(msgs, self.node.config.snapshot_send_timeout)
+
+    def _drain(self, batch: list[Message], limit: int) -> None:
+        """Move what is queued into ``batch``, up to ``limit`` messages; a stop request sets ``_stop``."""
+        while len(batch) < limit:
             try:
                 m = self.queue.get_nowait()
             except queue.Empty:
-                break
+                return
             if m is None:
                 self._stop = True
-                raise _Stopping
-            if m.type != SNAPSHOT:
-                msgs.append(m)
-        if msgs:  # as patient as a chunk: a timeout here would reset the connection mid-stream
-            self._send(msgs, self.node.config.snapshot_send_timeout)
+                return
+            batch.append(m)
 
 
 class _ReadIndexBatcher:

@@ -80,6 +80,17 @@ def group(c: Cluster, name: str) -> int:
     return int((c.data_dir / "run" / f"{name}.pid").read_text())
 
 
+def wait_dead(c: Cluster, name: str, deadline: float) -> None:
+    """Until ``name``'s whole process group is gone (a hook's SIGKILL has landed)."""
+    while True:
+        try:
+            os.killpg(group(c, name), 0)
+        except ProcessLookupError:
+            return
+        assert time.monotonic() < deadline, f"{name} did not die"
+        time.sleep(0.02)
+
+
 def run_faulty_load(c: Cluster, faults: callable, load: Load | None = None, buyers: int = 4) -> Load:
     """Buyers (retrying each key until answered) and readers, while ``faults()`` runs."""
     load = load or Load()
@@ -298,13 +309,7 @@ def test_a_leader_killed_between_sending_entries_and_writing_them(tmp_path: Path
                 while flag.exists():
                     assert time.monotonic() < deadline, f"no {tier} leader wrote entries it had sent"
                     time.sleep(0.02)
-                while True:  # its whole process group is gone
-                    try:
-                        os.killpg(group(c, victim), 0)
-                    except ProcessLookupError:
-                        break
-                    assert time.monotonic() < deadline, f"{victim} did not die"
-                    time.sleep(0.02)
+                wait_dead(c, victim, deadline)
                 crashed.append(victim)
                 new_leader(c, tier, victim)
                 c.restart(victim)
@@ -372,15 +377,6 @@ def test_snapshot_streams_cut_by_a_kill_at_either_end(tmp_path: Path) -> None:
     def installed(name: str) -> int:
         return (c.data_dir / "logs" / f"{name}.log").read_text().count("installed a snapshot")
 
-    def dead(name: str, deadline: float) -> None:
-        while True:
-            try:
-                os.killpg(group(c, name), 0)
-            except ProcessLookupError:
-                return
-            assert time.monotonic() < deadline, f"{name} did not die"
-            time.sleep(0.02)
-
     try:
         def faults() -> None:
             time.sleep(1.0)
@@ -404,7 +400,7 @@ def test_snapshot_streams_cut_by_a_kill_at_either_end(tmp_path: Path) -> None:
                     assert time.monotonic() < deadline, f"no snapshot stream reached its {side}'s third chunk"
                     time.sleep(0.02)
                 gone = victim if side == "receiver" else lead
-                dead(gone, deadline)
+                wait_dead(c, gone, deadline)
                 killed.append(f"{side}:{gone}")
                 if side == "sender":
                     new_leader(c, "catalog", lead)
