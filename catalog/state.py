@@ -10,12 +10,16 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from cluster.cachekeys import topic_key
 from replication.statemachine import SQLiteStateMachine
 from replication.storage import transaction
+
+#: Books inserted between two progress reports of a seed.
+SEED_STEP = 100_000
 
 
 def cents(cost: float) -> int:
@@ -56,15 +60,19 @@ class CatalogState(SQLiteStateMachine):
         """Nothing applied and no books: a replica that never started, or whose data was deleted."""
         return self.applied_index() == 0 and not self.read("SELECT 1 FROM books LIMIT 1")
 
-    def seed(self, books: list[dict[str, Any]]) -> None:
-        """Load the initial catalogue into a brand-new replica (identical on every replica)."""
+    def seed(self, books: list[dict[str, Any]], progress: Callable[[int, int], None] | None = None) -> None:
+        """Load the initial catalogue into a brand-new replica (identical on every replica), in one
+        transaction; ``progress(done, total)`` after every 100,000 books."""
         with self._write_lock, transaction(self._conn()) as conn:
             if conn.execute("SELECT COUNT(*) FROM books").fetchone()[0] == 0 and self.applied_index() == 0:
-                conn.executemany(
-                    "INSERT INTO books(item_number, title, topic, topic_key, stock, cost_cents) VALUES (?,?,?,?,?,?)",
-                    [(b["item_number"], b["title"], b["topic"], topic_key(b["topic"]), b["stock"], cents(b["cost"]))
-                     for b in books],
-                )
+                for start in range(0, len(books), SEED_STEP):
+                    conn.executemany(
+                        "INSERT INTO books(item_number, title, topic, topic_key, stock, cost_cents) VALUES (?,?,?,?,?,?)",
+                        [(b["item_number"], b["title"], b["topic"], topic_key(b["topic"]), b["stock"], cents(b["cost"]))
+                         for b in books[start:start + SEED_STEP]],
+                    )
+                    if progress is not None:
+                        progress(min(start + SEED_STEP, len(books)), len(books))
 
     # -- reads ------------------------------------------------------------------------------------
     def book(self, item: int) -> dict[str, Any] | None:
@@ -192,7 +200,7 @@ class CatalogState(SQLiteStateMachine):
         return {"ok": True, "items": items, "index": index}
 
 
-def build_seed(books: list[dict[str, Any]], dest: Path) -> None:
+def build_seed(books: list[dict[str, Any]], dest: Path, progress: Callable[[int, int], None] | None = None) -> None:
     """The initial catalogue as a state file of its own, written once (atomically: to a temporary
     name, then renamed) for every new replica to copy (``restore(0, dest)``): one parse and one
     digest for the whole cluster instead of one per replica, and a starting replica's memory stays
@@ -203,7 +211,7 @@ def build_seed(books: list[dict[str, Any]], dest: Path) -> None:
         leftover.unlink(missing_ok=True)
     state = CatalogState(tmp)
     try:
-        state.seed(books)
+        state.seed(books, progress)
         state.read("PRAGMA journal_mode=DELETE")  # one self-contained file, nothing beside it
     finally:
         state.close()

@@ -340,7 +340,8 @@ def prepare_seed(config: ClusterConfig, books: list[dict[str, Any]] | None,
     if books is not None:
         say(f"building the catalogue of {len(books):,} books for the replicas")
     started = time.monotonic()
-    build_seed(books if books is not None else load_books(None), seed)
+    build_seed(books if books is not None else load_books(None), seed,
+               (lambda done, total: say(f"catalogue: {done:,} of {total:,} books")) if books else None)
     if books is not None:
         say(f"catalogue built in {time.monotonic() - started:.1f} s ({seed.stat().st_size / 2**20:.0f} MiB)")
 
