@@ -130,7 +130,7 @@ def run(settings: h.Settings, minutes: float | None = None, window: float | None
     for row in [["operation", "fresh", f"after {orders} orders", "ratio"], *costs]:
         print("  ".join(f"{x:<18}" for x in row))
     plots = [_plot(settings, series, window)]
-    data = {"title": "Bounded growth under steady buying",
+    data = {"title": "12. Bounded growth under steady buying",
             "description": f"{clients} clients buying for {minutes:g} min with a {window:g} s key window; what each "
                            "replica keeps, sampled from its files. See experiments/growth.py.",
             "window_s": window, "buys": sum(bought), "series": series, "fresh": fresh, "grown": grown,

@@ -113,7 +113,7 @@ def run(settings: h.Settings) -> dict[str, Any]:
     for k, v in out.items():
         print(f"{k:28} {round(v, 2) if isinstance(v, float) else v}")
     h.save(settings, "rebuild", {
-        "title": "A follower rebuilt from nothing", "description": "A catalog follower whose data directory "
+        "title": "14. A follower rebuilt from nothing", "description": "A catalog follower whose data directory "
         "was deleted, started again on a store whose leader compacted its log: time until current, and "
         "peak memory against a healthy follower's. See experiments/rebuild.py.", "results": out,
         "table": {"columns": ["measure", "value"], "rows": [[k, v] for k, v in out.items()]}, "plots": []})

@@ -15,7 +15,7 @@ from typing import Any
 from experiments import harness as h
 
 SECTIONS = ("baseline", "sequential", "cache_miss", "invalidation", "concurrency", "scaling", "failover",
-            "recovery", "cache_size", "overload", "bench", "chaos")
+            "recovery", "cache_size", "overload", "growth", "store_size", "rebuild", "bench", "chaos")
 
 
 def _table(columns: list[str], rows: list[list[Any]]) -> str:

@@ -152,7 +152,7 @@ def run(settings: h.Settings) -> dict[str, Any]:
     if results[-1]["orders"]:
         print(f"orders placed at {results[-1]['orders_per_s']:.0f}/s through POST /buys (256 per request)")
     h.save(settings, "store_size", {
-        "title": "Costs as the store grows", "description": "Start-up, p50 of status (frontend and catalog "
+        "title": "13. Costs as the store grows", "description": "Start-up, p50 of status (frontend and catalog "
         "leader), lookup, a random catalog read, the first search page and a buy, and memory per process, "
         "at each catalogue size and again after many orders on the largest; each ratio is to a seven-book "
         "store running beside it, measured alternately with it. See experiments/store_size.py.",
