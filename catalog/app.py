@@ -24,7 +24,7 @@ from cluster.web import (
     update_fields,
 )
 from replication.service import Periodic, ReplicaRuntime
-from replication.transport import SUBSCRIBE_CHANNEL, subscriber_address
+from replication.transport import DECREMENTS_CHANNEL, SUBSCRIBE_CHANNEL, subscriber_address
 
 log = logging.getLogger(__name__)
 #: Most decrements one batch may carry (an order leader sends what its buys have in flight).
@@ -166,13 +166,10 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         return write(number, {"op": "decrement", "item": number, "quantity": quantity, "key": key,
                               "at": key_time(body)})
 
-    @app.post("/books/decrements")
-    @rt.guard
-    def decrements() -> Response:
+    def run_decrements(body: dict[str, Any], deadline: float) -> dict[str, Any]:
         """The decrements of the buys an order leader has in flight, as one write: one hold round,
         one log entry, one release; ``{"results": [{"status", "body"}, ...]}`` in order, each body as
-        ``/decrement`` answers (``TierRouter.write_batch``)."""
-        body = json_body(required=True)
+        ``/decrement`` answers (``router.batch_write``)."""
         raw = body.get("items")
         if not isinstance(raw, list) or not 0 < len(raw) <= MAX_DECREMENTS:
             fail(400, f"items must be a list of 1 to {MAX_DECREMENTS} decrements")
@@ -186,14 +183,22 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
             items.append({"item": int_field(d, "item", 1, 2**62), "quantity": int_field(d, "quantity", 1, 1000),
                           "key": key, "at": key_time(d)})
         rt.leader_only()
-        check_deadline(request_deadline(WRITE_DEADLINE), "the decrements were proposed")
+        check_deadline(deadline, "the decrements were proposed")
         with invalidator.holding(sorted({book_key(d["item"]) for d in items})) as held:
             result = rt.propose({"op": "decrements", "items": items})
             held.index = result["index"]  # a floor for every key in it; unchanged books lose nothing
             held.values = fresh(sorted({d["item"] for d, r in zip(items, result["results"], strict=True) if r["ok"]}))
-        return jsonify({"results": [{"status": 200, "body": r["book"]} if r["ok"] else
-                                    {"status": r["error"]["code"], "body": {"error": r["error"]}}
-                                    for r in result["results"]]})
+        return {"results": [{"status": 200, "body": r["book"]} if r["ok"] else
+                            {"status": r["error"]["code"], "body": {"error": r["error"]}}
+                            for r in result["results"]]}
+
+    @app.post("/books/decrements")
+    @rt.guard
+    def decrements() -> Response:
+        """``run_decrements`` over HTTP; order leaders send theirs as frames (``DECREMENTS_CHANNEL``)."""
+        return jsonify(run_decrements(json_body(required=True), request_deadline(WRITE_DEADLINE)))
+
+    rt.serve_frames(DECREMENTS_CHANNEL, "/books/decrements", run_decrements)
 
     @app.post("/books/<item>/update")
     @rt.guard

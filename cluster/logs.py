@@ -8,12 +8,15 @@ buy through frontend, order and catalog.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
 import os
 import re
 import uuid
+from collections.abc import Iterator
+from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Any
 
@@ -35,14 +38,32 @@ def new_request_id() -> str:
     return f"{_ID_PREFIX}{os.getpid():x}-{next(_ID_COUNTER)}"
 
 
+#: The id of a request served outside Flask (a frame on the peer transport, ``replication.calls``).
+_FRAME_ID: ContextVar[str | None] = ContextVar("pygmy_frame_request_id", default=None)
+
+
+def valid_request_id(given: Any) -> str:
+    """``given`` if it is an id we accept from outside, else a new one."""
+    return given if isinstance(given, str) and _VALID_ID.match(given) else new_request_id()
+
+
+@contextlib.contextmanager
+def request_id_scope(rid: str) -> Iterator[None]:
+    """While serving a request that is not Flask's, log with its id and carry it on."""
+    token = _FRAME_ID.set(rid)
+    try:
+        yield
+    finally:
+        _FRAME_ID.reset(token)
+
+
 def current_request_id() -> str | None:
     """The id of the request this thread is serving, if any (outbound calls carry it on)."""
     if not has_request_context():
-        return None
+        return _FRAME_ID.get()
     rid = g.get("pygmy_request_id")
     if rid is None:
-        given = request.headers.get(HEADER, "")
-        rid = given if _VALID_ID.match(given) else new_request_id()
+        rid = valid_request_id(request.headers.get(HEADER, ""))
         g.pygmy_request_id = rid
     return rid
 

@@ -27,10 +27,14 @@ from prometheus_client.registry import Collector
 ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 REQUESTS = Counter("pygmy_http_requests_total", "HTTP requests answered", ["service", "route", "method", "status"])
-LATENCY = Histogram(
-    "pygmy_http_request_seconds", "Time to answer an HTTP request", ["service", "route"],
-    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-)
+_SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+LATENCY = Histogram("pygmy_http_request_seconds", "Time to answer an HTTP request", ["service", "route"],
+                    buckets=_SECONDS)
+#: The same for a request served as a frame on the peer transport (``ReplicaRuntime.serve_frames``),
+#: by the HTTP route whose work it does.
+FRAME_LATENCY = Histogram(
+    "pygmy_frame_request_seconds", "Time to answer a request sent as a frame on the peer transport",
+    ["service", "route"], buckets=_SECONDS)
 CACHE_EVENTS = Counter("pygmy_cache_events_total", "Frontend cache hits, misses, invalidations, evictions, flushes",
                        ["service", "event"])
 BUY_BATCH = Histogram(

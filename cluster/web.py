@@ -36,9 +36,13 @@ class ApiError(Exception):
         self.code, self.message, self.extra = code, message, extra
 
 
+def error_body(code: int, message: str, **extra: Any) -> dict[str, Any]:
+    """Every error answer's shape, over HTTP or frames: ``{"error": {"code", "message", ...}}``."""
+    return {"error": {"code": code, "message": message, **extra}}
+
+
 def error_response(code: int, message: str, **extra: Any) -> Response:
-    body: dict[str, Any] = {"error": {"code": code, "message": message, **extra}}
-    resp = jsonify(body)
+    resp = jsonify(error_body(code, message, **extra))
     resp.status_code = code
     return resp
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments import baseline, failover, recovery
+from experiments import baseline, failover, invalidation, recovery
 from experiments import harness as h
 
 
@@ -27,9 +27,9 @@ def _sequential(c: Any, op: str, n: int) -> dict[str, Any]:
 
 def _invalidation(c: Any, n: int) -> dict[str, Any]:
     lead = h.leader(c, "catalog")
-    s0, n0 = h.metric_sum_count(c.replica_get(lead, "/metrics").text, "/books/decrements")
+    s0, n0 = invalidation.catalog_handler(c, lead)
     buy = _sequential(c, "buy", n)
-    s1, n1 = h.metric_sum_count(c.replica_get(lead, "/metrics").text, "/books/decrements")
+    s1, n1 = invalidation.catalog_handler(c, lead)
     return {"decrement_mean_ms": (s1 - s0) / (n1 - n0) * 1000 if n1 > n0 else None, "buy": buy}
 
 

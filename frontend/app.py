@@ -37,7 +37,7 @@ from frontend.statusview import StatusView
 from frontend.subscription import Subscription
 from replication.batching import Combiner, CombinerTimeout
 from replication.router import ChannelRouter, HopError, Reply, TierRouter, TierUnavailable, overloaded
-from replication.transport import SUBSCRIBE_CHANNEL
+from replication.transport import BUYS_CHANNEL, SUBSCRIBE_CHANNEL
 
 READ_DEADLINE = 5.0
 UPDATE_DEADLINE = 5.0
@@ -91,6 +91,8 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
     app = create_base_app(name, limits=config.limits("frontend"))
     catalog = TierRouter("catalog", config.peers("catalog"), secret)
     orders = TierRouter("order", config.peers("order"), secret)
+    # Buys go as frames on the order replicas' peer transport (``/buys``'s work, without HTTP).
+    buy_frames = ChannelRouter("order", config.peers("order"), secret, f"{name}/{os.getpid()}", BUYS_CHANNEL)
     # Its own token, not the internal secret: whoever may update books cannot act as a replica.
     admin = require_secret(config.admin_token(), ADMIN)
     if config.read_from not in ("leader", "any"):
@@ -135,7 +137,7 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
         """This worker's buys in flight, as one request to the order leader (``Combiner``): its
         intents then go as one log entry and its decrements as one catalog request."""
         metrics.BUY_BATCH.labels(name, "buys").observe(len(items))
-        return orders.write_batch("/buys", items, config.buy_deadline, EXPIRED)
+        return buy_frames.write_batch(items, config.buy_deadline, EXPIRED)
 
     buys: Combiner[tuple[dict[str, Any], float], Reply] = Combiner(send_buys)
 

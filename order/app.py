@@ -29,8 +29,9 @@ from cluster.web import ApiError, fail, int_field, json_body, parse_item, reques
 from order.state import CONFIRMED, FAILED, PENDING, OrderState, confirmed
 from replication.batching import Combiner, CombinerTimeout
 from replication.node import NotLeader, ProposalTimeout
-from replication.router import Reply, TierRouter, TierUnavailable
+from replication.router import ChannelRouter, Reply, TierRouter, TierUnavailable
 from replication.service import Periodic, ReplicaRuntime
+from replication.transport import BUYS_CHANNEL, DECREMENTS_CHANNEL
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class Buy(NamedTuple):
 class BuyProcessor:
     """Runs buys on the order leader and finishes any intent left pending."""
 
-    def __init__(self, rt: ReplicaRuntime, state: OrderState, catalog: TierRouter) -> None:
+    def __init__(self, rt: ReplicaRuntime, state: OrderState, catalog: ChannelRouter) -> None:
         self.rt, self.state, self.catalog = rt, state, catalog
         self._in_flight: set[str] = set()
         self._lock = threading.Lock()
@@ -215,7 +216,7 @@ class BuyProcessor:
         Retried across a catalog failover with the same keys, so each still happens once. Buys whose
         deadline has passed are left out (504): their intents wait for the sweep."""
         metrics.BUY_BATCH.labels(self.rt.name, "decrements").observe(sum(1 for _, d in items if d > time.monotonic()))
-        return self.catalog.write_batch("/books/decrements", items, CATALOG_DEADLINE, EXPIRED)
+        return self.catalog.write_batch(items, CATALOG_DEADLINE, EXPIRED)
 
     def _confirm(self, key: str, title: str, cost: float, at: float) -> None:
         """Record a decided outcome, soon (with the next intents, or by the confirmer thread)."""
@@ -386,7 +387,9 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
     state = OrderState(config.replica_dir(f"order-{k}") / "state.db")
     rt = ReplicaRuntime("order", k, config, state)
     catalog = TierRouter("catalog", config.peers("catalog"), rt.secret)
-    buys = BuyProcessor(rt, state, catalog)
+    # The decrements as frames on the catalog's peer transport (``/books/decrements``'s work).
+    decrements = ChannelRouter("catalog", config.peers("catalog"), rt.secret, rt.name, DECREMENTS_CHANNEL)
+    buys = BuyProcessor(rt, state, decrements)
     app = rt.create_app()
     app.extensions["pygmy_runtime"] = rt
 
@@ -405,19 +408,25 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         resp.status_code = code
         return resp
 
+    def run_batch(body: dict[str, Any], deadline: float) -> dict[str, Any]:
+        """The buys a frontend worker has in flight, in one request: ``{"items": [{item, quantity,
+        key, timeout_ms}, ...]}``, answered ``{"results": [{"status", "body"}, ...]}`` in order, each
+        as ``/buy`` would answer it alone (``router.batch_write``). A malformed item refuses the
+        whole batch (400)."""
+        raw = body.get("items")
+        if not isinstance(raw, list) or not 0 < len(raw) <= MAX_BUYS:
+            fail(400, f"items must be a list of 1 to {MAX_BUYS} buys")
+        results = run([parse_buy(b, deadline) for b in raw])
+        return {"results": [{"status": code, "body": body} for code, body in results]}
+
     @app.post("/buys")
     @rt.guard
     def buy_batch() -> Response:
-        """The buys a frontend worker has in flight, in one request: ``{"items": [{item, quantity,
-        key, timeout_ms}, ...]}``, answered ``{"results": [{"status", "body"}, ...]}`` in order, each
-        as ``/buy`` would answer it alone (``TierRouter.write_batch``). A malformed item refuses the
-        whole batch (400)."""
-        raw = json_body(required=True).get("items")
-        if not isinstance(raw, list) or not 0 < len(raw) <= MAX_BUYS:
-            fail(400, f"items must be a list of 1 to {MAX_BUYS} buys")
-        deadline = request_deadline(config.buy_deadline)
-        results = run([parse_buy(b, deadline) for b in raw])
-        return jsonify({"results": [{"status": code, "body": body} for code, body in results]})
+        """``run_batch`` over HTTP; the frontend sends its batches as frames (``BUYS_CHANNEL``)."""
+        return jsonify(run_batch(json_body(required=True), request_deadline(config.buy_deadline)))
+
+    rt.serve_frames(BUYS_CHANNEL, "/buys", lambda body, deadline: run_batch(
+        body, min(deadline, time.monotonic() + config.buy_deadline)))
 
     @app.get("/orders/<number>")
     @rt.guard

@@ -153,18 +153,55 @@ class ChannelRouter(_LeaderSeeker):
         self._clients = {n: FrameClient(raft_address(url), secret, name, channel, connect_timeout=CONNECT_TIMEOUT)
                          for n, url in peers.items()}
 
-    def call(self, payload: dict[str, Any], deadline: float) -> Reply:
+    def call(self, payload: dict[str, Any], deadline: float, carry_deadline: bool = False) -> Reply:
+        """``payload`` to the leader, following redirects and failing over, until ``deadline``.
+        ``carry_deadline``: send it as a request of ``ReplicaRuntime.serve_frames`` (``{"body",
+        "timeout_ms", "request_id"}``), passing on what is left of the deadline at each attempt."""
+        rid = current_request_id()
+
         def attempt(name: str, timeout: float) -> Reply:
-            answer = self._clients[name].call(payload, timeout)
+            frame = payload if not carry_deadline else {
+                "body": payload, "timeout_ms": max(0, int((deadline - time.monotonic()) * 1000)), "request_id": rid}
+            answer = self._clients[name].call(frame, timeout)
             if not isinstance(answer, dict) or not isinstance(answer.get("body"), dict):
                 raise FrameError(f"{name}: malformed answer")
             return Reply(int(answer.get("status", 500)), answer["body"], name)
 
         return self._to_leader(attempt, deadline)
 
+    def write_batch(self, items: list[tuple[dict[str, Any], float]], cap: float, expired: Reply) -> list[Reply]:
+        """``batch_write`` as one request frame to the leader on this router's channel."""
+        return batch_write(lambda body, deadline: self.call(body, deadline, carry_deadline=True), items, cap, expired)
+
     def close(self) -> None:
         for client in self._clients.values():
             client.close()
+
+
+def batch_write(write: Callable[[dict[str, Any], float], Reply], items: list[tuple[dict[str, Any], float]],
+                cap: float, expired: Reply) -> list[Reply]:
+    """The writes of several callers (a ``Combiner`` batch of ``(body, deadline)``) as one request
+    ``write({"items": [...]}, deadline)`` to the leader, each item with its own ``timeout_ms``; the
+    leader answers ``{"results": [{"status", "body"}, ...]}`` in order, and each caller gets its own
+    Reply, as if it had been sent alone. Items whose deadline has passed are not sent (``expired``);
+    the request lasts until the latest deadline of the rest, at most ``cap`` seconds. If the batch
+    itself fails (shed, 4xx, tier unavailable), every item hears it."""
+    now = time.monotonic()
+    out = [expired] * len(items)
+    live = [i for i, (_, deadline) in enumerate(items) if deadline > now]
+    if not live:
+        return out
+    body = {"items": [{**items[i][0], "timeout_ms": max(1, int((items[i][1] - now) * 1000))} for i in live]}
+    reply = write(body, min(now + cap, max(items[i][1] for i in live)))
+    results = reply.body.get("results") if reply.status == 200 else None
+    if not isinstance(results, list) or len(results) != len(live):
+        results = [None] * len(live)
+    failed = reply if reply.status != 200 else Reply(
+        502, {"error": {"code": 502, "message": f"malformed batch answer from {reply.replica}"}}, reply.replica)
+    for i, r in zip(live, results, strict=True):
+        ok = isinstance(r, dict) and isinstance(r.get("status"), int) and isinstance(r.get("body"), dict)
+        out[i] = Reply(r["status"], r["body"], reply.replica) if ok else failed  # type: ignore[index]
+    return out
 
 
 class HopError(OSError):
@@ -234,28 +271,8 @@ class TierRouter(_LeaderSeeker):
 
     def write_batch(self, path: str, items: list[tuple[dict[str, Any], float]], cap: float,
                     expired: Reply) -> list[Reply]:
-        """The writes of several callers (a ``Combiner`` batch of ``(body, deadline)``) as one POST of
-        ``{"items": [...]}`` to the leader, each item with its own ``timeout_ms``; the leader answers
-        ``{"results": [{"status", "body"}, ...]}`` in order, and each caller gets its own Reply, as if
-        it had been sent alone. Items whose deadline has passed are not sent (``expired``); the
-        request lasts until the latest deadline of the rest, at most ``cap`` seconds. If the batch
-        itself fails (shed, 4xx, tier unavailable), every item hears it."""
-        now = time.monotonic()
-        out = [expired] * len(items)
-        live = [i for i, (_, deadline) in enumerate(items) if deadline > now]
-        if not live:
-            return out
-        body = {"items": [{**items[i][0], "timeout_ms": max(1, int((items[i][1] - now) * 1000))} for i in live]}
-        reply = self.write(path, body, deadline=min(now + cap, max(items[i][1] for i in live)))
-        results = reply.body.get("results") if reply.status == 200 else None
-        if not isinstance(results, list) or len(results) != len(live):
-            results = [None] * len(live)
-        failed = reply if reply.status != 200 else Reply(
-            502, {"error": {"code": 502, "message": f"malformed batch answer from {reply.replica}"}}, reply.replica)
-        for i, r in zip(live, results, strict=True):
-            ok = isinstance(r, dict) and isinstance(r.get("status"), int) and isinstance(r.get("body"), dict)
-            out[i] = Reply(r["status"], r["body"], reply.replica) if ok else failed  # type: ignore[index]
-        return out
+        """``batch_write`` as one POST of ``{"items": [...]}`` to the leader's ``path``."""
+        return batch_write(lambda body, deadline: self.write(path, body, deadline), items, cap, expired)
 
     # -- reads ------------------------------------------------------------------------------------
     def read(self, path: str, deadline: float, params: dict[str, Any] | None = None,

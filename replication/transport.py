@@ -40,8 +40,10 @@ MAX_FRAME = 1 << 30
 HELLO_TIMEOUT = 2.0
 #: Channels (what a connection carries): Raft between the replicas of a tier (members only); cache
 #: lease renewals from frontend workers to the catalog leader; holds and releases from the catalog
-#: leader to each frontend worker's own listener.
+#: leader to each frontend worker's own listener; a frontend worker's buys to the order leader, and its
+#: decrements from there to the catalog leader (``ReplicaRuntime.serve_frames``).
 RAFT_CHANNEL, SUBSCRIBE_CHANNEL, PUSH_CHANNEL = "raft", "subscribe", "push"
+BUYS_CHANNEL, DECREMENTS_CHANNEL = "buys", "decrements"
 #: Where a replica listens for its peers: its HTTP port plus this (catalog-1 on 8101 listens on 8151).
 RAFT_PORT_OFFSET = 50
 

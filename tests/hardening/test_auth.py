@@ -160,6 +160,52 @@ def test_lease_renewals_need_the_secret_and_a_well_formed_request(hard_cluster: 
         assert answer["status"] == 421 and answer["body"]["error"]["leader"] == lead
 
 
+def test_buys_and_decrements_as_frames_answer_as_their_http_routes(hard_cluster: Cluster) -> None:
+    """The buys channel of the order replicas and the decrements channel of the catalog replicas
+    (what the frontend and the order leader send instead of ``POST /buys`` and ``POST
+    /books/decrements``): a malformed request gets 400 and changes nothing, a follower answers 421
+    naming its leader, and a well-formed one is answered like the HTTP route."""
+    c = hard_cluster
+    before = snapshot(c)
+    for tier, channel in (("order", "buys"), ("catalog", "decrements")):
+        lead = leader(c, tier)
+        follower = next(n for n in NAMES if n.startswith(tier) and n != lead)
+        with socket.create_connection(raft_address(c.replica_url(lead)), timeout=5) as s:
+            stream = s.makefile("rb")
+            s.sendall(encode({"hello": "probe", "secret": c.secret(), "channel": channel}))
+            assert read_frame(stream) == {"ok": True}
+            for bad in ([1], {"items": []}, {"body": {"items": []}}, {"body": {"items": [{"item": 0}]}},
+                        {"body": {"items": [{"item": 1, "quantity": 1}]}, "timeout_ms": 2000},
+                        {"body": {"items": "all"}}, {"body": {"items": [{"item": 1, "quantity": 1, "key": 5}]}}):
+                s.sendall(encode(bad))
+                answer = read_frame(stream)
+                assert answer["status"] == 400 and answer["body"]["error"]["code"] == 400, (channel, bad, answer)
+        with socket.create_connection(raft_address(c.replica_url(follower)), timeout=5) as s:
+            stream = s.makefile("rb")
+            s.sendall(encode({"hello": "probe", "secret": c.secret(), "channel": channel}))
+            assert read_frame(stream) == {"ok": True}
+            s.sendall(encode({"body": {"items": [{"item": 1, "quantity": 1, "key": "probe-follower"}]}}))
+            answer = read_frame(stream)
+            assert answer["status"] == 421 and answer["body"]["error"]["leader"] == lead, answer
+    settled(c)
+    unchanged(before, snapshot(c))
+    # A well-formed buy through the channel is a buy: an order, whose number a lookup by key repeats.
+    with socket.create_connection(raft_address(c.replica_url(leader(c, "order"))), timeout=5) as s:
+        stream = s.makefile("rb")
+        s.sendall(encode({"hello": "probe", "secret": c.secret(), "channel": "buys"}))
+        assert read_frame(stream) == {"ok": True}
+        answers = []
+        for _ in range(2):
+            s.sendall(encode({"body": {"items": [{"item": 2, "quantity": 1, "key": "k:frame-probe"}]},
+                              "timeout_ms": 5000, "request_id": "frame-probe-1"}))
+            answers.append(read_frame(stream))
+    assert answers[0]["status"] == 200 and answers[0] == answers[1], answers
+    (result,) = answers[0]["body"]["results"]
+    assert result["status"] == 200 and result["body"]["item_number"] == 2, result
+    order = requests.get(f"{c.url}/orders/{result['body']['order_number']}", timeout=5).json()
+    assert order["order_number"] == result["body"]["order_number"]
+
+
 def listeners(c: Cluster, frontend: str = "frontend-1") -> list[tuple[str, int]]:
     """The addresses of the cache-push listeners of a frontend's workers: the TCP ports its processes
     listen on (from ``/proc``), less the frontend's own HTTP port."""
@@ -223,6 +269,13 @@ def test_the_admin_token_opens_no_internal_endpoint(hard_cluster: Cluster) -> No
         assert answer["error"]["code"] == 403, (name, answer)
         answer = hello(c, name, {"hello": "frontend-1/1", "secret": token, "channel": "subscribe"},
                        {"id": "intruder", "url": "tcp://127.0.0.1:9"})
+        assert answer["error"]["code"] == 403, (name, answer)
+        # The frame forms of /buys and /books/decrements (a frontend worker's buys, an order leader's
+        # decrements): refused at the hello, whatever the channel.
+        channel, items = (("buys", [{"item": 1, "quantity": 5, "key": "intruder"}]) if tier == "order" else
+                          ("decrements", [{"item": 1, "quantity": 5, "key": "intruder", "at": 0}]))
+        answer = hello(c, name, {"hello": "frontend-1/1", "secret": token, "channel": channel},
+                       {"body": {"items": items}, "timeout_ms": 2000})
         assert answer["error"]["code"] == 403, (name, answer)
     for w in workers:
         answer = say(w, {"hello": "catalog-1", "secret": token, "channel": "push"}, {"holds": [[1, ["book:1"]]]})
