@@ -46,6 +46,11 @@ def _worker_exit(server: Any, worker: Any) -> None:
 
     worker_exited(worker.pid)
     app = getattr(worker, "wsgi", None)
+    runtime = getattr(app, "extensions", {}).get("pygmy_runtime")
+    if runtime is not None:  # Gunicorn finished the HTTP requests in flight; now the frame requests
+        left = runtime.drain()
+        if left:
+            logging.getLogger(__name__).warning("stopping with %d frame requests still in flight", left)
     for ext in ("pygmy_key_expirer", "pygmy_buys", "pygmy_restocker", "pygmy_subscription", "pygmy_invalidator",
                 "pygmy_runtime"):
         owner = getattr(app, "extensions", {}).get(ext)

@@ -74,12 +74,13 @@ def parse_cursor(raw: str) -> int:
 
 def passthrough(reply: Reply, fields: tuple[str, ...] | None = None) -> Response:
     """A backend answer as ours: success bodies trimmed to the public fields, errors as errors. A
-    replica that shed the request makes us shed it (503 + Retry-After); a spent budget stays 504."""
+    replica's 503 stays 503 + Retry-After (it shed the request, so we shed it; or it cannot tell the
+    outcome yet and a retry with the same key will); a spent budget stays 504."""
     if reply.status != 200:
         err = reply.body.get("error", {})
         message = err.get("message", "backend error")
-        if overloaded(reply):
-            fail(503, message, overloaded=True, retry_after=RETRY_AFTER)
+        if reply.status == 503:  # shed, or an outcome not known yet: either way, retry (same key)
+            fail(503, message, **({"overloaded": True} if overloaded(reply) else {}), retry_after=RETRY_AFTER)
         fail(reply.status if 400 <= reply.status < 500 or reply.status == 504 else 502, message)
     body = reply.body if fields is None else {k: reply.body[k] for k in fields}
     return jsonify(body)
@@ -109,8 +110,9 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
             events[event].inc()
         if event in per_worker:
             per_worker[event].inc()
-        entries_gauge.set(entries)
-        worker["entries"].set(entries)
+        if event not in ("hit", "miss"):  # only these leave the entries as they were
+            entries_gauge.set(entries)
+            worker["entries"].set(entries)
 
     cache = ReadCache(config.cache_size, enabled=config.cache, on_event=on_cache_event)
     # Always subscribe, cache or not: the invalidation floors are what make follower reads fresh.

@@ -80,6 +80,10 @@ class ReplicaRuntime:
             listen=(config.bind_address(self.name), config.listen_port(tier, k) + RAFT_PORT_OFFSET),
         )
         self.guard = require_secret(self.secret)
+        #: Frame requests being served (``serve_frames``), and whether new ones are refused (``drain``).
+        self._frames = threading.Condition()
+        self._frames_in_flight = 0
+        self._draining = False
 
     def create_app(self) -> Flask:
         app = create_base_app(self.name, lambda: [ReplicaCollector(self.name, self.node)],
@@ -136,13 +140,22 @@ class ReplicaRuntime:
             own = time.monotonic() + FRAME_DEADLINE
             given = isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0
             deadline = min(own, time.monotonic() + budget / 1000) if given else own
-            with request_id_scope(valid_request_id(frame.get("request_id"))):
-                status, body = self._answer(handle, frame["body"], deadline)
-                elapsed = time.perf_counter() - started
-                FRAME_LATENCY.labels(self.name, path).observe(elapsed)
-                access_log.info("%s %s %s", "FRAME", path, status, extra={
-                    "method": "FRAME", "path": path, "status": status, "peer": peer,
-                    "duration_ms": round(elapsed * 1000, 3)})
+            with self._frames:
+                if self._draining:  # 503 without "overloaded": routers try the next replica
+                    return {"status": 503, "body": error_body(503, f"{self.name} is stopping")}
+                self._frames_in_flight += 1
+            try:
+                with request_id_scope(valid_request_id(frame.get("request_id"))):
+                    status, body = self._answer(handle, frame["body"], deadline)
+                    elapsed = time.perf_counter() - started
+                    FRAME_LATENCY.labels(self.name, path).observe(elapsed)
+                    access_log.info("%s %s %s", "FRAME", path, status, extra={
+                        "method": "FRAME", "path": path, "status": status, "peer": peer,
+                        "duration_ms": round(elapsed * 1000, 3)})
+            finally:
+                with self._frames:
+                    self._frames_in_flight -= 1
+                    self._frames.notify_all()
             return {"status": status, "body": body}
 
         self.node.add_channel(channel, on_frame)
@@ -167,6 +180,17 @@ class ReplicaRuntime:
                                    leader=exc.leader_name, leader_url=exc.leader_url)
         return 503, error_body(503, f"{self.name}: write not committed in time (no majority?); "
                                     "its outcome is unknown: retry with the same idempotency key")
+
+    def drain(self, timeout: float = 10.0) -> int:
+        """Refuse new frame requests and wait, at most ``timeout`` seconds, for those being served to
+        finish while the node still runs: what Gunicorn's graceful stop does for HTTP requests in
+        flight (its worker exit hook calls this first). How many were still running at the end."""
+        end = time.monotonic() + timeout
+        with self._frames:
+            self._draining = True
+            while self._frames_in_flight and time.monotonic() < end:
+                self._frames.wait(end - time.monotonic())
+            return self._frames_in_flight
 
     def start(self) -> None:
         self.node.start()
