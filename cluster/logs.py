@@ -16,11 +16,9 @@ import os
 import re
 import uuid
 from collections.abc import Iterator
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from datetime import UTC, datetime
 from typing import Any
-
-from flask import g, has_request_context, request
 
 HEADER = "X-Request-Id"
 #: Ids we accept from outside: short and printable, so they are safe to log and to pass on.
@@ -38,8 +36,9 @@ def new_request_id() -> str:
     return f"{_ID_PREFIX}{os.getpid():x}-{next(_ID_COUNTER)}"
 
 
-#: The id of a request served outside Flask (a frame on the peer transport, ``replication.calls``).
-_FRAME_ID: ContextVar[str | None] = ContextVar("pygmy_frame_request_id", default=None)
+#: The id of the request this thread is serving: set by the HTTP edge (``cluster.web.Edge``) and
+#: by the frame server (``ReplicaRuntime.serve_frames``) for the time of each request.
+_REQUEST_ID: ContextVar[str | None] = ContextVar("pygmy_request_id", default=None)
 
 
 def valid_request_id(given: Any) -> str:
@@ -47,25 +46,28 @@ def valid_request_id(given: Any) -> str:
     return given if isinstance(given, str) and _VALID_ID.match(given) else new_request_id()
 
 
+def set_request_id(rid: str | None) -> Token[str | None]:
+    """Log with ``rid`` and carry it on until ``reset_request_id`` (the HTTP edge's own scope)."""
+    return _REQUEST_ID.set(rid)
+
+
+def reset_request_id(token: Token[str | None]) -> None:
+    _REQUEST_ID.reset(token)
+
+
 @contextlib.contextmanager
 def request_id_scope(rid: str) -> Iterator[None]:
-    """While serving a request that is not Flask's, log with its id and carry it on."""
-    token = _FRAME_ID.set(rid)
+    """While serving a request that came as a frame, log with its id and carry it on."""
+    token = _REQUEST_ID.set(rid)
     try:
         yield
     finally:
-        _FRAME_ID.reset(token)
+        _REQUEST_ID.reset(token)
 
 
 def current_request_id() -> str | None:
     """The id of the request this thread is serving, if any (outbound calls carry it on)."""
-    if not has_request_context():
-        return _FRAME_ID.get()
-    rid = g.get("pygmy_request_id")
-    if rid is None:
-        rid = valid_request_id(request.headers.get(HEADER, ""))
-        g.pygmy_request_id = rid
-    return rid
+    return _REQUEST_ID.get()
 
 
 class JsonFormatter(logging.Formatter):

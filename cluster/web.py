@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import time
 from collections.abc import Callable, Iterable
 from functools import wraps
+from http import HTTPStatus
 from typing import Any, NoReturn
 
-from flask import Flask, Response, g, jsonify, request
+from flask import Flask, Request, Response, jsonify, request
 from prometheus_client.registry import Collector
 from werkzeug.exceptions import HTTPException
+from werkzeug.routing import Rule
 
 from cluster.admission import Admission, deadline_of
 from cluster.logs import HEADER as REQUEST_ID_HEADER
-from cluster.logs import current_request_id
-from cluster.metrics import instrument
+from cluster.logs import reset_request_id, set_request_id, valid_request_id
+from cluster.metrics import RequestMetrics, instrument
 
 MAX_BODY = 64 * 1024
 #: The app's own limits, below Gunicorn's (cluster/serve.py), so the answer is ours and JSON.
@@ -26,6 +29,7 @@ MAX_HEADERS = 16 * 1024
 access_log = logging.getLogger("pygmy.access")
 #: Internal routes hit many times a second; their routine answers are logged at DEBUG only.
 QUIET_PATHS = frozenset({"/raft/read_index"})
+_ID_ENVIRON = "HTTP_" + REQUEST_ID_HEADER.upper().replace("-", "_")
 
 
 class ApiError(Exception):
@@ -63,57 +67,133 @@ def check_deadline(deadline: float, what: str) -> None:
         fail(504, f"the request's time budget was spent before {what}")
 
 
+def _headers_size(environ: dict[str, Any]) -> int:
+    """The request headers' size as sent (name, value, ": " and CRLF each), from the WSGI environ."""
+    size = 0
+    for key, value in environ.items():
+        if key.startswith("HTTP_") or key in ("CONTENT_TYPE", "CONTENT_LENGTH"):
+            size += len(key) - (5 if key[0] == "H" else 0) + len(value) + 4
+    return size
+
+
+_RULE = "pygmy.url_rule"
+
+
+class EdgeRequest(Request):
+    """Flask's request, keeping the route it matched in the environ, where the ``Edge`` finds it
+    after Flask has let go of the request (it clears ``werkzeug.request`` when it pops it)."""
+
+    @property  # type: ignore[override]
+    def url_rule(self) -> Rule | None:
+        return self.environ.get(_RULE)
+
+    @url_rule.setter
+    def url_rule(self, rule: Rule | None) -> None:
+        self.environ[_RULE] = rule
+
+
+#: An answer given without Flask: the route it counts under, the JSON body, extra headers.
+Shortcut = tuple[str, bytes, list[tuple[str, str]]]
+
+
+class Edge:
+    """WSGI middleware around each service's Flask app: what every admitted request gets.
+
+    - an id (``X-Request-Id``, taken if acceptable, else made up; echoed back, logged with every
+      line the request causes and sent on with every call to another tier);
+    - our own limits on the URL and the headers, answered as JSON (below Gunicorn's);
+    - a count and a time in ``/metrics``, by route and status, and one access line (DEBUG for
+      successful reads and the peers' read-index requests, which are many per second).
+
+    Done here rather than in Flask's before/after hooks: on a cached lookup, the frontend's
+    cheapest answer, four hooks cost as much as the lookup (their context proxies and the
+    per-request label lookups).
+
+    ``shortcut(environ)``, if set, may answer a request without Flask: ``(route, body, headers)``
+    for a 200 JSON answer, or None to go on to Flask. The frontend answers cached lookups so
+    (``frontend/app.py``), which makes a hit cheaper than a bare Flask endpoint's answer.
+    """
+
+    def __init__(self, app: Callable[..., Any], service: str) -> None:
+        self.app = app
+        self.metrics = RequestMetrics(service)
+        self.shortcut: Callable[[dict[str, Any]], Shortcut | None] | None = None
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        started = time.perf_counter()
+        rid = valid_request_id(environ.get(_ID_ENVIRON))
+        token = set_request_id(rid)
+        try:
+            return self._serve(environ, start_response, rid, started)
+        finally:
+            reset_request_id(token)
+
+    def _serve(self, environ: dict[str, Any], start_response: Callable[..., Any], rid: str,
+               started: float) -> Iterable[bytes]:
+        status: list[str] = []
+
+        def respond(line: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+            status.append(line)
+            headers.append((REQUEST_ID_HEADER, rid))
+            return start_response(line, headers, exc_info)
+
+        method = environ.get("REQUEST_METHOD", "GET")
+        route: str | None = None
+        if len(environ.get("RAW_URI") or environ.get("PATH_INFO", "")) > MAX_URL:
+            result: Iterable[bytes] = _refuse(respond, 414, f"URL longer than {MAX_URL // 1024} KiB")
+        elif _headers_size(environ) > MAX_HEADERS:
+            result = _refuse(respond, 431, f"request headers larger than {MAX_HEADERS // 1024} KiB in all")
+        elif self.shortcut is not None and (answer := self.shortcut(environ)) is not None:
+            route, body, headers = answer
+            respond("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body))), *headers])
+            result = [body]
+        else:
+            result = self.app(environ, respond)
+            route = None
+        elapsed = time.perf_counter() - started
+        code = int(status[-1][:3]) if status else 500
+        if route is None:
+            rule = environ.get(_RULE)
+            route = rule.rule if rule is not None else "unmatched"
+        self.metrics.observe(route, method, code, elapsed)
+        path = environ.get("PATH_INFO", "")
+        if code in (401, 403):
+            level = logging.WARNING  # refused credentials are worth seeing
+        elif (code < 400 and method == "GET") or (path in QUIET_PATHS and (code < 400 or code == 421)):
+            # Successful reads and read-index requests: routine and many per second. A line
+            # each would cost more than a cached lookup itself; PYGMY_LOG_LEVEL=DEBUG shows them.
+            level = logging.DEBUG
+        else:
+            level = logging.INFO
+        if access_log.isEnabledFor(level):
+            path = path if len(path) <= 512 else path[:512] + "..."
+            access_log.log(level, "%s %s %s", method, path, code, extra={
+                "method": method, "path": path, "status": code, "duration_ms": round(elapsed * 1000, 3)})
+        return result
+
+
+def _refuse(start_response: Callable[..., Any], code: int, message: str) -> list[bytes]:
+    body = json.dumps(error_body(code, message)).encode()
+    start_response(f"{code} {HTTPStatus(code).phrase}", [("Content-Type", "application/json"),
+                                                         ("Content-Length", str(len(body)))])
+    return [body]
+
+
 def create_base_app(name: str, extra_metrics: Callable[[], Iterable[Collector]] | None = None,
                     limits: dict[str, int] | None = None) -> Flask:
     """A Flask app whose every error, including 404/405/413/414/431 and crashes, is a JSON body.
 
     In front of it, admission control (``cluster/admission.py``): ``limits`` caps the requests in
-    flight per class, and every request's time budget is read from its header.
-
-    It also gives every request an id (``X-Request-Id``, echoed back) and writes one access line
-    per request, so a request can be followed across services in the logs.
+    flight per class, and every request's time budget is read from its header. Then the ``Edge``:
+    ids, size limits, metrics and the access log of every admitted request.
     """
     app = Flask(name)
-    app.wsgi_app = Admission(app.wsgi_app, name, limits or {})  # type: ignore[method-assign]
+    app.request_class = EdgeRequest
+    edge = app.extensions["pygmy_edge"] = Edge(app.wsgi_app, name)
+    app.wsgi_app = Admission(edge, name, limits or {})  # type: ignore[method-assign]
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY
-    instrument(app, name, extra_metrics)
+    instrument(app, extra_metrics)
     app.json.sort_keys = False  # type: ignore[attr-defined]
-
-    @app.before_request
-    def _limits_and_id() -> None:
-        g.pygmy_access_started = time.perf_counter()
-        current_request_id()
-        target = request.environ.get("RAW_URI") or request.full_path
-        if len(target) > MAX_URL:
-            fail(414, f"URL longer than {MAX_URL // 1024} KiB")
-        size = sum(len(k) + len(v) + 4 for k, v in request.headers.items())
-        if size > MAX_HEADERS:
-            fail(431, f"request headers larger than {MAX_HEADERS // 1024} KiB in all")
-
-    @app.after_request
-    def _echo_and_log(resp: Response) -> Response:
-        rid = current_request_id()
-        if rid:
-            resp.headers[REQUEST_ID_HEADER] = rid
-        code = resp.status_code
-        if code in (401, 403):
-            level = logging.WARNING  # refused credentials are worth seeing
-        elif (request.path in QUIET_PATHS and (code < 400 or code == 421)) or (
-                request.method == "GET" and code < 400):
-            # Read-index requests and successful reads: routine and many per second. A line
-            # each would cost more than a cached lookup itself; PYGMY_LOG_LEVEL=DEBUG shows them.
-            level = logging.DEBUG
-        else:
-            level = logging.INFO
-        if not access_log.isEnabledFor(level):
-            return resp
-        started = g.get("pygmy_access_started")
-        duration = None if started is None else round((time.perf_counter() - started) * 1000, 3)
-        path = request.path if len(request.path) <= 512 else request.path[:512] + "..."
-        access_log.log(level, "%s %s %s", request.method, path, code,
-                        extra={"method": request.method, "path": path, "status": resp.status_code,
-                               "duration_ms": duration})
-        return resp
 
     @app.errorhandler(ApiError)
     def _api_error(exc: ApiError) -> Response:

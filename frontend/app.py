@@ -21,6 +21,7 @@ from cluster.cachekeys import book_key, search_key
 from cluster.config import ClusterConfig
 from cluster.web import (
     ADMIN,
+    Shortcut,
     create_base_app,
     fail,
     int_field,
@@ -159,11 +160,13 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
             passthrough(reply)  # raises: errors go to every waiting caller and are never cached
         return reply
 
+    me = f"{name}/{os.getpid()}"  # this worker: Gunicorn forks after the app is built (--preload is off)
+
     def traced(resp: Response) -> Response:
         """Say where a read came from: ``X-Cache: hit`` or ``miss`` and the replica@index that served it."""
         served = g.get("served_by")
         resp.headers["X-Cache"] = "miss" if served else "hit"
-        resp.headers["X-Served-By"] = served or f"{name}/{os.getpid()}"
+        resp.headers["X-Served-By"] = served or me
         return resp
 
     @app.get("/search/<path:topic>")
@@ -197,6 +200,27 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
             return reply.body["applied_index"], public_book(reply.body)
 
         return traced(jsonify(cache.get_or_fetch(book_key(number), fetch, usable=subscription.valid())))
+
+    hit_headers = [("X-Cache", "hit"), ("X-Served-By", me)]
+
+    def cached_lookup(environ: dict[str, Any]) -> Shortcut | None:
+        """A lookup that hits the cache, answered before Flask (``cluster.web.Edge``) with the
+        bytes ``lookup`` would give: a cached read is most of a store's traffic, and Flask's
+        request context, routing and response object cost more than the hit itself. Anything
+        else (a miss, a held key, no lease, a malformed number) goes on to ``lookup``."""
+        path = environ.get("PATH_INFO", "")
+        if not path.startswith("/lookup/") or environ.get("REQUEST_METHOD") != "GET":
+            return None
+        item = path[8:]
+        if not (item.isascii() and item.isdigit() and len(item) <= 18) or not subscription.valid():
+            return None
+        hit = cache.peek(book_key(int(item)))
+        if hit is None:
+            return None
+        body = app.json.dumps(hit[1], separators=(",", ":")) + "\n"  # as jsonify writes it
+        return "/lookup/<item>", body.encode(), hit_headers
+
+    app.extensions["pygmy_edge"].shortcut = cached_lookup
 
     @app.post("/buy/<item>")
     def buy(item: str) -> Response:

@@ -175,11 +175,8 @@ class ReadCache:
             result = fetch(floor)
             return None if result is None else result[1]
         with self._lock:
-            hit = self._entries.get(key)
-            if hit is not None and self.lease_valid():
-                self._entries.move_to_end(key)
-                self.stats.hits += 1
-                self.on_event("hit", len(self._entries))
+            hit = self._hit(key)
+            if hit is not None:
                 return hit[1]
             self.stats.misses += 1
             self.on_event("miss", len(self._entries))
@@ -209,6 +206,24 @@ class ReadCache:
                 if self._flights.get(key) is flight:
                     del self._flights[key]
             flight.done.set()
+
+    def peek(self, key: str) -> tuple[int, Any] | None:
+        """``(version, value)`` if the entry may be served now (counted as a hit), else None and
+        nothing counted: the caller then takes ``get_or_fetch``, which counts its own hit or miss.
+        The caller checks the lease first, as for ``get_or_fetch``."""
+        if not self.enabled:
+            return None
+        with self._lock:
+            return None if key in self._held else self._hit(key)
+
+    def _hit(self, key: str) -> tuple[int, Any] | None:
+        hit = self._entries.get(key)
+        if hit is None or not self.lease_valid():
+            return None
+        self._entries.move_to_end(key)
+        self.stats.hits += 1
+        self.on_event("hit", len(self._entries))
+        return hit
 
     def _store(self, key: str, version: int, value: Any, generation: int) -> None:
         with self._lock:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import time
+from typing import Any
 
 import requests
 from harness import Cluster
 
 from client.api import PygmyError
+from frontend.app import create_app
 
 
 def err(resp: requests.Response, code: int) -> dict:
@@ -61,6 +64,34 @@ def test_lookup(cluster: Cluster) -> None:
     for bad in ("abc", "-1", "0", "1.5", "99999999999999999999999"):
         err(requests.get(f"{cluster.url}/lookup/{bad}", timeout=5), 400)
     err(requests.get(f"{cluster.url}/lookup/424242", timeout=5), 404)
+
+
+def test_a_hit_answered_before_flask_is_the_answer_flask_gives(cluster: Cluster) -> None:
+    """Cached lookups are answered at the edge (``cached_lookup`` in frontend/app.py), misses by the
+    Flask route: the same bytes and headers either way. A worker of a frontend that is not running
+    here, built in this process, so that its cache starts empty and the first lookup misses."""
+    app = create_app(cluster.cluster_config(), 2)
+    try:
+        deadline = time.monotonic() + 10
+        while not app.extensions["pygmy_subscription"].valid() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        client = app.test_client()
+        miss, hit = client.get("/lookup/4"), client.get("/lookup/4")
+        assert (miss.status_code, hit.status_code) == (200, 200)
+        assert miss.headers["X-Cache"] == "miss" and hit.headers["X-Cache"] == "hit"
+        assert hit.data == miss.data and hit.json["item_number"] == 4
+        assert hit.headers["X-Served-By"] == f"frontend-2/{os.getpid()}"
+
+        def steady(resp: Any) -> dict[str, str]:
+            return {k: v for k, v in resp.headers.items() if k not in ("X-Cache", "X-Served-By", "X-Request-Id")}
+
+        assert steady(hit) == steady(miss)
+        # Not for the edge: other methods, malformed and unknown numbers get the route's answers.
+        assert client.head("/lookup/4").status_code == 200
+        for bad, code in (("0", 400), ("00", 400), ("4x", 400), ("1" * 19, 400), ("424242", 404)):
+            assert client.get(f"/lookup/{bad}").status_code == code, bad
+    finally:
+        app.extensions["pygmy_subscription"].stop()
 
 
 def test_buy_and_order(cluster: Cluster) -> None:

@@ -189,3 +189,28 @@ def test_every_caller_of_a_failed_flight_gets_its_error() -> None:
     for t in threads:
         t.join(5)
     assert len(outcomes) == 5 and all(isinstance(o, LookupError) for o in outcomes)
+
+
+def test_peek_serves_only_what_a_hit_would_and_counts_only_hits() -> None:
+    """``peek`` (the edge's cached lookups) under the rules of ``get_or_fetch``'s hit: no entry, a
+    held key or a lapsed lease give None and count nothing, for the full path to count."""
+    events: list[str] = []
+    c = ReadCache(capacity=2, on_event=lambda event, entries: events.append(event))
+    lease = [True]
+    c.lease_valid = lambda: lease[0]
+    assert c.peek("a") is None
+    c.get_or_fetch("a", value("A", 4), usable=True)
+    c.get_or_fetch("b", value("B"), usable=True)
+    events.clear()
+    assert c.peek("a") == (4, "A")
+    c.get_or_fetch("c", value("C"), usable=True)  # a was used last: b is evicted, not a
+    assert c.peek("a") == (4, "A") and c.peek("b") is None
+    c.hold(1, ["a"])
+    assert c.peek("a") is None
+    c.release(1, ["a"], 5, {"a": "A2"})  # the release refreshes what the hold dropped
+    assert c.peek("a") == (5, "A2")
+    lease[0] = False
+    assert c.peek("a") is None
+    assert events == ["hit", "miss", "eviction", "store", "hit", "invalidation", "store", "hit"]
+    assert c.snapshot()["hits"] == 3
+    assert ReadCache(capacity=0).peek("a") is None
