@@ -8,10 +8,17 @@ completing successfully (so it includes an ordinary gap between buys, shown as t
 The kill instant is the first refused TCP connection to the victim's port (probed every ~2 ms while
 ``pygmy kill`` runs, since the command's own start-up takes a variable fraction of a second).
 After each trial the victim is restarted with ``pygmy start`` and the tier waited on until caught up.
+
+With ``pause`` a trial SIGSTOPs the victim's process group instead (a stalled machine, not a dead
+one: its sockets stay open and accept connections nobody answers) and SIGCONTs it ``pause`` seconds
+later; the pause instant is the signal itself, and the victim rejoins without a restart.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
 import threading
 import time
@@ -64,7 +71,9 @@ def _poll(c: Any, survivors: list[str], victim: str, old_term: int, start_at: fl
     return {"detect": detect, "switch": switch, "new_leader": new_leader}
 
 
-def trial(c: Any, scenario: str, clients: int, pre: float, post: float, seed: int) -> dict[str, Any]:
+def trial(c: Any, scenario: str, clients: int, pre: float, post: float, seed: int,
+          pause: float | None = None) -> dict[str, Any]:
+    """One kill (or, with ``pause``, one SIGSTOP for that many seconds) of the scenario's victim under load."""
     tier, which = scenario.split("-")
     st = h.tier_status(c, tier)
     lead = st["leader"]
@@ -75,11 +84,32 @@ def trial(c: Any, scenario: str, clients: int, pre: float, post: float, seed: in
     survivors = [n for n in names if n != victim]
     lead_status = h.replica_status(c, lead) or {}
     old_term = int(lead_status.get("term", 0))
-    ev: dict[str, Any] = {"tier": tier, "victim": victim, "old_leader": lead, "old_term": old_term}
+    ev: dict[str, Any] = {"tier": tier, "victim": victim, "old_leader": lead, "old_term": old_term,
+                          "fault": f"SIGSTOP {pause:g} s" if pause else "SIGKILL"}
+    resumed = threading.Event()
+    resumer: list[threading.Thread] = []
+
+    def resume_after(pgid: int, delay: float) -> None:
+        resumed.wait(delay)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGCONT)
+        resumed.set()
 
     def inject(start_at: float, stop: Any) -> None:
         time.sleep(max(0.0, start_at + pre - time.time()))
         ev["kill_sent"] = time.time() - start_at
+        if pause:
+            pgid = c.process_groups()[victim]
+            os.killpg(pgid, signal.SIGSTOP)
+            ev["kill"] = ev["kill_returned"] = time.time() - start_at
+            resumer.append(threading.Thread(target=resume_after, args=(pgid, pause), daemon=True))
+            resumer[0].start()
+            stop(ev["kill"] + post)
+            if which == "leader":
+                with requests.Session() as s:
+                    ev.update(_poll(c, survivors, victim, old_term, start_at,
+                                    start_at + ev["kill"] + SWITCH_TIMEOUT, s))
+            return
         port = int(c.replica_url(victim).rsplit(":", 1)[1])
         gone: list[float] = []
         watcher = threading.Thread(target=_watch_port, args=(port, gone, time.time() + 10), daemon=True)
@@ -94,7 +124,12 @@ def trial(c: Any, scenario: str, clients: int, pre: float, post: float, seed: in
                 ev.update(_poll(c, survivors, victim, old_term, start_at, start_at + ev["kill"] + SWITCH_TIMEOUT, s))
 
     # ``pygmy kill`` itself takes a variable time to start: the load is stopped ``post`` s after the kill.
-    rec = h.run_load(c.url, clients, MIX, duration=pre + MAX_RUN + post, seed=seed, on_start=inject)
+    try:
+        rec = h.run_load(c.url, clients, MIX, duration=pre + MAX_RUN + post, seed=seed, on_start=inject)
+    finally:
+        resumed.set()  # whatever happened, a paused victim is resumed (at once if the trial failed)
+        for t in resumer:
+            t.join()
     t_kill = ev["kill"]
     buys = rec.select("buy")
     done = np.sort(rec.start[buys] + rec.latency[buys])
@@ -110,8 +145,9 @@ def trial(c: Any, scenario: str, clients: int, pre: float, post: float, seed: in
         "max_latency_ms": {op: (float(rec.latency[rec.select(op)].max()) * 1000 if rec.select(op).any() else None)
                            for op in MIX},
     })
-    # Put the cluster back as it was: the victim restarted and caught up.
-    c.restart(victim)
+    # Put the cluster back as it was: the victim restarted (or resumed) and caught up.
+    if not pause:
+        c.restart(victim)
     h.wait_caught_up(c, tier, timeout=90)
     h.leader(c, "catalog")
     h.leader(c, "order")
@@ -129,7 +165,7 @@ def timeline_plot(settings: h.Settings, trials: dict[str, dict[str, Any]]) -> st
             if bad.any():
                 ax.scatter(rec.start[bad], rec.latency[bad] * 1000, s=30, marker="x", c="red",
                            label=f"{op} failed")
-        ax.axvline(ev["kill"], color="k", lw=1.2, label=f"SIGKILL {ev['victim']}")
+        ax.axvline(ev["kill"], color="k", lw=1.2, label=f"{ev.get('fault', 'SIGKILL')} {ev['victim']}")
         if ev.get("detect") is not None:
             ax.axvline(ev["detect"], color="tab:purple", ls=":", lw=1.2, label="detected")
         if ev.get("switch") is not None:

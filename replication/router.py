@@ -8,6 +8,7 @@ or one failed connection, never a wrong answer, so it is safe with several Gunic
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -25,12 +26,19 @@ from client.retry import RetryBudget, backoff
 from cluster.admission import timeout_header
 from cluster.logs import HEADER as REQUEST_ID_HEADER
 from cluster.logs import current_request_id
-from replication.transport import FrameClient, FrameError, raft_address
+from replication.transport import Abandoned, FrameClient, FrameError, raft_address
+
+log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT = 0.25
 #: Reads and writes to a replica; a paused leader must not eat the whole buy deadline.
 READ_TIMEOUT = 1.0
 STATUS_TIMEOUT = 0.5
+#: A frame request whose reply has not begun for this long makes its router look whether another
+#: replica leads now (a stopped leader keeps its connections open and answers nothing); the look
+#: asks each replica's /status with LOOK_TIMEOUT, at most once per STALL_CHECK per router.
+STALL_CHECK = 0.25
+LOOK_TIMEOUT = 0.1
 #: Longest pause between sweeps of a tier's replicas while it has no leader (an election): short, so
 #: a write goes through within a few tens of milliseconds of the new leader being ready. Cheap
 #: because writes are batched: one sweep loop per waiting batch (``Combiner``), not per buy.
@@ -112,6 +120,11 @@ class _LeaderSeeker:
                     raise TierUnavailable(self.tier, last)
                 try:
                     reply = attempt(name, min(READ_TIMEOUT, remaining))
+                except Abandoned as exc:  # another replica leads now: go there (the key makes it safe)
+                    last = f"{name}: {exc}"
+                    with self._lock:
+                        self.leader_hint = exc.reason
+                    break
                 except OSError as exc:  # HopError and the transport's errors
                     last = f"{name}: {type(exc).__name__}"
                     with self._lock:
@@ -152,6 +165,11 @@ class ChannelRouter(_LeaderSeeker):
         super().__init__(tier, peers)
         self._clients = {n: FrameClient(raft_address(url), secret, name, channel, connect_timeout=CONNECT_TIMEOUT)
                          for n, url in peers.items()}
+        self._headers = {"Authorization": f"Bearer {secret}"}
+        self._status_pools = {n: urllib3.connection_from_url(url, maxsize=1, block=False, retries=False)
+                              for n, url in peers.items()}
+        self._look_lock = threading.Lock()
+        self._looked: tuple[float, str | None] = (float("-inf"), None)
 
     def call(self, payload: dict[str, Any], deadline: float, carry_deadline: bool = False) -> Reply:
         """``payload`` to the leader, following redirects and failing over, until ``deadline``.
@@ -162,7 +180,8 @@ class ChannelRouter(_LeaderSeeker):
         def attempt(name: str, timeout: float) -> Reply:
             frame = payload if not carry_deadline else {
                 "body": payload, "timeout_ms": max(0, int((deadline - time.monotonic()) * 1000)), "request_id": rid}
-            answer = self._clients[name].call(frame, timeout)
+            answer = self._clients[name].call(frame, timeout, stalled=lambda: self._leader_elsewhere(name),
+                                              check_every=STALL_CHECK)
             if not isinstance(answer, dict) or not isinstance(answer.get("body"), dict):
                 raise FrameError(f"{name}: malformed answer")
             return Reply(int(answer.get("status", 500)), answer["body"], name)
@@ -173,9 +192,42 @@ class ChannelRouter(_LeaderSeeker):
         """``batch_write`` as one request frame to the leader on this router's channel."""
         return batch_write(lambda body, deadline: self.call(body, deadline, carry_deadline=True), items, cap, expired)
 
+    def _status(self, name: str) -> dict[str, Any] | None:
+        try:
+            resp = self._status_pools[name].urlopen("GET", "/status", headers=self._headers, redirect=False,
+                                                    timeout=urllib3.Timeout(connect=LOOK_TIMEOUT, read=LOOK_TIMEOUT))
+            body = loads(resp.data) if resp.status == 200 else None
+        except (urllib3.exceptions.HTTPError, ValueError):
+            return None
+        return body if isinstance(body, dict) else None
+
+    def _leader_elsewhere(self, name: str) -> str | None:
+        """The replica that leads instead of ``name``, which has not begun to answer: one that says
+        it is leader, in a term newer than any ``name`` still answers /status with as leader (a
+        stopped one answers nothing). None: keep waiting, ``name`` may just be slow. One look per
+        STALL_CHECK per router, shared by every caller waiting meanwhile."""
+        with self._look_lock:
+            at, found = self._looked
+            if time.monotonic() - at < STALL_CHECK:
+                return found if found != name else None
+            found = None
+            claims = [(int(st.get("term", 0)), other) for other in self.names if other != name
+                      if (st := self._status(other)) and st.get("role") == "leader"]
+            if claims:
+                term, other = max(claims)
+                mine = self._status(name)
+                if not (mine and mine.get("role") == "leader" and int(mine.get("term", 0)) >= term):
+                    found = other
+                    log.info("%s: %s is not answering and %s leads in term %d: asking it instead",
+                             self.tier, name, other, term)
+            self._looked = (time.monotonic(), found)
+            return found
+
     def close(self) -> None:
         for client in self._clients.values():
             client.close()
+        for pool in self._status_pools.values():
+            pool.close()
 
 
 def batch_write(write: Callable[[dict[str, Any], float], Reply], items: list[tuple[dict[str, Any], float]],

@@ -23,9 +23,11 @@ import contextlib
 import hmac
 import json
 import logging
+import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +60,15 @@ class Channel:
     handle: Handler
     #: The only names a client may say hello as on this channel (None: any name).
     members: frozenset[str] | None = None
+
+
+class Abandoned(OSError):
+    """A ``call`` gave up waiting because its ``stalled`` check said the answer is no longer
+    worth waiting for (the connection is closed; the peer may still act on the frame)."""
+
+    def __init__(self, message: str, reason: Any = None) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class FrameError(OSError):
@@ -273,12 +284,20 @@ class FrameClient:
         finally:
             self._lock.release()
 
-    def call(self, obj: Any, timeout: float) -> Any:
-        """Send one frame and return the server's reply frame; raises OSError on any failure."""
+    def call(self, obj: Any, timeout: float, stalled: Callable[[], Any] | None = None,
+             check_every: float = 0.25) -> Any:
+        """Send one frame and return the server's reply frame; raises OSError on any failure.
+
+        ``stalled``: asked every ``check_every`` seconds while no reply has begun; a true answer
+        abandons the wait (``Abandoned`` carrying it). A stopped peer keeps its connection open and
+        never answers, and only a look elsewhere (has another replica taken over?) can tell that
+        from a peer that is slow at its work."""
         data = encode(obj)
         with self._lock:
             try:
                 self._write(data, timeout)
+                if stalled is not None:
+                    self._await_reply(timeout, stalled, check_every)
                 reply = read_frame(self._stream)
                 if reply is None:
                     raise FrameError("connection closed before the reply")
@@ -289,6 +308,21 @@ class FrameClient:
             except ValueError as exc:
                 self._reset()
                 raise FrameError(str(exc)) from None
+
+    def _await_reply(self, timeout: float, stalled: Callable[[], Any], check_every: float) -> None:
+        """Under the lock, after a request went out: until its reply starts to arrive, by ``timeout``
+        (``TimeoutError``), or until ``stalled()`` gives a reason to stop waiting (``Abandoned``).
+        Replies come one per request, so no bytes of another frame sit in the stream's buffer."""
+        assert self._sock is not None
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN)
+        end = time.monotonic() + timeout
+        while not poller.poll(max(0.0, min(check_every, end - time.monotonic())) * 1000):
+            if time.monotonic() >= end:
+                raise TimeoutError(f"{self.address}: no reply in {timeout:.2f} s")
+            reason = stalled()
+            if reason:
+                raise Abandoned(f"{self.address}: stopped waiting for a reply: {reason}", reason)
 
     def _reset(self) -> None:
         if self._sock is not None:

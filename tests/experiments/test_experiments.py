@@ -69,6 +69,22 @@ def test_failover_marks_the_kill_and_a_new_leader(settings: h.Settings, ran: dic
     assert ev["errors"]["buy"] == 0 or ev["buy_window_ms"] is not None
 
 
+def test_a_paused_leader_is_left_for_a_new_one_and_resumed_after(settings: h.Settings, ran: dict) -> None:
+    """``failover.trial(pause=...)``: SIGSTOP, not SIGKILL. Buys go on at a new leader, and the old one
+    is running again (not stopped) and caught up when the trial returns, without a restart."""
+    from experiments import failover
+
+    c = settings.shared
+    assert c is not None
+    ev = failover.trial(c, "order-leader", 2, 0.5, 2.0, seed=0, pause=1.0)["event"]
+    assert ev["fault"] == "SIGSTOP 1 s" and ev["new_leader"] not in (None, ev["victim"])
+    assert ev["errors"]["buy"] == 0 and ev["buy_window_ms"] > 0
+    pgid = c.process_groups()[ev["victim"]]
+    state = Path(f"/proc/{pgid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    assert state != "T", "the paused replica was not resumed"
+    assert (h.replica_status(c, ev["victim"]) or {}).get("role") == "follower"
+
+
 def test_cache_size_uses_its_own_catalogue(settings: h.Settings) -> None:
     from experiments import cache_size
 

@@ -232,3 +232,118 @@ def test_send_nowait_never_blocks_and_keeps_frames_whole() -> None:
     finally:
         client.close()
         server.stop()
+
+
+def test_a_call_stops_waiting_when_its_stall_check_says_so_and_not_before() -> None:
+    """A peer that never answers (as a SIGSTOPped one): the wait ends once ``stalled`` gives a reason,
+    and the connection is replaced; a slow peer whose check says nothing is waited for."""
+    from replication.transport import Abandoned
+
+    gate, slow_gate = threading.Event(), threading.Event()
+
+    def handle(peer: str, frame: Any) -> Any:
+        if frame.get("hang"):
+            (slow_gate if frame["n"] == 3 else gate).wait(30)
+        return {"n": frame["n"]}
+
+    server = FrameServer("127.0.0.1", 0, SECRET, {"c": Channel(handle)}, name="hangs")
+    server.start()
+    client = FrameClient(server.address, SECRET, "x", "c")
+    asked: list[int] = []
+
+    def stalled() -> str | None:
+        asked.append(1)
+        return "someone else leads" if len(asked) >= 3 else None
+
+    try:
+        with pytest.raises(Abandoned) as info:
+            client.call({"hang": True, "n": 1}, timeout=20, stalled=stalled, check_every=0.02)
+        assert info.value.reason == "someone else leads" and len(asked) == 3
+        assert client.call({"n": 2}, timeout=5, stalled=stalled) == {"n": 2}  # a fresh connection
+        assert client.connects == 2
+        asked.clear()
+        threading.Timer(0.2, slow_gate.set).start()
+        slow = FrameClient(server.address, SECRET, "y", "c")
+        assert slow.call({"hang": True, "n": 3}, timeout=20, stalled=lambda: None, check_every=0.02) == {"n": 3}
+        slow.close()
+        with pytest.raises(TimeoutError):
+            client.call({"hang": True, "n": 4}, timeout=0.1, stalled=lambda: None, check_every=0.02)
+    finally:
+        gate.set()
+        client.close()
+        server.stop()
+
+
+def _status_server(body: dict[str, Any]) -> Any:
+    """A replica's /status alone, on a free port, in a thread (stopped by ``.shutdown()``)."""
+    import json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Status(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Status)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd
+
+
+@pytest.mark.parametrize("old_leader_answers_status", [False, True])
+def test_a_router_leaves_a_stopped_leader_for_the_one_that_took_over(
+        old_leader_answers_status: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """t-1 was leader and stopped answering frames. If it answers /status no more (stopped) while t-2
+    says it leads, the router asks t-2 long before its own timeout; if t-1 still says it leads in the
+    newest term, it is only slow, and the router waits for it."""
+    from replication import router as rt
+
+    monkeypatch.setattr(rt, "READ_TIMEOUT", 30.0)  # without the look, t-1 would hold the call until the deadline
+    gate = threading.Event()
+    calls: list[str] = []
+
+    def replica(me: str) -> Any:
+        def handle(peer: str, frame: Any) -> Any:
+            calls.append(me)
+            if me == "t-1":
+                gate.wait(30)
+            if me == "t-3":
+                return {"status": 421, "body": {"error": {"code": 421, "message": "no", "leader": "t-2"}}}
+            return {"status": 200, "body": {"from": me}}
+        return handle
+
+    statuses = {"t-2": {"role": "leader", "term": 5}, "t-3": {"role": "follower", "term": 5}}
+    if old_leader_answers_status:
+        statuses["t-1"] = {"role": "leader", "term": 6}
+    https = {n: _status_server(b) for n, b in statuses.items()}
+    ports = {n: h.server_address[1] for n, h in https.items()}
+    ports.setdefault("t-1", free_port())  # nothing listens: a stopped process's /status gives nothing
+    # Frames listen on the HTTP port + 50; find three such ports free.
+    servers = [FrameServer("127.0.0.1", ports[n] + 50, SECRET, {"buys": Channel(replica(n))}, name=n)
+               for n in ("t-1", "t-2", "t-3")]
+    for s in servers:
+        s.start()
+    router = rt.ChannelRouter("t", {n: f"http://127.0.0.1:{ports[n]}" for n in ("t-1", "t-2", "t-3")},
+                              SECRET, "frontend-1/7", "buys")
+    router.leader_hint = "t-1"
+    try:
+        if old_leader_answers_status:
+            threading.Timer(0.8, gate.set).start()
+        reply = router.call({"x": 1}, deadline=time.monotonic() + 20)
+        want = "t-1" if old_leader_answers_status else "t-2"
+        assert (reply.status, reply.body, router.leader_hint) == (200, {"from": want}, want)
+        assert calls[0] == "t-1" and (old_leader_answers_status or not gate.is_set())
+    finally:
+        gate.set()
+        router.close()
+        for s in servers:
+            s.stop()
+        for h in https.values():
+            h.shutdown()
+            h.server_close()
