@@ -30,7 +30,9 @@ import requests
 from experiments import baseline
 from experiments import harness as h
 
-SCENARIOS = ("catalog-leader", "order-leader", "catalog-follower")
+SCENARIOS = ("catalog-leader", "order-leader", "catalog-follower", "catalog-leader-paused", "order-leader-paused")
+#: Seconds a ``-paused`` scenario SIGSTOPs its victim for (issue #10: buys go on within 1 s of it).
+PAUSE = 2.0
 MIX = {"search": 0.2, "lookup": 0.4, "buy": 0.4}
 MAX_RUN = 60.0
 SWITCH_TIMEOUT = 10.0
@@ -74,7 +76,7 @@ def _poll(c: Any, survivors: list[str], victim: str, old_term: int, start_at: fl
 def trial(c: Any, scenario: str, clients: int, pre: float, post: float, seed: int,
           pause: float | None = None) -> dict[str, Any]:
     """One kill (or, with ``pause``, one SIGSTOP for that many seconds) of the scenario's victim under load."""
-    tier, which = scenario.split("-")
+    tier, which = scenario.split("-")[:2]
     st = h.tier_status(c, tier)
     lead = st["leader"]
     names = [r["name"] for r in st["replicas"]]
@@ -171,7 +173,8 @@ def timeline_plot(settings: h.Settings, trials: dict[str, dict[str, Any]]) -> st
         if ev.get("switch") is not None:
             ax.axvline(ev["switch"], color="tab:red", ls="--", lw=1.2, label=f"new leader {ev['new_leader']}")
         ax.set(yscale="log", xlabel="time since load start (s; x = request sent)", ylabel="latency (ms)",
-               title=f"Kill {scenario.replace('-', ' ')} under load")
+               title=f"{ev.get('fault', 'SIGKILL')} of the {scenario.removesuffix('-paused').replace('-', ' ')} "
+                     "under load")
         ax.legend(fontsize="small", ncol=3, loc="upper right")
     return h.save_plot(settings, fig, "failover_timeline")
 
@@ -202,8 +205,9 @@ def run(settings: h.Settings, scenarios: list[str] | None = None, trials: int | 
     with h.cluster(settings) as c:
         h.run_load(c.url, 2, MIX, count=10)
         for scenario in scenarios:
-            for k in h.progress(settings, range(trials), desc=f"kill {scenario}"):
-                t = trial(c, scenario, clients, pre, post, seed=k)
+            pause = PAUSE if scenario.endswith("-paused") else None
+            for k in h.progress(settings, range(trials), desc=scenario):
+                t = trial(c, scenario, clients, pre, post + (pause or 0), seed=k, pause=pause)
                 events.append({"scenario": scenario, "trial": k, **t["event"]})
                 raw += t["records"].rows(scenario=scenario, trial=k)
                 first.setdefault(scenario, t)
@@ -221,7 +225,7 @@ def run(settings: h.Settings, scenarios: list[str] | None = None, trials: int | 
 
     summary = {s: {"trials": sum(e["scenario"] == s for e in events),
                    "no_new_leader": sum(e["scenario"] == s and e["switch_ms"] is None for e in events)
-                   if s.endswith("leader") else None,
+                   if "-leader" in s else None,
                    **{f"{key}_{q}": pct(s, key, q) for key in ("detection_ms", "switch_ms", "buy_window_ms")
                       for q in (50, 90, 100)},
                    "failed_buys": sum(e["errors"]["buy"] for e in events if e["scenario"] == s),
@@ -236,7 +240,9 @@ def run(settings: h.Settings, scenarios: list[str] | None = None, trials: int | 
     return {"path": h.save(settings, "failover", {
         "title": "6. Failover under load",
         "description": f"{clients} client processes run a closed loop of {MIX}; at {pre:g} s the "
-                       f"victim gets SIGKILL via `pygmy kill`; the load goes on {post:g} s after the kill. "
+                       f"victim gets SIGKILL via `pygmy kill` (`-paused`: SIGSTOP to its process group, "
+                       f"SIGCONT {PAUSE:g} s later, no restart); the load goes on {post:g} s after the kill "
+                       f"({post + PAUSE:g} s after a pause). "
                        "Survivors' /status is polled every ~5 ms. Then the "
                        f"victim is restarted (`pygmy start`) and caught up before the next trial. {trials} trial(s) "
                        "per scenario; medians and maxima over trials. 3 replicas per tier.",

@@ -37,7 +37,15 @@ from frontend.cache import ReadCache
 from frontend.statusview import StatusView
 from frontend.subscription import Subscription
 from replication.batching import Combiner, CombinerTimeout
-from replication.router import ChannelRouter, HopError, Reply, TierRouter, TierUnavailable, overloaded
+from replication.router import (
+    ChannelRouter,
+    HopError,
+    Reply,
+    Silences,
+    TierRouter,
+    TierUnavailable,
+    overloaded,
+)
 from replication.transport import BUYS_CHANNEL, SUBSCRIBE_CHANNEL
 
 READ_DEADLINE = 5.0
@@ -91,10 +99,13 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
     name = f"frontend-{k}"
     secret = config.secret()
     app = create_base_app(name, limits=config.limits("frontend"))
-    catalog = TierRouter("catalog", config.peers("catalog"), secret)
-    orders = TierRouter("order", config.peers("order"), secret)
+    # What one router finds of a stopped replica, the others of its tier use (``Silences``).
+    silent = {"catalog": Silences(), "order": Silences()}
+    catalog = TierRouter("catalog", config.peers("catalog"), secret, silences=silent["catalog"])
+    orders = TierRouter("order", config.peers("order"), secret, silences=silent["order"])
     # Buys go as frames on the order replicas' peer transport (``/buys``'s work, without HTTP).
-    buy_frames = ChannelRouter("order", config.peers("order"), secret, f"{name}/{os.getpid()}", BUYS_CHANNEL)
+    buy_frames = ChannelRouter("order", config.peers("order"), secret, f"{name}/{os.getpid()}", BUYS_CHANNEL,
+                               silences=silent["order"])
     # Its own token, not the internal secret: whoever may update books cannot act as a replica.
     admin = require_secret(config.admin_token(), ADMIN)
     if config.read_from not in ("leader", "any"):
@@ -117,7 +128,8 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
 
     cache = ReadCache(config.cache_size, enabled=config.cache, on_event=on_cache_event)
     # Always subscribe, cache or not: the invalidation floors are what make follower reads fresh.
-    leases = ChannelRouter("catalog", config.peers("catalog"), secret, f"{name}/{os.getpid()}", SUBSCRIBE_CHANNEL)
+    leases = ChannelRouter("catalog", config.peers("catalog"), secret, f"{name}/{os.getpid()}", SUBSCRIBE_CHANNEL,
+                           silences=silent["catalog"])
     def shape(key: str, book: Any) -> Any:
         """A book a release carries, as a lookup caches it (``book:N`` keys only)."""
         if key.startswith("book:") and isinstance(book, dict) and all(f in book for f in BOOK_FIELDS):

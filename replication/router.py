@@ -34,17 +34,41 @@ CONNECT_TIMEOUT = 0.25
 #: Reads and writes to a replica; a paused leader must not eat the whole buy deadline.
 READ_TIMEOUT = 1.0
 STATUS_TIMEOUT = 0.5
-#: A frame request whose reply has not begun for this long makes its router look whether another
-#: replica leads now (a stopped leader keeps its connections open and answers nothing); the look
-#: asks each replica's /status with LOOK_TIMEOUT, at most once per STALL_CHECK per router.
-STALL_CHECK = 0.25
+#: A frame request whose reply has not begun for STALL_AFTER makes its router look whether another
+#: replica leads now (a stopped leader keeps its connections open and answers nothing), and again
+#: every STALL_CHECK while it waits; a look asks replicas' /status with LOOK_TIMEOUT, and is shared
+#: by every caller of the router waiting meanwhile (at most one per STALL_CHECK).
+STALL_AFTER = 0.25
+STALL_CHECK = 0.1
 LOOK_TIMEOUT = 0.1
+#: How long a replica that did not answer a look is asked last by reads (``Silences``).
+SILENT_FOR = 1.0
 #: Longest pause between sweeps of a tier's replicas while it has no leader (an election): short, so
 #: a write goes through within a few tens of milliseconds of the new leader being ready. Cheap
 #: because writes are batched: one sweep loop per waiting batch (``Combiner``), not per buy.
 LEADER_WAIT_CAP = 0.05
 #: Status codes that mean "try another replica": not leader, not ready, no quorum.
 RETRY_ELSEWHERE = {421, 503}
+
+
+class Silences:
+    """Replicas of one tier found not answering even ``/status`` (stopped, not dead: their
+    connections stay open), shared by a process's routers to that tier: one router's look spares
+    the others a read timeout on it. Only ever a hint about where to ask first; any reply from the
+    replica clears it."""
+
+    def __init__(self) -> None:
+        self._until: dict[str, float] = {}
+
+    def mark(self, name: str, seconds: float = SILENT_FOR) -> None:
+        self._until[name] = time.monotonic() + seconds
+
+    def clear(self, name: str) -> None:
+        if self._until:
+            self._until.pop(name, None)
+
+    def silent(self, name: str) -> bool:
+        return self._until.get(name, 0.0) > time.monotonic()
 
 
 class TierUnavailable(Exception):
@@ -76,8 +100,9 @@ def pooled_session(pool: int = 64) -> requests.Session:
 class _LeaderSeeker:
     """The leader hint of one tier and the loop that finds the leader: shared by HTTP and frames."""
 
-    def __init__(self, tier: str, peers: dict[str, str]) -> None:
+    def __init__(self, tier: str, peers: dict[str, str], silences: Silences | None = None) -> None:
         self.tier = tier
+        self.silences = silences or Silences()
         self.peers = dict(peers)
         self.names = list(peers)
         self.leader_hint: str | None = None
@@ -161,8 +186,9 @@ class ChannelRouter(_LeaderSeeker):
     for internal traffic many times a second, such as cache lease renewals, where an HTTP request
     through Flask would cost more than the work. The leader answers ``{"status", "body"}``."""
 
-    def __init__(self, tier: str, peers: dict[str, str], secret: str, name: str, channel: str) -> None:
-        super().__init__(tier, peers)
+    def __init__(self, tier: str, peers: dict[str, str], secret: str, name: str, channel: str,
+                 silences: Silences | None = None) -> None:
+        super().__init__(tier, peers, silences)
         self._clients = {n: FrameClient(raft_address(url), secret, name, channel, connect_timeout=CONNECT_TIMEOUT)
                          for n, url in peers.items()}
         self._headers = {"Authorization": f"Bearer {secret}"}
@@ -181,7 +207,8 @@ class ChannelRouter(_LeaderSeeker):
             frame = payload if not carry_deadline else {
                 "body": payload, "timeout_ms": max(0, int((deadline - time.monotonic()) * 1000)), "request_id": rid}
             answer = self._clients[name].call(frame, timeout, stalled=lambda: self._leader_elsewhere(name),
-                                              check_every=STALL_CHECK)
+                                              first_check=STALL_AFTER, check_every=STALL_CHECK)
+            self.silences.clear(name)
             if not isinstance(answer, dict) or not isinstance(answer.get("body"), dict):
                 raise FrameError(f"{name}: malformed answer")
             return Reply(int(answer.get("status", 500)), answer["body"], name)
@@ -211,11 +238,13 @@ class ChannelRouter(_LeaderSeeker):
             if time.monotonic() - at < STALL_CHECK:
                 return found if found != name else None
             found = None
+            mine = self._status(name)
+            if mine is None:
+                self.silences.mark(name)
             claims = [(int(st.get("term", 0)), other) for other in self.names if other != name
                       if (st := self._status(other)) and st.get("role") == "leader"]
             if claims:
                 term, other = max(claims)
-                mine = self._status(name)
                 if not (mine and mine.get("role") == "leader" and int(mine.get("term", 0)) >= term):
                     found = other
                     log.info("%s: %s is not answering and %s leads in term %d: asking it instead",
@@ -269,8 +298,9 @@ class TierRouter(_LeaderSeeker):
     (hooks, cookies, proxies, adapters) cost more CPU per internal call than the Flask handler that
     answered it (profiled under 32 buyers), and none of it is wanted between our own services."""
 
-    def __init__(self, tier: str, peers: dict[str, str], secret: str, pool: int = 64) -> None:
-        super().__init__(tier, peers)
+    def __init__(self, tier: str, peers: dict[str, str], secret: str, pool: int = 64,
+                 silences: Silences | None = None) -> None:
+        super().__init__(tier, peers, silences)
         self.headers = {"Authorization": f"Bearer {secret}", "Content-Type": "application/json"}
         self._pools = {name: urllib3.connection_from_url(url, maxsize=pool, block=False, retries=False)
                        for name, url in self.peers.items()}
@@ -304,6 +334,7 @@ class TierRouter(_LeaderSeeker):
         except urllib3.exceptions.HTTPError as exc:
             raise HopError(f"{name}: {type(exc).__name__}",
                            timed_out=isinstance(exc, urllib3.exceptions.ReadTimeoutError)) from exc
+        self.silences.clear(name)
         try:
             body = loads(resp.data)
         except ValueError:
@@ -373,7 +404,7 @@ class TierRouter(_LeaderSeeker):
             if prefer_leader and self.leader_hint in ring:
                 ring.remove(self.leader_hint)
                 ring.insert(0, self.leader_hint)
-            good = [n for n in ring if self._avoid.get(n, 0) <= now]
+            good = [n for n in ring if self._avoid.get(n, 0) <= now and not self.silences.silent(n)]
             bad = [n for n in ring if n not in good]
         return good + bad
 

@@ -285,10 +285,11 @@ class FrameClient:
             self._lock.release()
 
     def call(self, obj: Any, timeout: float, stalled: Callable[[], Any] | None = None,
-             check_every: float = 0.25) -> Any:
+             first_check: float = 0.25, check_every: float = 0.1) -> Any:
         """Send one frame and return the server's reply frame; raises OSError on any failure.
 
-        ``stalled``: asked every ``check_every`` seconds while no reply has begun; a true answer
+        ``stalled``: asked once no reply has begun for ``first_check`` seconds, then every
+        ``check_every`` seconds until one does; a true answer
         abandons the wait (``Abandoned`` carrying it). A stopped peer keeps its connection open and
         never answers, and only a look elsewhere (has another replica taken over?) can tell that
         from a peer that is slow at its work."""
@@ -297,7 +298,7 @@ class FrameClient:
             try:
                 self._write(data, timeout)
                 if stalled is not None:
-                    self._await_reply(timeout, stalled, check_every)
+                    self._await_reply(timeout, stalled, first_check, check_every)
                 reply = read_frame(self._stream)
                 if reply is None:
                     raise FrameError("connection closed before the reply")
@@ -309,7 +310,8 @@ class FrameClient:
                 self._reset()
                 raise FrameError(str(exc)) from None
 
-    def _await_reply(self, timeout: float, stalled: Callable[[], Any], check_every: float) -> None:
+    def _await_reply(self, timeout: float, stalled: Callable[[], Any], first_check: float,
+                     check_every: float) -> None:
         """Under the lock, after a request went out: until its reply starts to arrive, by ``timeout``
         (``TimeoutError``), or until ``stalled()`` gives a reason to stop waiting (``Abandoned``).
         Replies come one per request, so no bytes of another frame sit in the stream's buffer."""
@@ -317,7 +319,9 @@ class FrameClient:
         poller = select.poll()
         poller.register(self._sock, select.POLLIN)
         end = time.monotonic() + timeout
-        while not poller.poll(max(0.0, min(check_every, end - time.monotonic())) * 1000):
+        wait = first_check
+        while not poller.poll(max(0.0, min(wait, end - time.monotonic())) * 1000):
+            wait = check_every
             if time.monotonic() >= end:
                 raise TimeoutError(f"{self.address}: no reply in {timeout:.2f} s")
             reason = stalled()

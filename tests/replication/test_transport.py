@@ -257,17 +257,17 @@ def test_a_call_stops_waiting_when_its_stall_check_says_so_and_not_before() -> N
 
     try:
         with pytest.raises(Abandoned) as info:
-            client.call({"hang": True, "n": 1}, timeout=20, stalled=stalled, check_every=0.02)
+            client.call({"hang": True, "n": 1}, timeout=20, stalled=stalled, first_check=0.02, check_every=0.02)
         assert info.value.reason == "someone else leads" and len(asked) == 3
         assert client.call({"n": 2}, timeout=5, stalled=stalled) == {"n": 2}  # a fresh connection
         assert client.connects == 2
         asked.clear()
         threading.Timer(0.2, slow_gate.set).start()
         slow = FrameClient(server.address, SECRET, "y", "c")
-        assert slow.call({"hang": True, "n": 3}, timeout=20, stalled=lambda: None, check_every=0.02) == {"n": 3}
+        assert slow.call({"hang": True, "n": 3}, timeout=20, stalled=lambda: None, first_check=0.02, check_every=0.02) == {"n": 3}
         slow.close()
         with pytest.raises(TimeoutError):
-            client.call({"hang": True, "n": 4}, timeout=0.1, stalled=lambda: None, check_every=0.02)
+            client.call({"hang": True, "n": 4}, timeout=0.1, stalled=lambda: None, first_check=0.02, check_every=0.02)
     finally:
         gate.set()
         client.close()
@@ -329,8 +329,10 @@ def test_a_router_leaves_a_stopped_leader_for_the_one_that_took_over(
                for n in ("t-1", "t-2", "t-3")]
     for s in servers:
         s.start()
-    router = rt.ChannelRouter("t", {n: f"http://127.0.0.1:{ports[n]}" for n in ("t-1", "t-2", "t-3")},
-                              SECRET, "frontend-1/7", "buys")
+    peers = {n: f"http://127.0.0.1:{ports[n]}" for n in ("t-1", "t-2", "t-3")}
+    silences = rt.Silences()
+    router = rt.ChannelRouter("t", peers, SECRET, "frontend-1/7", "buys", silences=silences)
+    reads = rt.TierRouter("t", peers, SECRET, silences=silences)  # the same process's HTTP router to the tier
     router.leader_hint = "t-1"
     try:
         if old_leader_answers_status:
@@ -339,8 +341,13 @@ def test_a_router_leaves_a_stopped_leader_for_the_one_that_took_over(
         want = "t-1" if old_leader_answers_status else "t-2"
         assert (reply.status, reply.body, router.leader_hint) == (200, {"from": want}, want)
         assert calls[0] == "t-1" and (old_leader_answers_status or not gate.is_set())
+        # Reads of the same process ask a stopped replica last, until it answers again.
+        assert silences.silent("t-1") is not old_leader_answers_status
+        if not old_leader_answers_status:
+            assert [reads._read_order()[-1] for _ in range(3)] == ["t-1"] * 3  # every rotation
     finally:
         gate.set()
+        reads.close()
         router.close()
         for s in servers:
             s.stop()
