@@ -231,20 +231,22 @@ class ChannelRouter(_LeaderSeeker):
     def _leader_elsewhere(self, name: str) -> str | None:
         """The replica that leads instead of ``name``, which has not begun to answer: one that says
         it is leader, in a term newer than any ``name`` still answers /status with as leader (a
-        stopped one answers nothing). None: keep waiting, ``name`` may just be slow. One look per
-        STALL_CHECK per router, shared by every caller waiting meanwhile."""
+        stopped one answers nothing, and is marked silent). None: keep waiting, ``name`` may just
+        be slow. Only the other replicas are asked until one claims to lead, so a busy leader is
+        not asked for its status while it is busy. One look per STALL_CHECK per router, shared by
+        every caller waiting meanwhile."""
         with self._look_lock:
             at, found = self._looked
             if time.monotonic() - at < STALL_CHECK:
                 return found if found != name else None
             found = None
-            mine = self._status(name)
-            if mine is None:
-                self.silences.mark(name)
             claims = [(int(st.get("term", 0)), other) for other in self.names if other != name
                       if (st := self._status(other)) and st.get("role") == "leader"]
             if claims:
                 term, other = max(claims)
+                mine = self._status(name)
+                if mine is None:
+                    self.silences.mark(name)
                 if not (mine and mine.get("role") == "leader" and int(mine.get("term", 0)) >= term):
                     found = other
                     log.info("%s: %s is not answering and %s leads in term %d: asking it instead",
