@@ -119,10 +119,39 @@ class Admission:
             "code": 503, "message": f"{service} is overloaded ({limit} {cls}s in flight): retry after {RETRY_AFTER} s",
             "overloaded": True}}).encode() for cls, limit in limits.items()}
         self._expired = EXPIRED.labels(service)
+        self._wire = {cls: b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\nRetry-After: %d\r\n\r\n%s" % (len(body), RETRY_AFTER, body)
+                      for cls, body in self._refusal.items()}
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         """``{class: {"limit", "in_flight"}}`` in this process."""
         return {cls: {"limit": g.limit, "in_flight": g.in_flight} for cls, g in self.gates.items()}
+
+    def any_full(self) -> bool:
+        """Whether some class is at its cap (read without the gates' locks: a hint, see below)."""
+        return any(g.in_flight >= g.limit for g in self.gates.values())
+
+    def early_refusal(self, method: str, path: str, timeout: bytes | None) -> bytes | None:
+        """The whole HTTP answer refusing a request not yet parsed, if its class is full; else None.
+
+        For ``cluster/worker.py``, which answers so from Gunicorn's event loop. Anything this cannot
+        judge as the middleware would (a path not in origin form or percent-encoded, a deadline
+        header to be refused as malformed or spent) is left to the middleware: None. A request let
+        through here may still be refused there, since the count may change in between."""
+        if not path.startswith("/") or "%" in path:
+            return None
+        cls = classify(method, path)
+        gate = self.gates.get(cls) if cls else None
+        if gate is None or gate.in_flight < gate.limit:
+            return None
+        if timeout is not None:
+            try:
+                if parse_timeout_ms(timeout.decode("latin-1").strip()) == 0:
+                    return None
+            except ValueError:
+                return None
+        self._shed[cls].inc()
+        return self._wire[cls]
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         raw = environ.get(_DEADLINE_ENVIRON)

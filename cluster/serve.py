@@ -101,7 +101,7 @@ def gunicorn_options(bind: str, workers: int, threads: int, name: str) -> dict[s
     return {
         "bind": bind,
         "workers": workers,
-        "worker_class": "gthread",
+        "worker_class": "cluster.worker.AdmissionWorker",  # gthread, refusing early under a surge
         "threads": threads,
         "timeout": 30,
         "graceful_timeout": 10,

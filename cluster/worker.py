@@ -1,0 +1,119 @@
+"""Gunicorn's threaded worker, refusing a request its service is too busy for before a thread takes it.
+
+Under a surge most requests are refused (``cluster/admission.py``). Refused in the WSGI middleware,
+each still cost what Gunicorn spends on any request: the hand-off of its connection from the
+worker's event loop to a pool thread, the parse of its request into a WSGI environ, the answer's
+headers, and the trip back; profiles of a 3x surge showed that, not the refusal, taking the CPU
+the admitted buys needed, and refusals waiting their turn for a pool thread (docs/performance.md).
+
+So while one of the app's classes is at its cap, the event loop itself looks at each request
+that arrives (``MSG_PEEK``: nothing is read unless it is refused). A complete request of a full
+class is read off the socket and answered 503 there, as the middleware would have answered it,
+and its connection goes back to waiting for the next request; anything else (a class with room,
+control traffic, a request not yet wholly arrived, a chunked body, a malformed or expired deadline
+header, bytes the parser already holds) goes to a pool thread as before, so the middleware stays
+the one authority and this is only a cheaper way to say the same no.
+"""
+
+from __future__ import annotations
+
+import selectors
+import socket
+from functools import partial
+from typing import Any
+
+from gunicorn.workers.gthread import TConn, ThreadWorker
+
+from cluster.admission import Admission
+
+#: The most of a request the event loop looks at: refusals are small requests (a buy is ~300 bytes).
+PEEK = 8192
+
+
+def _request_head(data: bytes) -> tuple[bytes, bytes, dict[bytes, bytes], int] | None:
+    """``(method, path, headers, length)`` of the first request in ``data`` if it has wholly
+    arrived (its body too) and is plain HTTP/1.1 with a ``Content-Length`` body or none; else None."""
+    end = data.find(b"\r\n\r\n")
+    if end < 0:
+        return None
+    lines = data[:end].split(b"\r\n")
+    parts = lines[0].split(b" ")
+    if len(parts) != 3 or parts[2] != b"HTTP/1.1":
+        return None
+    headers: dict[bytes, bytes] = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if not sep:
+            return None
+        headers[name.strip().lower()] = value.strip()
+    if b"transfer-encoding" in headers:
+        return None
+    raw = headers.get(b"content-length", b"0")
+    if not raw.isdigit():
+        return None
+    length = end + 4 + int(raw)
+    if length > len(data):
+        return None
+    return parts[0], parts[1].split(b"?", 1)[0], headers, length
+
+
+class AdmissionWorker(ThreadWorker):
+    """``gthread`` with the refusal of a full class moved into the event loop (module docstring)."""
+
+    admission: Admission | None = None
+
+    def load_wsgi(self) -> None:
+        super().load_wsgi()
+        found = getattr(self.wsgi, "wsgi_app", None)  # a Flask app made by cluster.web.create_base_app
+        self.admission = found if isinstance(found, Admission) else None
+
+    def on_client_socket_readable(self, conn: TConn, client: Any) -> None:
+        admission = self.admission
+        if admission is None or not admission.any_full() or not self._refused_early(conn, admission):
+            super().on_client_socket_readable(conn, client)
+
+    def _refused_early(self, conn: TConn, admission: Admission) -> bool:
+        """Answer the request waiting on ``conn`` with a 503 here if its class is full; True if so."""
+        parser = conn.parser
+        if parser is not None and parser.unreader.buf.getbuffer().nbytes:
+            return False  # the parser holds bytes of the next request: let it read them
+        try:
+            data = conn.sock.recv(PEEK, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except OSError:
+            return False
+        head = _request_head(data)
+        if head is None:
+            return False
+        method, path, headers, length = head
+        answer = admission.early_refusal(method.decode("latin-1"), path.decode("latin-1"),
+                                         headers.get(b"x-request-timeout-ms"))
+        if answer is None:
+            return False
+        with self._lock:
+            self.poller.unregister(conn.sock)
+            if conn.initialized:
+                try:
+                    self._keep.remove(conn)
+                except ValueError:
+                    return True  # a keep-alive timeout closed it meanwhile
+        closing = headers.get(b"connection", b"").lower() == b"close"
+        try:
+            got = 0
+            while got < length:  # the bytes are there (peeked): this does not block
+                chunk = conn.sock.recv(length - got, socket.MSG_DONTWAIT)
+                if not chunk:
+                    raise ConnectionError("closed while being read")
+                got += len(chunk)
+            conn.sock.sendall(answer)  # a few hundred bytes into an idle socket's buffer
+        except OSError:
+            closing = True
+        if closing or not self.alive:
+            self.nr_conns -= 1
+            conn.close()
+            return True
+        conn.initialized = True  # so that the next readable event takes it out of _keep first
+        conn.set_timeout()
+        with self._lock:
+            self._keep.append(conn)
+            self.poller.register(conn.sock, selectors.EVENT_READ, partial(self.on_client_socket_readable, conn))
+        return True

@@ -1,0 +1,166 @@
+"""What one refusal costs a Gunicorn worker: the event loop's (``cluster/worker.py``) against gthread's.
+
+A one-worker server (``create_base_app`` with a write cap of 1) has its only write place held by a
+request that waits for a file; then 8 clients on keep-alive connections send ``POST /buy`` as fast
+as they are answered, every answer a 503. The worker's CPU time over the number refused is the cost
+of a refusal, free of everything else a surge brings. ``python -m experiments.refusal [--rounds 2]``
+prints one line per worker class and round, alternating the classes.
+
+``serve_gated`` is also what ``tests/cluster/test_worker.py`` runs its real-Gunicorn checks on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from multiprocessing import Pool
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from cluster.local import ROOT, free_port_base
+
+SERVER = """
+import sys, time
+from pathlib import Path
+from flask import jsonify
+from cluster.serve import gunicorn_options, run_gunicorn
+from cluster.web import create_base_app
+
+port, gate_dir, worker_class = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+
+def create():
+    app = create_base_app("early-test", limits={"write": 1, "read": 8})
+
+    @app.post("/hold")
+    def hold():
+        (gate_dir / "entered").touch()
+        end = time.monotonic() + 60
+        while not (gate_dir / "release").exists() and time.monotonic() < end:
+            time.sleep(0.01)
+        return jsonify({"held": True})
+
+    @app.post("/buy")
+    def buy():
+        return jsonify({"bought": True})
+
+    @app.get("/read")
+    def read():
+        return jsonify({"read": True})
+
+    return app
+
+options = gunicorn_options(f"127.0.0.1:{port}", workers=1, threads=12, name="early-test")
+options["loglevel"] = "warning"
+if worker_class:
+    options["worker_class"] = worker_class
+run_gunicorn(create, options)
+"""
+
+BUY = b"POST /buy HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+
+@contextlib.contextmanager
+def serve_gated(gate_dir: Path, worker_class: str = "") -> Iterator[tuple[int, int, Path]]:
+    """The server above (default worker class: Pygmy's), its write place held while the block runs:
+    ``(port, worker pid, release file)``. Touching the release file frees the place; everything
+    started is stopped on the way out."""
+    port = free_port_base(1, 1)
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port), str(gate_dir), worker_class], cwd=ROOT,
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    release = gate_dir / "release"
+    holder: threading.Thread | None = None
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(url + "/read", timeout=1).status_code == 200:
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the gated server did not start")
+            time.sleep(0.1)
+        holder = threading.Thread(target=requests.post, args=(url + "/hold",), kwargs={"timeout": 90})
+        holder.start()
+        while not (gate_dir / "entered").exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError("the holding request did not arrive")
+            time.sleep(0.01)
+        worker = int(subprocess.check_output(["pgrep", "-P", str(proc.pid)]).split()[0])
+        yield port, worker, release
+    finally:
+        release.touch()
+        if holder is not None:
+            holder.join(timeout=90)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _refused(args: tuple[int, float]) -> int:
+    """One client: refused buys on one keep-alive connection for ``seconds``; how many."""
+    port, seconds = args
+    n, buf = 0, b""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            sock.sendall(BUY)
+            while True:
+                head_end = buf.find(b"\r\n\r\n")
+                if head_end >= 0:
+                    length = int(buf[:head_end].lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                    if len(buf) >= head_end + 4 + length:
+                        if not buf.startswith(b"HTTP/1.1 503"):
+                            raise RuntimeError(f"expected a refusal, got {buf[:40]!r}")
+                        buf = buf[head_end + 4 + length:]
+                        break
+                chunk = sock.recv(65536)
+                if not chunk:
+                    raise RuntimeError("the server closed the connection")
+                buf += chunk
+            n += 1
+    return n
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(worker_class: str, seconds: float = 5.0, clients: int = 8) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="pygmy-refusal-") as d, serve_gated(Path(d), worker_class) as (port, pid, _):
+        cpu0, t0 = _cpu_s(pid), time.monotonic()
+        with Pool(min(clients, 4)) as pool:
+            n = sum(pool.map(_refused, [(port, seconds)] * clients))
+        wall, cpu = time.monotonic() - t0, _cpu_s(pid) - cpu0
+    return {"worker": worker_class or "pygmy", "refused_per_s": round(n / wall),
+            "worker_cpu_us_per_refusal": round(cpu / n * 1e6, 1), "worker_cores": round(cpu / wall, 2)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m experiments.refusal")
+    p.add_argument("--rounds", type=int, default=2)
+    a = p.parse_args(argv)
+    for _ in range(a.rounds):
+        for worker_class in ("gthread", ""):
+            print(json.dumps(measure(worker_class)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""The Gunicorn worker's early refusal (cluster/worker.py), against a real Gunicorn: while a class is
+full, a complete request of it is answered 503 from the event loop and its connection stays open
+for the next; everything the event loop cannot judge still reaches the middleware, which answers
+as before."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from http.client import HTTPConnection
+from pathlib import Path
+
+import pytest
+import requests
+
+from cluster.worker import _request_head
+from experiments.refusal import serve_gated
+
+
+@pytest.fixture
+def full_writes(tmp_path: Path) -> Iterator[tuple[str, int, Path]]:
+    """A one-worker server whose single write place is held until ``release`` is touched."""
+    with serve_gated(tmp_path) as (port, _, release):
+        yield "127.0.0.1", port, release
+
+
+def read_answer(sock: socket.socket, data: bytes = b"") -> tuple[int, dict[str, str], bytes, bytes]:
+    """One HTTP answer from ``data`` and then ``sock``: status, headers (lower-case names), body,
+    and the bytes read after it."""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        assert chunk, f"connection closed mid-answer after {data!r}"
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    length = int(headers.get("content-length", "0"))
+    while len(rest) < length:
+        chunk = sock.recv(4096)
+        assert chunk, "connection closed mid-body"
+        rest += chunk
+    return int(lines[0].split()[1]), headers, rest[:length], rest[length:]
+
+
+def buy_request(extra: str = "", body: bytes = b"{}") -> bytes:
+    return (f"POST /buy HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n{extra}"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+def test_a_full_class_is_refused_by_the_event_loop_and_the_connection_kept(full_writes: tuple[str, int, Path]) -> None:
+    host, port, release = full_writes
+    conn = HTTPConnection(host, port, timeout=5)
+    conn.request("POST", "/buy", body=b"{}", headers={"Content-Type": "application/json"})
+    answer = conn.getresponse()
+    error = json.loads(answer.read())["error"]
+    assert answer.status == 503 and answer.getheader("Retry-After") == "1"
+    assert error["code"] == 503 and error["overloaded"] is True
+    # Gunicorn names itself in every answer it writes; the event loop's refusal is ours alone.
+    assert answer.getheader("Server") is None, "refused by a pool thread, not by the event loop"
+    sock = conn.sock
+    conn.request("GET", "/read")  # the same connection, a class with room
+    answer = conn.getresponse()
+    assert answer.status == 200 and json.loads(answer.read()) == {"read": True}
+    assert conn.sock is sock, "the connection was not kept after the refusal"
+    # A malformed deadline is the middleware's to refuse, with its 400.
+    conn.request("POST", "/buy", body=b"{}", headers={"X-Request-Timeout-Ms": "soon"})
+    answer = conn.getresponse()
+    assert answer.status == 400 and "X-Request-Timeout-Ms" in json.loads(answer.read())["error"]["message"]
+    conn.close()
+    release.touch()
+    deadline = time.monotonic() + 10
+    while (r := requests.post(f"http://{host}:{port}/buy", json={}, timeout=5)).status_code == 503:
+        assert time.monotonic() < deadline, "the write class never had room again"
+        time.sleep(0.05)
+    assert r.status_code == 200 and r.json() == {"bought": True}
+
+
+def test_pipelined_partial_and_closing_requests_are_each_answered_once(full_writes: tuple[str, int, Path]) -> None:
+    host, port, _ = full_writes
+    with socket.create_connection((host, port), timeout=5) as sock:
+        # Two requests in one segment: both refused, in order, nothing left over.
+        sock.sendall(buy_request() + buy_request('X-Request-Id: second\r\n'))
+        first = read_answer(sock)
+        assert first[0] == 503
+        second = read_answer(sock, first[3])
+        assert second[0] == 503 and second[3] == b""
+        # A body still on its way is not waited for by the event loop; the middleware refuses it.
+        whole = buy_request(body=b'{"quantity": 1}')
+        sock.sendall(whole[:-5])
+        time.sleep(0.3)
+        sock.sendall(whole[-5:])
+        status, headers, _, rest = read_answer(sock)
+        assert status == 503 and headers.get("server", "").startswith("gunicorn") and rest == b""
+        # And the connection still serves.
+        sock.sendall(b"GET /read HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert read_answer(sock)[0] == 200
+    with socket.create_connection((host, port), timeout=5) as sock:
+        sock.sendall(buy_request("Connection: close\r\n"))
+        status, _, _, rest = read_answer(sock)
+        assert status == 503 and rest == b""
+        assert sock.recv(100) == b"", "a refused request that asked to close left its connection open"
+
+
+@pytest.mark.parametrize(("data", "expected"), [
+    (buy_request(), ("POST", "/buy", 84)),
+    (b"GET /books/7?x=1 HTTP/1.1\r\nHost: t\r\n\r\nGET", ("GET", "/books/7", 38)),
+    (buy_request()[:-1], None),                                    # the body has not wholly arrived
+    (b"GET / HTTP/1.1\r\nHost: t\r\n", None),                      # nor the headers
+    (b"GET / HTTP/1.0\r\n\r\n", None),                             # HTTP/1.0: left to Gunicorn
+    (b"POST /buy HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", None),
+    (b"POST /buy HTTP/1.1\r\nContent-Length: -1\r\n\r\n", None),
+    (b"POST /buy HTTP/1.1\r\nno colon\r\n\r\n", None),
+])
+def test_request_head(data: bytes, expected: tuple[str, str, int] | None) -> None:
+    head = _request_head(data)
+    if expected is None:
+        assert head is None
+    else:
+        assert head is not None
+        method, path, _, length = head
+        assert (method.decode(), path.decode(), length) == expected
