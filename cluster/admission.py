@@ -127,31 +127,36 @@ class Admission:
         """``{class: {"limit", "in_flight"}}`` in this process."""
         return {cls: {"limit": g.limit, "in_flight": g.in_flight} for cls, g in self.gates.items()}
 
-    def any_full(self) -> bool:
-        """Whether some class is at its cap (read without the gates' locks: a hint, see below)."""
-        return any(g.in_flight >= g.limit for g in self.gates.values())
+    def answers_early(self) -> bool:
+        """Whether ``early`` may answer now: a class is at its cap, or the app has a shortcut."""
+        return getattr(self.app, "shortcut", None) is not None or any(
+            g.in_flight >= g.limit for g in self.gates.values())  # read without the locks: a hint
 
-    def early_refusal(self, method: str, path: str, timeout: bytes | None) -> bytes | None:
-        """The whole HTTP answer refusing a request not yet parsed, if its class is full; else None.
+    def early(self, method: str, path: str, headers: dict[bytes, bytes]) -> bytes | None:
+        """The whole HTTP answer to a request not yet parsed, if it can be given at once; else None.
 
-        For ``cluster/worker.py``, which answers so from Gunicorn's event loop. Anything this cannot
-        judge as the middleware would (a path not in origin form or percent-encoded, a deadline
-        header to be refused as malformed or spent) is left to the middleware: None. A request let
-        through here may still be refused there, since the count may change in between."""
+        For ``cluster/worker.py``, which answers so from Gunicorn's event loop: the refusal of a
+        request whose class is full, or the app's own early answer (``Edge.early``: a cached
+        lookup). ``headers`` has lower-case names. Anything this cannot judge as ``__call__``
+        would (a path not in origin form or percent-encoded, a deadline header to be refused as
+        malformed or spent) is left to ``__call__``: None. A request let through here may still
+        be refused there, since the count may change in between."""
         if not path.startswith("/") or "%" in path:
             return None
-        cls = classify(method, path)
-        gate = self.gates.get(cls) if cls else None
-        if gate is None or gate.in_flight < gate.limit:
-            return None
+        timeout = headers.get(b"x-request-timeout-ms")
         if timeout is not None:
             try:
                 if parse_timeout_ms(timeout.decode("latin-1").strip()) == 0:
                     return None
             except ValueError:
                 return None
-        self._shed[cls].inc()
-        return self._wire[cls]
+        cls = classify(method, path)
+        gate = self.gates.get(cls) if cls else None
+        if gate is not None and gate.in_flight >= gate.limit:
+            self._shed[cls].inc()
+            return self._wire[cls]
+        early = getattr(self.app, "early", None)
+        return early(method, path, headers.get(b"x-request-id")) if early is not None else None
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         raw = environ.get(_DEADLINE_ENVIRON)

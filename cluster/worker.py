@@ -1,18 +1,20 @@
-"""Gunicorn's threaded worker, refusing a request its service is too busy for before a thread takes it.
+"""Gunicorn's threaded worker, answering from its event loop what needs no thread: a refusal, a cache hit.
 
 Under a surge most requests are refused (``cluster/admission.py``). Refused in the WSGI middleware,
 each still cost what Gunicorn spends on any request: the hand-off of its connection from the
 worker's event loop to a pool thread, the parse of its request into a WSGI environ, the answer's
-headers, and the trip back; profiles of a 3x surge showed that, not the refusal, taking the CPU
-the admitted buys needed, and refusals waiting their turn for a pool thread (docs/performance.md).
+headers, and the trip back; 374 us of the worker's CPU, against 34 us here
+(``experiments/refusal.py``). A cached lookup, a few microseconds of work, paid the same, and under
+load waited for the worker's GIL at each hand-off between threads.
 
-So while one of the app's classes is at its cap, the event loop itself looks at each request
-that arrives (``MSG_PEEK``: nothing is read unless it is refused). A complete request of a full
-class is read off the socket and answered 503 there, as the middleware would have answered it,
-and its connection goes back to waiting for the next request; anything else (a class with room,
-control traffic, a request not yet wholly arrived, a chunked body, a malformed or expired deadline
-header, bytes the parser already holds) goes to a pool thread as before, so the middleware stays
-the one authority and this is only a cheaper way to say the same no.
+So the event loop looks at each request that arrives (``MSG_PEEK``: nothing is read unless it is
+answered here) while the app could answer one at once: while one of its classes is at its cap, or
+always if it has a shortcut (the frontend's cached lookups, ``cluster/web.py`` ``Edge.early``). A
+complete request that ``Admission.early`` answers is read off the socket and answered here, and its
+connection goes back to waiting for the next request; anything else (a class with room, a cache
+miss, control traffic, a request not yet wholly arrived, a chunked body, a malformed or expired
+deadline header, bytes the parser already holds) goes to a pool thread as before, so the
+middleware and the app stay the authority and this is only a cheaper way to give their answers.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def _request_head(data: bytes) -> tuple[bytes, bytes, dict[bytes, bytes], int] |
 
 
 class AdmissionWorker(ThreadWorker):
-    """``gthread`` with the refusal of a full class moved into the event loop (module docstring)."""
+    """``gthread`` with the answers that need no thread given by the event loop (module docstring)."""
 
     admission: Admission | None = None
 
@@ -69,11 +71,11 @@ class AdmissionWorker(ThreadWorker):
 
     def on_client_socket_readable(self, conn: TConn, client: Any) -> None:
         admission = self.admission
-        if admission is None or not admission.any_full() or not self._refused_early(conn, admission):
+        if admission is None or not admission.answers_early() or not self._answered_early(conn, admission):
             super().on_client_socket_readable(conn, client)
 
-    def _refused_early(self, conn: TConn, admission: Admission) -> bool:
-        """Answer the request waiting on ``conn`` with a 503 here if its class is full; True if so."""
+    def _answered_early(self, conn: TConn, admission: Admission) -> bool:
+        """Answer the request waiting on ``conn`` here if ``admission.early`` can; True if so."""
         parser = conn.parser
         if parser is not None and parser.unreader.buf.getbuffer().nbytes:
             return False  # the parser holds bytes of the next request: let it read them
@@ -85,8 +87,7 @@ class AdmissionWorker(ThreadWorker):
         if head is None:
             return False
         method, path, headers, length = head
-        answer = admission.early_refusal(method.decode("latin-1"), path.decode("latin-1"),
-                                         headers.get(b"x-request-timeout-ms"))
+        answer = admission.early(method.decode("latin-1"), path.decode("latin-1"), headers)
         if answer is None:
             return False
         with self._lock:

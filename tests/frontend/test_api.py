@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from http.client import HTTPConnection
 from typing import Any
 
 import requests
@@ -92,6 +94,33 @@ def test_a_hit_answered_before_flask_is_the_answer_flask_gives(cluster: Cluster)
             assert client.get(f"/lookup/{bad}").status_code == code, bad
     finally:
         app.extensions["pygmy_subscription"].stop()
+
+
+def test_a_hit_is_answered_by_the_workers_event_loop_as_flask_would(cluster: Cluster) -> None:
+    """Under Gunicorn a hit is answered before a pool thread takes the request (cluster/worker.py):
+    the same body, cache headers and request id, on a connection kept for the next request."""
+    host, port = cluster.url.removeprefix("http://").split(":")
+    conn = HTTPConnection(host, int(port), timeout=5)
+    try:
+        answers, sock = [], None
+        for n in range(6):  # one connection, so one worker: its cache fills on the first miss
+            conn.request("GET", "/lookup/5", headers={"X-Request-Id": f"early-{n}"})
+            r = conn.getresponse()
+            answers.append((r.status, dict(r.getheaders()), r.read()))
+            sock = sock or conn.sock
+            assert conn.sock is sock, "the connection was not kept"
+        hits = [a for a in answers if a[1]["X-Cache"] == "hit"]
+        assert hits, "no lookup hit the worker's cache"
+        for n, (status, headers, body) in enumerate(answers):
+            assert status == 200 and headers["X-Request-Id"] == f"early-{n}"
+            assert json.loads(body) == json.loads(answers[0][2]) and json.loads(body)["item_number"] == 5
+            assert headers["Content-Type"] == "application/json" and headers["Date"]
+        # Gunicorn names itself on what its pool threads answer; the event loop's hits are ours alone.
+        assert all("Server" not in h for _, h, _ in hits), "hits went through a pool thread"
+        assert all(h["Server"].startswith("gunicorn") for _, h, _ in answers if h["X-Cache"] == "miss")
+        assert hits[-1][2] == answers[-1][2]
+    finally:
+        conn.close()
 
 
 def test_buy_and_order(cluster: Cluster) -> None:
