@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -83,14 +81,7 @@ def server(workers: int = 2, timeout: float = 30) -> Iterator[str]:
             time.sleep(0.1)
         yield url
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        h.stop_group(proc)
 
 
 def sqlite_commits(n: int) -> list[float]:

@@ -17,6 +17,8 @@ import os
 import platform
 import random
 import shutil
+import signal
+import subprocess
 import tempfile
 import threading
 import time
@@ -441,6 +443,19 @@ def run_load(url: str | Sequence[str], clients: int, mix: dict[str, float], *, c
     order = np.argsort(start, kind="stable")
     wall = float(np.max(start + lat))
     return Records(op[order], start[order], lat[order], status[order].astype(int), start_at, wall)
+
+
+def stop_group(proc: subprocess.Popen[Any], grace: float = 10) -> None:
+    """SIGTERM the process group ``proc`` leads (started with ``start_new_session``), SIGKILL it
+    if ``proc`` has not gone within ``grace`` seconds; returns once it has."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:

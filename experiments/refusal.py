@@ -15,7 +15,6 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from typing import Any
 import requests
 
 from cluster.local import ROOT, free_port_base
+from experiments import harness as h
 
 SERVER = """
 import sys, time
@@ -103,14 +103,7 @@ def serve_gated(gate_dir: Path, worker_class: str = "") -> Iterator[tuple[int, i
         release.touch()
         if holder is not None:
             holder.join(timeout=90)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        h.stop_group(proc)
 
 
 def _refused(args: tuple[int, float]) -> int:
