@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 from prometheus_client import Counter
 from werkzeug.wsgi import ClosingIterator
@@ -132,17 +133,20 @@ class Admission:
         return getattr(self.app, "shortcut", None) is not None or any(
             g.in_flight >= g.limit for g in self.gates.values())  # read without the locks: a hint
 
-    def early(self, method: str, path: str, headers: dict[bytes, bytes]) -> bytes | None:
+    def early(self, method: str, target: str, headers: dict[bytes, bytes]) -> bytes | None:
         """The whole HTTP answer to a request not yet parsed, if it can be given at once; else None.
 
         For ``cluster/worker.py``, which answers so from Gunicorn's event loop: the refusal of a
         request whose class is full, or the app's own early answer (``Edge.early``: a cached
-        lookup). ``headers`` has lower-case names. Anything this cannot judge as ``__call__``
-        would (a path not in origin form or percent-encoded, a deadline header to be refused as
+        read). ``target`` is the request line's, ``headers`` have lower-case names; the path is
+        decoded as Gunicorn decodes it into ``PATH_INFO``. Anything this cannot judge as
+        ``__call__`` would (a target not in plain origin form, a deadline header to be refused as
         malformed or spent) is left to ``__call__``: None. A request let through here may still
         be refused there, since the count may change in between."""
-        if not path.startswith("/") or "%" in path:
+        if not target.startswith("/") or target.startswith("//") or "#" in target:
             return None
+        raw_path, _, query = target.partition("?")
+        path = unquote_to_bytes(raw_path).decode("latin-1") if "%" in raw_path else raw_path
         timeout = headers.get(b"x-request-timeout-ms")
         if timeout is not None:
             try:
@@ -156,7 +160,7 @@ class Admission:
             self._shed[cls].inc()
             return self._wire[cls]
         early = getattr(self.app, "early", None)
-        return early(method, path, headers.get(b"x-request-id")) if early is not None else None
+        return early(method, path, query, headers.get(b"x-request-id")) if early is not None else None
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         raw = environ.get(_DEADLINE_ENVIRON)

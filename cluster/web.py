@@ -158,18 +158,18 @@ class Edge:
         self._record(route, method, environ.get("PATH_INFO", ""), code, started)
         return result
 
-    def early(self, method: str, path: str, request_id: bytes | None) -> bytes | None:
+    def early(self, method: str, path: str, query: str, request_id: bytes | None) -> bytes | None:
         """The whole HTTP answer to a request not yet parsed, if the ``shortcut`` gives one; else None.
 
-        For ``cluster/worker.py``, which answers so from Gunicorn's event loop: a cached lookup
-        then costs no pool thread, no parse into an environ and no hand-off between threads (each
-        a wait for the worker's GIL under load). ``path`` is in origin form, not percent-encoded,
-        and short (the worker looks at 8 KiB at most), so the size limits hold. The answer is the
-        one ``__call__`` would give, with the same id, count and access line."""
+        For ``cluster/worker.py``, which answers so from Gunicorn's event loop: a cached read then
+        costs no pool thread, no parse into an environ and no hand-off between threads (each a
+        wait for the worker's GIL under load). ``path`` is decoded as in ``PATH_INFO``, ``query``
+        as sent; the request is short (the worker looks at 8 KiB at most), so the size limits
+        hold. The answer is the one ``__call__`` would give, with the same id, count and access line."""
         if self.shortcut is None or method != "GET":
             return None
         started = time.perf_counter()
-        answer = self.shortcut({"REQUEST_METHOD": method, "PATH_INFO": path})
+        answer = self.shortcut({"REQUEST_METHOD": method, "PATH_INFO": path, "QUERY_STRING": query})
         if answer is None:
             return None
         route, body, headers = answer

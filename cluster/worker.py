@@ -33,7 +33,7 @@ PEEK = 8192
 
 
 def _request_head(data: bytes) -> tuple[bytes, bytes, dict[bytes, bytes], int] | None:
-    """``(method, path, headers, length)`` of the first request in ``data`` if it has wholly
+    """``(method, target, headers, length)`` of the first request in ``data`` if it has wholly
     arrived (its body too) and is plain HTTP/1.1 with a ``Content-Length`` body or none; else None."""
     end = data.find(b"\r\n\r\n")
     if end < 0:
@@ -56,7 +56,7 @@ def _request_head(data: bytes) -> tuple[bytes, bytes, dict[bytes, bytes], int] |
     length = end + 4 + int(raw)
     if length > len(data):
         return None
-    return parts[0], parts[1].split(b"?", 1)[0], headers, length
+    return parts[0], parts[1], headers, length
 
 
 class AdmissionWorker(ThreadWorker):
@@ -86,8 +86,8 @@ class AdmissionWorker(ThreadWorker):
         head = _request_head(data)
         if head is None:
             return False
-        method, path, headers, length = head
-        answer = admission.early(method.decode("latin-1"), path.decode("latin-1"), headers)
+        method, target, headers, length = head
+        answer = admission.early(method.decode("latin-1"), target.decode("latin-1"), headers)
         if answer is None:
             return False
         with self._lock:

@@ -12,6 +12,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+from urllib.parse import parse_qsl
 
 from flask import Flask, Response, g, jsonify, request
 
@@ -21,6 +22,7 @@ from cluster.cachekeys import book_key, search_key
 from cluster.config import ClusterConfig
 from cluster.web import (
     ADMIN,
+    ApiError,
     Shortcut,
     create_base_app,
     fail,
@@ -215,16 +217,23 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
 
     hit_headers = [("X-Cache", "hit"), ("X-Served-By", me)]
 
-    def cached_lookup(environ: dict[str, Any]) -> Shortcut | None:
-        """A lookup that hits the cache, answered before Flask (``cluster.web.Edge``) with the
-        bytes ``lookup`` would give: a cached read is most of a store's traffic, and Flask's
-        request context, routing and response object cost more than the hit itself. Anything
-        else (a miss, a held key, no lease, a malformed number) goes on to ``lookup``."""
-        path = environ.get("PATH_INFO", "")
-        if not path.startswith("/lookup/") or environ.get("REQUEST_METHOD") != "GET":
+    def cached_read(environ: dict[str, Any]) -> Shortcut | None:
+        """A lookup or a search page that hits the cache, answered before Flask (``cluster.web.Edge``,
+        and from Gunicorn's event loop, ``cluster/worker.py``) with the bytes its route would give:
+        cached reads are most of a store's traffic, and Flask's request context, routing and
+        response object cost more than the hit itself. Anything else (a miss, a held key, no lease,
+        anything the route would refuse or read differently) goes on to the route."""
+        if environ.get("REQUEST_METHOD") != "GET" or not subscription.valid():
             return None
-        item = path[8:]
-        if not (item.isascii() and item.isdigit() and len(item) <= 18) or not subscription.valid():
+        path = environ.get("PATH_INFO", "")
+        if path.startswith("/lookup/"):
+            return cached_lookup(path[8:])
+        if path.startswith("/search/"):
+            return cached_search(path[8:], environ.get("QUERY_STRING", ""))
+        return None
+
+    def cached_lookup(item: str) -> Shortcut | None:
+        if not (item.isascii() and item.isdigit() and len(item) <= 18):
             return None
         hit = cache.peek(book_key(int(item)))
         if hit is None:
@@ -232,7 +241,34 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
         body = app.json.dumps(hit[1], separators=(",", ":")) + "\n"  # as jsonify writes it
         return "/lookup/<item>", body.encode(), hit_headers
 
-    app.extensions["pygmy_edge"].shortcut = cached_lookup
+    def cached_search(raw_topic: str, query: str) -> Shortcut | None:
+        try:
+            topic = raw_topic.encode("latin-1").decode("utf-8")  # as Werkzeug reads PATH_INFO
+        except UnicodeError:
+            return None
+        args: dict[str, str] = {}
+        for name, value in parse_qsl(query, keep_blank_values=True):
+            if name not in ("limit", "next") or name in args:
+                return None  # not the plain cases: the route reads them
+            args[name] = value
+        limit, raw = args.get("limit"), args.get("next")
+        if not topic or topic.startswith("/") or (limit is not None and not (
+                limit.isascii() and limit.isdigit() and len(limit) <= 18 and 1 <= int(limit) <= SEARCH_MAX)):
+            return None
+        try:
+            after = 0 if raw is None else parse_cursor(raw)
+        except ApiError:
+            return None
+        hit = cache.peek(search_key(topic, after, SEARCH_LIMIT if limit is None else int(limit)))
+        if hit is None:
+            return None
+        page = hit[1]
+        body: dict[str, Any] = {"topic": topic, "items": page["items"]}
+        if page["more"] and page["items"]:
+            body["next"] = cursor(page["items"][-1]["item_number"])
+        return "/search/<path:topic>", (app.json.dumps(body, separators=(",", ":")) + "\n").encode(), hit_headers
+
+    app.extensions["pygmy_edge"].shortcut = cached_read
 
     @app.post("/buy/<item>")
     def buy(item: str) -> Response:

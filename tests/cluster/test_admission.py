@@ -112,3 +112,38 @@ def test_classes() -> None:
     assert classify("POST", "/raft/read_index") is None
     with pytest.raises(ValueError):
         Gate(0)
+
+
+class EarlyInner(Inner):
+    """An app that would answer any GET early, recording what it was asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[tuple[str, str, str, bytes | None]] = []
+
+    def early(self, method: str, path: str, query: str, request_id: bytes | None) -> bytes | None:
+        self.asked.append((method, path, query, request_id))
+        return b"early" if method == "GET" else None
+
+
+def test_early_answers_refuse_a_full_class_and_leave_what_they_cannot_judge() -> None:
+    """``Admission.early`` (what Gunicorn's event loop asks, cluster/worker.py) judges a raw
+    request line as ``__call__`` judges its environ, or leaves it (None)."""
+    inner = EarlyInner()
+    app = Admission(inner, "svc-e", {"write": 1, "read": 4})
+    open_body = call(app, "POST", "/buy/1")[2]  # the one write place taken
+    assert app.answers_early()
+    refusal = app.early("POST", "/buy/2", {})
+    assert refusal is not None and refusal.startswith(b"HTTP/1.1 503 ") and b"\r\nRetry-After: 1\r\n" in refusal
+    assert json.loads(refusal.split(b"\r\n\r\n", 1)[1])["error"]["overloaded"] is True
+    # Percent-encoding is decoded before classifying, as Gunicorn decodes PATH_INFO: control traffic passes.
+    assert app.early("POST", "/%73tatus", {}) is None
+    for target in ("http://host/buy/2", "//buy/2", "/buy/2#x"):
+        assert app.early("POST", target, {}) is None, target
+    for bad in (b"soon", b"0"):  # malformed, or spent: __call__ answers 400 or 504
+        assert app.early("POST", "/buy/2", {b"x-request-timeout-ms": bad}) is None
+    # A class with room goes on to the app's own early answer, with the decoded path and the query.
+    assert app.early("GET", "/search/a%20b?limit=2", {b"x-request-id": b"r1"}) == b"early"
+    assert inner.asked[-1] == ("GET", "/search/a b", "limit=2", b"r1")
+    open_body.close()
+    assert app.early("POST", "/buy/3", {}) is None and inner.asked[-1][0] == "POST"

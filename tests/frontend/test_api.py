@@ -92,6 +92,18 @@ def test_a_hit_answered_before_flask_is_the_answer_flask_gives(cluster: Cluster)
         assert client.head("/lookup/4").status_code == 200
         for bad, code in (("0", 400), ("00", 400), ("4x", 400), ("1" * 19, 400), ("424242", 404)):
             assert client.get(f"/lookup/{bad}").status_code == code, bad
+        # Search pages likewise, with their cursors; a query the edge does not read goes to the route.
+        first = "/search/distributed%20systems?limit=1"
+        miss, hit = client.get(first), client.get(first)
+        assert miss.headers["X-Cache"] == "miss" and hit.headers["X-Cache"] == "hit"
+        assert hit.data == miss.data and steady(hit) == steady(miss) and hit.json["next"]
+        assert client.get(first + "&x=1").data == hit.data  # a query the edge leaves to the route
+        page2 = f"/search/distributed%20systems?next={hit.json['next']}&limit=1"
+        miss, hit = client.get(page2), client.get(page2)
+        assert hit.headers["X-Cache"] == "hit" and hit.data == miss.data and hit.json["items"] != []
+        for bad in ("?limit=0", "?limit=1001", "?limit=a", "?next=zz", "?limit=1&limit=2"):
+            got = client.get("/search/distributed%20systems" + bad)
+            assert got.status_code == (200 if bad == "?limit=1&limit=2" else 400), bad
     finally:
         app.extensions["pygmy_subscription"].stop()
 
@@ -119,6 +131,13 @@ def test_a_hit_is_answered_by_the_workers_event_loop_as_flask_would(cluster: Clu
         assert all("Server" not in h for _, h, _ in hits), "hits went through a pool thread"
         assert all(h["Server"].startswith("gunicorn") for _, h, _ in answers if h["X-Cache"] == "miss")
         assert hits[-1][2] == answers[-1][2]
+        # A search page too, its topic percent-encoded in the request line.
+        for _ in range(3):
+            conn.request("GET", "/search/distributed%20systems?limit=2")
+            r = conn.getresponse()
+            page = (r.status, dict(r.getheaders()), r.read())
+        assert page[0] == 200 and page[1]["X-Cache"] == "hit" and "Server" not in page[1]
+        assert json.loads(page[2])["topic"] == "distributed systems" and len(json.loads(page[2])["items"]) == 2
     finally:
         conn.close()
 
