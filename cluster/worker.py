@@ -19,6 +19,7 @@ middleware and the app stay the authority and this is only a cheaper way to give
 
 from __future__ import annotations
 
+import re
 import selectors
 import socket
 from functools import partial
@@ -30,24 +31,34 @@ from cluster.admission import Admission
 
 #: The most of a request the event loop looks at: refusals are small requests (a buy is ~300 bytes).
 PEEK = 8192
+#: What Gunicorn's parser accepts without a word (RFC 9110 tokens for the method and header names,
+#: header values without control bytes): anything else is left to it, so that a request it would
+#: refuse with 400 is never answered here.
+_METHOD = re.compile(rb"[A-Z]{3,20}")
+_NAME = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 def _request_head(data: bytes) -> tuple[bytes, bytes, dict[bytes, bytes], int] | None:
     """``(method, target, headers, length)`` of the first request in ``data`` if it has wholly
-    arrived (its body too) and is plain HTTP/1.1 with a ``Content-Length`` body or none; else None."""
+    arrived (its body too) and is plain, well-formed HTTP/1.1 with a ``Content-Length`` body or
+    none, each header named once; else None (Gunicorn's parser then judges it)."""
     end = data.find(b"\r\n\r\n")
     if end < 0:
         return None
     lines = data[:end].split(b"\r\n")
     parts = lines[0].split(b" ")
-    if len(parts) != 3 or parts[2] != b"HTTP/1.1":
+    if len(parts) != 3 or parts[2] != b"HTTP/1.1" or not _METHOD.fullmatch(parts[0]) or _BAD_VALUE.search(parts[1]):
         return None
     headers: dict[bytes, bytes] = {}
     for line in lines[1:]:
         name, sep, value = line.partition(b":")
-        if not sep:
+        if not sep or not _NAME.fullmatch(name) or _BAD_VALUE.search(value):
             return None
-        headers[name.strip().lower()] = value.strip()
+        name = name.lower()
+        if name in headers:
+            return None
+        headers[name] = value.strip(b" \t")
     if b"transfer-encoding" in headers:
         return None
     raw = headers.get(b"content-length", b"0")
