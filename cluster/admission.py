@@ -96,6 +96,25 @@ class Gate:
             self.in_flight -= 1
 
 
+class Deferred:
+    """An answer the app gives later, off the event loop that read its request (``cluster/worker.py``):
+    ``start(deliver)`` once the request has been taken off its socket, after which the work calls
+    ``deliver(answer)`` exactly once, from any thread, with the whole HTTP answer; or ``cancel()``
+    instead of ``start`` if it is not to begin after all. Nothing may be done before ``start``."""
+
+    __slots__ = ("_start", "_cancel")
+
+    def __init__(self, start: Callable[[Callable[[bytes], None]], None],
+                 cancel: Callable[[], None] = lambda: None) -> None:
+        self._start, self._cancel = start, cancel
+
+    def start(self, deliver: Callable[[bytes], None]) -> None:
+        self._start(deliver)
+
+    def cancel(self) -> None:
+        self._cancel()
+
+
 def _json(start_response: Callable[..., Any], status: str, code: int, message: str,
           extra_headers: list[tuple[str, str]] | None = None, **extra: Any) -> list[bytes]:
     body = json.dumps({"error": {"code": code, "message": message, **extra}}).encode()
@@ -133,16 +152,19 @@ class Admission:
         return getattr(self.app, "shortcut", None) is not None or any(
             g.in_flight >= g.limit for g in self.gates.values())  # read without the locks: a hint
 
-    def early(self, method: str, target: str, headers: dict[bytes, bytes]) -> bytes | None:
-        """The whole HTTP answer to a request not yet parsed, if it can be given at once; else None.
+    def early(self, method: str, target: str, headers: dict[bytes, bytes], body: bytes = b"") -> bytes | Deferred | None:
+        """The whole HTTP answer to a request not yet parsed, if it can be given at once, or a
+        ``Deferred`` one; else None.
 
         For ``cluster/worker.py``, which answers so from Gunicorn's event loop: the refusal of a
         request whose class is full, or the app's own early answer (``Edge.early``: a cached
-        read). ``target`` is the request line's, ``headers`` have lower-case names; the path is
-        decoded as Gunicorn decodes it into ``PATH_INFO``. Anything this cannot judge as
-        ``__call__`` would (a target not in plain origin form, a deadline header to be refused as
-        malformed or spent) is left to ``__call__``: None. A request let through here may still
-        be refused there, since the count may change in between."""
+        read, or a buy answered when its batch returns). A deferred answer holds a place of its
+        class, as an admitted request does, until it is delivered. ``target`` is the request
+        line's, ``headers`` have lower-case names; the path is decoded as Gunicorn decodes it into
+        ``PATH_INFO``. Anything this cannot judge as ``__call__`` would (a target not in plain
+        origin form, a deadline header to be refused as malformed or spent) is left to
+        ``__call__``: None. A request let through here may still be refused there, since the
+        count may change in between."""
         if not target.startswith("/") or target.startswith("//") or "#" in target:
             return None
         raw_path, _, query = target.partition("?")
@@ -160,7 +182,32 @@ class Admission:
             self._shed[cls].inc()
             return self._wire[cls]
         early = getattr(self.app, "early", None)
-        return early(method, path, query, headers.get(b"x-request-id")) if early is not None else None
+        answer = early(method, path, query, headers, body) if early is not None else None
+        if not isinstance(answer, Deferred):
+            return answer
+        if gate is None:
+            return answer
+        if not gate.try_enter():  # filled up since the look above: refused as it would be there
+            self._shed[cls].inc()  # type: ignore[index]
+            return self._wire[cls]  # type: ignore[index]
+        work, left = answer, threading.Lock()
+
+        def leave() -> None:
+            if left.acquire(blocking=False):  # once, whether delivered or cancelled
+                gate.leave()
+
+        def start(deliver: Callable[[bytes], None]) -> None:
+            def delivered(out: bytes) -> None:
+                leave()
+                deliver(out)
+
+            try:
+                work.start(delivered)
+            except BaseException:
+                leave()
+                raise
+
+        return Deferred(start, lambda: (leave(), work.cancel()))
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         raw = environ.get(_DEADLINE_ENVIRON)

@@ -15,9 +15,10 @@ from typing import Any, NoReturn
 from flask import Flask, Request, Response, jsonify, request
 from prometheus_client.registry import Collector
 from werkzeug.exceptions import HTTPException
+from werkzeug.http import HTTP_STATUS_CODES
 from werkzeug.routing import Rule
 
-from cluster.admission import Admission, deadline_of
+from cluster.admission import Admission, Deferred, deadline_of
 from cluster.logs import HEADER as REQUEST_ID_HEADER
 from cluster.logs import reset_request_id, set_request_id, valid_request_id
 from cluster.metrics import RequestMetrics, instrument
@@ -95,6 +96,11 @@ class EdgeRequest(Request):
 
 #: An answer given without Flask: the route it counts under, the JSON body, extra headers.
 Shortcut = tuple[str, bytes, list[tuple[str, str]]]
+#: How the work of a deferred answer answers: ``(status code, JSON body, extra headers)``, once.
+Answer = Callable[[int, bytes, list[tuple[str, str]]], None]
+#: A write the app can take without Flask: the route it counts under, and the work, which it starts
+#: with the ``Answer`` to call when done (``Edge.deferred``).
+Later = tuple[str, Callable[[Answer], None]]
 
 
 class Edge:
@@ -113,12 +119,16 @@ class Edge:
     ``shortcut(environ)``, if set, may answer a request without Flask: ``(route, body, headers)``
     for a 200 JSON answer, or None to go on to Flask. The frontend answers cached lookups so
     (``frontend/app.py``), which makes a hit cheaper than a bare Flask endpoint's answer.
+
+    ``deferred(path, headers, body)``, if set, may take a POST that has wholly arrived without
+    Flask and answer it later (``early``): the frontend's buys, which wait on the order tier.
     """
 
     def __init__(self, app: Callable[..., Any], service: str) -> None:
         self.app = app
         self.metrics = RequestMetrics(service)
         self.shortcut: Callable[[dict[str, Any]], Shortcut | None] | None = None
+        self.deferred: Callable[[str, dict[bytes, bytes], bytes], Later | None] | None = None
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         started = time.perf_counter()
@@ -158,31 +168,55 @@ class Edge:
         self._record(route, method, environ.get("PATH_INFO", ""), code, started)
         return result
 
-    def early(self, method: str, path: str, query: str, request_id: bytes | None) -> bytes | None:
-        """The whole HTTP answer to a request not yet parsed, if the ``shortcut`` gives one; else None.
+    def early(self, method: str, path: str, query: str, headers: dict[bytes, bytes],
+              body: bytes = b"") -> bytes | Deferred | None:
+        """The whole HTTP answer to a request not yet parsed, if the ``shortcut`` gives one, or a
+        ``Deferred`` one if ``deferred`` takes it; else None.
 
         For ``cluster/worker.py``, which answers so from Gunicorn's event loop: a cached read then
         costs no pool thread, no parse into an environ and no hand-off between threads (each a
-        wait for the worker's GIL under load). ``path`` is decoded as in ``PATH_INFO``, ``query``
-        as sent; the request is short (the worker looks at 8 KiB at most), so the size limits
-        hold. The answer is the one ``__call__`` would give, with the same id, count and access line."""
+        wait for the worker's GIL under load), and a buy holds no thread while the order tier
+        works on it. ``path`` is decoded as in ``PATH_INFO``, ``query`` as sent, ``headers``
+        have lower-case names; the request is short (the worker looks at 8 KiB at most), so the
+        size limits hold. The answer is the one ``__call__`` would give, with the same id, count
+        and access line."""
+        started = time.perf_counter()
+        request_id = headers.get(b"x-request-id")
+        rid = valid_request_id(request_id.decode("latin-1") if request_id is not None else None)
+        if method == "POST" and self.deferred is not None:
+            later = self.deferred(path, headers, body)
+            if later is None:
+                return None
+            route, work = later
+
+            def start(deliver: Callable[[bytes], None]) -> None:
+                def answer(code: int, out: bytes, extra: list[tuple[str, str]]) -> None:
+                    token = set_request_id(rid)
+                    try:
+                        self._record(route, method, path, code, started)
+                    finally:
+                        reset_request_id(token)
+                    deliver(_render(code, out, extra, rid))
+
+                token = set_request_id(rid)  # the work's own log lines carry the id too
+                try:
+                    work(answer)
+                finally:
+                    reset_request_id(token)
+
+            return Deferred(start)
         if self.shortcut is None or method != "GET":
             return None
-        started = time.perf_counter()
         answer = self.shortcut({"REQUEST_METHOD": method, "PATH_INFO": path, "QUERY_STRING": query})
         if answer is None:
             return None
-        route, body, headers = answer
-        rid = valid_request_id(request_id.decode("latin-1") if request_id is not None else None)
-        head = "".join(f"{k}: {v}\r\n" for k, v in headers)
-        out = (f"HTTP/1.1 200 OK\r\nDate: {_http_date()}\r\nContent-Type: application/json\r\n"
-               f"Content-Length: {len(body)}\r\n{head}{REQUEST_ID_HEADER}: {rid}\r\n\r\n").encode("latin-1") + body
+        route, out, extra = answer
         token = set_request_id(rid)
         try:
             self._record(route, method, path, 200, started)
         finally:
             reset_request_id(token)
-        return out
+        return _render(200, out, extra, rid)
 
     def _record(self, route: str, method: str, path: str, code: int, started: float) -> None:
         """The request's count and time in ``/metrics`` and its access line."""
@@ -200,6 +234,15 @@ class Edge:
             path = path if len(path) <= 512 else path[:512] + "..."
             access_log.log(level, "%s %s %s", method, path, code, extra={
                 "method": method, "path": path, "status": code, "duration_ms": round(elapsed * 1000, 3)})
+
+
+def _render(code: int, body: bytes, headers: list[tuple[str, str]], rid: str) -> bytes:
+    """A whole HTTP/1.1 answer with a JSON body, as Flask under Gunicorn would write it (status
+    line as Werkzeug's, less Gunicorn's ``Server`` and ``Connection`` headers)."""
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers)
+    return (f"HTTP/1.1 {code} {HTTP_STATUS_CODES.get(code, 'UNKNOWN').upper()}\r\nDate: {_http_date()}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n{head}"
+            f"{REQUEST_ID_HEADER}: {rid}\r\n\r\n").encode("latin-1") + body
 
 
 def _http_date() -> str:

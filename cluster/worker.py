@@ -1,4 +1,5 @@
-"""Gunicorn's threaded worker, answering from its event loop what needs no thread: a refusal, a cache hit.
+"""Gunicorn's threaded worker, answering from its event loop what needs no thread: a refusal, a cache
+hit, and a buy, which waits on the order tier without holding a thread.
 
 Under a surge most requests are refused (``cluster/admission.py``). Refused in the WSGI middleware,
 each still cost what Gunicorn spends on any request: the hand-off of its connection from the
@@ -15,6 +16,12 @@ connection goes back to waiting for the next request; anything else (a class wit
 miss, control traffic, a request not yet wholly arrived, a chunked body, a malformed or expired
 deadline header, bytes the parser already holds) goes to a pool thread as before, so the
 middleware and the app stay the authority and this is only a cheaper way to give their answers.
+
+A buy that arrives whole is taken the same way but answered later (a ``Deferred`` answer): it
+joins the worker's batch to the order leader (``replication/batching.py`` ``Combiner.submit``),
+its connection waits out of the poller, and the thread its batch returns on writes the answer and
+hands the connection back. So the buys in flight are bounded by the write cap, not by the pool's
+threads, and a surge of buys does not fill the pool that lookups and refusals need.
 """
 
 from __future__ import annotations
@@ -22,12 +29,14 @@ from __future__ import annotations
 import re
 import selectors
 import socket
+import threading
+import time
 from functools import partial
 from typing import Any
 
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
-from cluster.admission import Admission
+from cluster.admission import Admission, Deferred
 
 #: The most of a request the event loop looks at: refusals are small requests (a buy is ~300 bytes).
 PEEK = 8192
@@ -75,6 +84,11 @@ class AdmissionWorker(ThreadWorker):
 
     admission: Admission | None = None
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._deferred = 0  # answers owed to connections out of the poller (``_answered_early``)
+        self._drained: threading.Condition | None = None  # on Gunicorn's lock, made in ``run``
+
     def load_wsgi(self) -> None:
         super().load_wsgi()
         found = getattr(self.wsgi, "wsgi_app", None)  # a Flask app made by cluster.web.create_base_app
@@ -86,7 +100,9 @@ class AdmissionWorker(ThreadWorker):
             super().on_client_socket_readable(conn, client)
 
     def _answered_early(self, conn: TConn, admission: Admission) -> bool:
-        """Answer the request waiting on ``conn`` here if ``admission.early`` can; True if so."""
+        """Answer the request waiting on ``conn`` here if ``admission.early`` can, now or later
+        (a ``Deferred`` answer: the connection waits out of the poller until it is delivered,
+        from whichever thread finishes the work); True if so."""
         parser = conn.parser
         if parser is not None and parser.unreader.buf.getbuffer().nbytes:
             return False  # the parser holds bytes of the next request: let it read them
@@ -98,7 +114,8 @@ class AdmissionWorker(ThreadWorker):
         if head is None:
             return False
         method, target, headers, length = head
-        answer = admission.early(method.decode("latin-1"), target.decode("latin-1"), headers)
+        body = data[data.find(b"\r\n\r\n") + 4:length]
+        answer = admission.early(method.decode("latin-1"), target.decode("latin-1"), headers, body)
         if answer is None:
             return False
         with self._lock:
@@ -106,8 +123,10 @@ class AdmissionWorker(ThreadWorker):
             if conn.initialized:
                 try:
                     self._keep.remove(conn)
-                except ValueError:
-                    return True  # a keep-alive timeout closed it meanwhile
+                except ValueError:  # a keep-alive timeout closed it meanwhile
+                    if isinstance(answer, Deferred):
+                        answer.cancel()
+                    return True
         closing = headers.get(b"connection", b"").lower() == b"close"
         try:
             got = 0
@@ -116,16 +135,56 @@ class AdmissionWorker(ThreadWorker):
                 if not chunk:
                     raise ConnectionError("closed while being read")
                 got += len(chunk)
+        except OSError:
+            if isinstance(answer, Deferred):
+                answer.cancel()
+            self._done(conn, True)
+            return True
+        conn.initialized = True  # so that the next readable event takes it out of _keep first
+        if isinstance(answer, Deferred):
+            with self._lock:
+                self._deferred += 1
+            answer.start(partial(self._deliver, conn, closing))
+        else:
+            self._deliver(conn, closing, answer, deferred=False)
+        return True
+
+    def _deliver(self, conn: TConn, closing: bool, answer: bytes, deferred: bool = True) -> None:
+        """Send ``answer`` on ``conn`` and give the connection back to the poller for its next
+        request (or close it). Any thread; a deferred answer's count goes down here."""
+        try:
             conn.sock.sendall(answer)  # a few hundred bytes into an idle socket's buffer
         except OSError:
             closing = True
-        if closing or not self.alive:
-            self.nr_conns -= 1
-            conn.close()
-            return True
-        conn.initialized = True  # so that the next readable event takes it out of _keep first
-        conn.set_timeout()
+        self._done(conn, closing)
+        if deferred:
+            with self._lock:
+                self._deferred -= 1
+                if not self._deferred and self._drained is not None:
+                    self._drained.notify_all()
+
+    def _done(self, conn: TConn, closing: bool) -> None:
         with self._lock:
-            self._keep.append(conn)
-            self.poller.register(conn.sock, selectors.EVENT_READ, partial(self.on_client_socket_readable, conn))
-        return True
+            if not closing and self.alive:
+                conn.set_timeout()
+                self._keep.append(conn)
+                try:
+                    self.poller.register(conn.sock, selectors.EVENT_READ,
+                                         partial(self.on_client_socket_readable, conn))
+                    return
+                except (ValueError, KeyError, OSError):  # the poller closed as the worker stopped
+                    self._keep.remove(conn)
+            self.nr_conns -= 1
+        conn.close()
+
+    def run(self) -> None:
+        """Gunicorn's loop; then, as it waits for the requests its threads still serve, wait for
+        the deferred answers still owed (their work may finish within the graceful timeout)."""
+        self._drained = threading.Condition(self._lock)
+        try:
+            super().run()
+        finally:
+            deadline = time.monotonic() + self.cfg.graceful_timeout
+            with self._drained:
+                while self._deferred and time.monotonic() < deadline:
+                    self._drained.wait(deadline - time.monotonic())

@@ -7,6 +7,7 @@ single worker.
 from __future__ import annotations
 
 import base64
+import json
 import os
 import time
 import uuid
@@ -17,14 +18,17 @@ from urllib.parse import parse_qsl
 from flask import Flask, Response, g, jsonify, request
 
 from cluster import metrics
-from cluster.admission import RETRY_AFTER
+from cluster.admission import RETRY_AFTER, parse_timeout_ms
 from cluster.cachekeys import book_key, search_key
 from cluster.config import ClusterConfig
 from cluster.web import (
     ADMIN,
+    Answer,
     ApiError,
+    Later,
     Shortcut,
     create_base_app,
+    error_body,
     fail,
     int_field,
     json_body,
@@ -83,18 +87,43 @@ def parse_cursor(raw: str) -> int:
     return int(number)
 
 
-def passthrough(reply: Reply, fields: tuple[str, ...] | None = None) -> Response:
-    """A backend answer as ours: success bodies trimmed to the public fields, errors as errors. A
-    replica's 503 stays 503 + Retry-After (it shed the request, so we shed it; or it cannot tell the
-    outcome yet and a retry with the same key will); a spent budget stays 504."""
+def reply_answer(reply: Reply, fields: tuple[str, ...] | None = None) -> tuple[int, dict[str, Any], dict[str, Any]]:
+    """A backend answer as ours, ``(code, body, extra)``: success bodies trimmed to the public
+    fields; errors as errors, ``extra`` their extra fields and ``retry_after``. A replica's 503
+    stays 503 + Retry-After (it shed the request, so we shed it; or it cannot tell the outcome yet
+    and a retry with the same key will); a spent budget stays 504."""
     if reply.status != 200:
-        err = reply.body.get("error", {})
-        message = err.get("message", "backend error")
+        message = reply.body.get("error", {}).get("message", "backend error")
         if reply.status == 503:  # shed, or an outcome not known yet: either way, retry (same key)
-            fail(503, message, **({"overloaded": True} if overloaded(reply) else {}), retry_after=RETRY_AFTER)
-        fail(reply.status if 400 <= reply.status < 500 or reply.status == 504 else 502, message)
-    body = reply.body if fields is None else {k: reply.body[k] for k in fields}
+            extra = {"overloaded": True} if overloaded(reply) else {}
+            return 503, error_body(503, message, **extra), {**extra, "retry_after": RETRY_AFTER}
+        code = reply.status if 400 <= reply.status < 500 or reply.status == 504 else 502
+        return code, error_body(code, message), {}
+    return 200, reply.body if fields is None else {k: reply.body[k] for k in fields}, {}
+
+
+def passthrough(reply: Reply, fields: tuple[str, ...] | None = None) -> Response:
+    """``reply_answer`` as Flask's answer; an error is raised (``ApiError``), so that a cache fill
+    that gets one fails every caller waiting for it and stores nothing."""
+    code, body, extra = reply_answer(reply, fields)
+    if code != 200:
+        fail(code, body["error"]["message"], **extra)
     return jsonify(body)
+
+
+def buy_outcome(result: Reply | BaseException) -> tuple[int, dict[str, Any], dict[str, Any]]:
+    """What a buy answers, ``(code, body, extra)`` as ``reply_answer``, from what its batch to the
+    order leader gave it: the order leader's answer, or why there was none."""
+    if isinstance(result, TierUnavailable):
+        message = f"order tier unavailable, try again ({result.last})"
+        return 503, error_body(503, message), {"retry_after": RETRY_AFTER}
+    if isinstance(result, CombinerTimeout):
+        return 504, error_body(504, "the buy's time budget was spent " + (
+            "while the order leader worked on it (retry with the same Idempotency-Key)" if result.sent else
+            "before it was sent: nothing was done")), {}
+    if isinstance(result, BaseException):
+        raise result
+    return reply_answer(result, ORDER_FIELDS)
 
 
 def create_app(config: ClusterConfig, k: int = 1) -> Flask:
@@ -157,6 +186,7 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
         return buy_frames.write_batch(items, config.buy_deadline, EXPIRED)
 
     buys: Combiner[tuple[dict[str, Any], float], Reply] = Combiner(send_buys)
+    app.extensions["pygmy_buys"] = buys  # stopped with the worker (cluster/serve.py)
 
     def call(fn: Any, *args: Any, **kw: Any) -> Reply:
         try:
@@ -281,15 +311,69 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
         key = f"k:{key}" if key else f"g:{uuid.uuid4().hex}"
         deadline = request_deadline(config.buy_deadline)
         try:
-            reply = buys.call(({"item": number, "quantity": quantity, "key": key}, deadline),
-                              max(0.0, deadline - time.monotonic()))
-        except TierUnavailable as exc:
-            fail(503, f"order tier unavailable, try again ({exc.last})", retry_after=RETRY_AFTER)
-        except CombinerTimeout as exc:
-            fail(504, "the buy's time budget was spent " + (
-                "while the order leader worked on it (retry with the same Idempotency-Key)" if exc.sent else
-                "before it was sent: nothing was done"))
-        return passthrough(reply, ORDER_FIELDS)
+            result: Reply | BaseException = buys.call(({"item": number, "quantity": quantity, "key": key}, deadline),
+                                                      max(0.0, deadline - time.monotonic()))
+        except (TierUnavailable, CombinerTimeout) as exc:
+            result = exc
+        code, body, extra = buy_outcome(result)
+        if code != 200:
+            fail(code, body["error"]["message"], **extra)
+        return jsonify(body)
+
+    def early_buy(path: str, headers: dict[bytes, bytes], raw: bytes) -> Later | None:
+        """A plain buy taken from Gunicorn's event loop without a thread (``cluster.web.Edge.deferred``):
+        it waits in the worker's batch with the buys of the route, and is answered, as the route
+        would answer it, by the thread its batch returns on. Anything the route would refuse or
+        read differently (a malformed number, key or body) is left to the route: None."""
+        if not path.startswith("/buy/"):
+            return None
+        item = path[5:]
+        if not (item.isascii() and item.isdigit() and len(item) <= 18 and int(item) >= 1):
+            return None
+        given = headers.get(b"idempotency-key")
+        key = None if given is None else given.decode("latin-1")
+        if key is not None and not 0 < len(key) <= MAX_KEY:
+            return None
+        quantity = 1
+        if raw.strip():
+            try:
+                data = json.loads(raw)
+            except ValueError:
+                return None
+            if not isinstance(data, dict):
+                return None
+            quantity = data.get("quantity", 1)
+            if not isinstance(quantity, int) or isinstance(quantity, bool) or not 1 <= quantity <= 1000:
+                return None
+        now = time.monotonic()
+        deadline = now + config.buy_deadline
+        budget = headers.get(b"x-request-timeout-ms")  # well formed and not 0: Admission.early saw to it
+        if budget is not None:
+            try:
+                deadline = min(deadline, now + parse_timeout_ms(budget.decode("latin-1").strip()) / 1000)
+            except ValueError:  # read as Admission.__call__ reads it, which then answers 400
+                return None
+        body = {"item": int(item), "quantity": quantity, "key": f"k:{key}" if key else f"g:{uuid.uuid4().hex}"}
+
+        def work(answer: Answer) -> None:
+            def done(result: Reply | BaseException) -> None:
+                try:
+                    code, out, extra = buy_outcome(result)
+                except BaseException:
+                    app.logger.exception("unhandled error on POST %s", path)
+                    code, out, extra = 500, error_body(500, "internal error"), {}
+                retry = extra.pop("retry_after", None)
+                answer(code, (app.json.dumps(out, separators=(",", ":")) + "\n").encode(),
+                       [] if retry is None else [("Retry-After", str(retry))])
+
+            try:
+                buys.submit((body, deadline), max(0.0, deadline - time.monotonic()), done)
+            except RuntimeError as exc:  # the worker is stopping
+                done(TierUnavailable("order", str(exc)))
+
+        return "/buy/<item>", work
+
+    app.extensions["pygmy_edge"].deferred = early_buy
 
     @app.get("/orders/<number>")
     def order(number: str) -> Response:

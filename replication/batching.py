@@ -6,14 +6,23 @@ decrements (one catalog request, one log entry, for the buys in flight). No thre
 caller that finds no batch in flight sends everything queued so far, itself included, and hands
 each caller its own result; callers arriving meanwhile queue for the next batch. So a lone caller
 pays nothing extra, and under load the batch grows with the concurrency.
+
+A caller that cannot wait (Gunicorn's event loop, answering a buy without a thread of its own:
+``cluster/worker.py``) ``submit``s its item with a callback instead. Its batches are sent by one
+helper thread the combiner starts on first use and ``stop`` ends; the callback runs on whichever
+thread finished the batch.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Generic, TypeVar
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -29,14 +38,18 @@ class CombinerTimeout(Exception):
 
 
 class _Slot(Generic[T, R]):
-    __slots__ = ("item", "sent", "done", "result", "error")
+    __slots__ = ("item", "sent", "done", "result", "error", "callback", "deadline")
 
-    def __init__(self, item: T) -> None:
+    def __init__(self, item: T, callback: Callable[[R | BaseException], None] | None = None,
+                 deadline: float = float("inf")) -> None:
         self.item = item
         self.sent = False  # taken into a batch: can no longer be withdrawn
         self.done = False
         self.result: R | None = None
         self.error: BaseException | None = None
+        #: A submitted item's: told its outcome once; its deadline is checked when a batch is formed.
+        self.callback = callback
+        self.deadline = deadline
 
 
 class Combiner(Generic[T, R]):
@@ -49,6 +62,8 @@ class Combiner(Generic[T, R]):
         self._cond = threading.Condition()
         self._queue: list[_Slot[T, R]] = []
         self._busy = False
+        self._helper: ThreadPoolExecutor | None = None  # sends the batches of submitted items
+        self._stopped = False
 
     def call(self, item: T, wait: float) -> R:
         """Carry ``item`` in the next batch and return its result; raises what ``send`` raised, or
@@ -87,19 +102,66 @@ class Combiner(Generic[T, R]):
                 if not waiting:
                     return out  # type: ignore[return-value]
                 if not self._busy and any(not slots[i].sent for i in waiting):
-                    self._busy = True
-                    batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
-                    for slot in batch:
-                        slot.sent = True
-                    self._cond.release()
-                    try:
-                        self._run(batch)
-                    finally:
-                        self._cond.acquire()
-                        self._busy = False
-                        self._cond.notify_all()
+                    self._send_next()
                     continue
                 self._cond.wait(min(deadlines[i] for i in waiting) - now)
+
+    def submit(self, item: T, wait: float, callback: Callable[[R | BaseException], None]) -> None:
+        """Carry ``item`` in a batch without waiting for it: ``callback`` is told its result, what
+        ``send`` raised, or CombinerTimeout if no batch took it within ``wait`` seconds (then it
+        was never sent). The callback runs on another thread, and must not raise or block."""
+        slot: _Slot[T, R] = _Slot(item, callback, time.monotonic() + wait)
+        with self._cond:
+            if self._stopped:
+                raise RuntimeError("the combiner is stopped")
+            self._queue.append(slot)
+            self._kick()
+
+    def stop(self) -> None:
+        """End the helper thread once its batch is sent; later ``submit`` calls raise."""
+        with self._cond:
+            self._stopped = True
+            helper = self._helper
+        if helper is not None:
+            helper.shutdown(wait=True, cancel_futures=True)
+
+    def _kick(self) -> None:
+        """Have the helper send the queue if a submitted item waits in it and no batch is in flight
+        (a waiting ``call`` would send it too; whoever comes first). Called with the lock held."""
+        if self._busy or self._stopped or not any(s.callback is not None for s in self._queue):
+            return
+        if self._helper is None:
+            self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="combiner")
+        self._helper.submit(self._drain)
+
+    def _drain(self) -> None:
+        with self._cond:
+            while not self._busy and self._queue and any(s.callback is not None for s in self._queue):
+                self._send_next()
+
+    def _send_next(self) -> None:
+        """Send the next batch from the queue (the lock held, released while it is sent); submitted
+        items whose time ran out while queued are told so, not sent."""
+        now = time.monotonic()
+        expired = [s for s in self._queue if s.deadline <= now]
+        if expired:
+            self._queue = [s for s in self._queue if s.deadline > now]
+        self._busy = True
+        batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
+        for slot in batch:
+            slot.sent = True
+        self._cond.release()
+        try:
+            for slot in expired:
+                slot.error = CombinerTimeout("not sent in time; withdrawn", sent=False)
+                self._tell(slot)
+            if batch:
+                self._run(batch)
+        finally:
+            self._cond.acquire()
+            self._busy = False
+            self._cond.notify_all()
+            self._kick()
 
     def _run(self, batch: list[_Slot[T, R]]) -> None:
         try:
@@ -113,3 +175,13 @@ class Combiner(Generic[T, R]):
                 slot.error = exc
         for slot in batch:
             slot.done = True
+            if slot.callback is not None:
+                self._tell(slot)
+
+    @staticmethod
+    def _tell(slot: _Slot[T, R]) -> None:
+        assert slot.callback is not None
+        try:
+            slot.callback(slot.error if slot.error is not None else slot.result)  # type: ignore[arg-type]
+        except Exception:  # one caller's broken callback must not cost the others their answers
+            log.exception("a combiner callback failed")

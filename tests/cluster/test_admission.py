@@ -14,6 +14,7 @@ from cluster.admission import (
     ENVIRON_KEY,
     SHED,
     Admission,
+    Deferred,
     Gate,
     classify,
     deadline_of,
@@ -120,9 +121,13 @@ class EarlyInner(Inner):
     def __init__(self) -> None:
         super().__init__()
         self.asked: list[tuple[str, str, str, bytes | None]] = []
+        self.started: list[Any] = []
 
-    def early(self, method: str, path: str, query: str, request_id: bytes | None) -> bytes | None:
-        self.asked.append((method, path, query, request_id))
+    def early(self, method: str, path: str, query: str, headers: dict[bytes, bytes],
+              body: bytes = b"") -> bytes | Deferred | None:
+        self.asked.append((method, path, query, headers.get(b"x-request-id")))
+        if method == "POST" and body == b"later":
+            return Deferred(self.started.append)
         return b"early" if method == "GET" else None
 
 
@@ -147,3 +152,24 @@ def test_early_answers_refuse_a_full_class_and_leave_what_they_cannot_judge() ->
     assert inner.asked[-1] == ("GET", "/search/a b", "limit=2", b"r1")
     open_body.close()
     assert app.early("POST", "/buy/3", {}) is None and inner.asked[-1][0] == "POST"
+
+
+def test_a_deferred_answer_holds_a_place_of_its_class_until_delivered_or_cancelled() -> None:
+    inner = EarlyInner()
+    app = Admission(inner, "svc-f", {"write": 2})
+    gate = app.gates["write"]
+    first = app.early("POST", "/buy/1", {}, b"later")
+    assert isinstance(first, Deferred) and gate.in_flight == 1 and inner.started == []
+    delivered: list[bytes] = []
+    first.start(delivered.append)  # the worker has read the request off its socket
+    (deliver,) = inner.started
+    second = app.early("POST", "/buy/2", {}, b"later")
+    assert isinstance(second, Deferred) and gate.in_flight == 2
+    refused = app.early("POST", "/buy/3", {}, b"later")
+    assert isinstance(refused, bytes) and refused.startswith(b"HTTP/1.1 503 "), "the class is full"
+    deliver(b"answer")
+    deliver(b"again")  # a second call would be a bug; it must not give back a place twice
+    assert gate.in_flight == 1 and delivered == [b"answer", b"again"]
+    second.cancel()  # never started: its place goes back, and nothing ran
+    second.cancel()
+    assert gate.in_flight == 0 and len(inner.started) == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from http.client import HTTPConnection
 from typing import Any
@@ -12,6 +13,7 @@ import requests
 from harness import Cluster
 
 from client.api import PygmyError
+from cluster.admission import Deferred
 from frontend.app import create_app
 
 
@@ -140,6 +142,100 @@ def test_a_hit_is_answered_by_the_workers_event_loop_as_flask_would(cluster: Clu
         assert json.loads(page[2])["topic"] == "distributed systems" and len(json.loads(page[2])["items"]) == 2
     finally:
         conn.close()
+
+
+def parse_answer(raw: bytes) -> tuple[int, dict[str, str], bytes]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k: v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    assert int(headers["Content-Length"]) == len(body)
+    return int(lines[0].split()[1]), headers, body
+
+
+def test_a_buy_taken_by_the_event_loop_is_answered_as_flask_would(cluster: Cluster) -> None:
+    """A plain buy is taken without Flask (``early_buy`` in frontend/app.py, through
+    ``Admission.early``) and answered when its batch returns: the route's status, body and error
+    headers, for a new order, its key's repeat and an unknown book; anything the route would read
+    differently is left to it. A worker built in this process, of a frontend not running here."""
+    app = create_app(cluster.cluster_config(), 2)
+    admission = app.wsgi_app
+    try:
+        client = app.test_client()
+
+        def early(path: str, body: bytes = b"", **headers: str) -> tuple[int, dict[str, str], bytes] | None:
+            raw = {k.lower().replace("_", "-").encode(): v.encode() for k, v in headers.items()}
+            answer = admission.early("POST", path, raw, body)
+            if answer is None:
+                return None
+            assert isinstance(answer, Deferred)
+            got: list[bytes] = []
+            answer.start(got.append)
+            deadline = time.monotonic() + 10
+            while not got:
+                assert time.monotonic() < deadline, "a deferred buy was never answered"
+                time.sleep(0.01)
+            assert admission.gates["write"].in_flight == 0, "a delivered buy kept its place"
+            return parse_answer(got[0])
+
+        key = f"early-{time.time()}"
+        status, headers, body = early("/buy/3", b'{"quantity": 2}', idempotency_key=key, x_request_id="buy-1")
+        assert status == 200 and headers["X-Request-Id"] == "buy-1" and "Server" not in headers
+        order = json.loads(body)
+        assert order["item_number"] == 3 and order["quantity"] == 2
+        again = client.post("/buy/3", json={"quantity": 2}, headers={"Idempotency-Key": key})
+        assert again.status_code == 200 and again.data == body, "the route's answer to the same key differs"
+        assert headers["Content-Type"] == again.headers["Content-Type"]
+        again.close()  # gives back its place, as Gunicorn does once the body is sent
+        for answer in (early("/buy/3", b"", idempotency_key=key + "x"), early("/buy/3"),  # default quantity
+                       early("/buy/3", b"", x_request_timeout_ms="5000")):
+            assert answer is not None and answer[0] == 200 and json.loads(answer[2])["quantity"] == 1
+        missing = early("/buy/424242", b"{}", idempotency_key=key + "-404")
+        route = client.post("/buy/424242", json={}, headers={"Idempotency-Key": key + "-404b"})
+        assert missing is not None and missing[0] == route.status_code == 404
+        assert missing[2] == route.data
+        route.close()
+        # What the route refuses or reads otherwise is its own to answer.
+        for path, body, hdrs in (("/buy/0", b"", {}), ("/buy/x", b"", {}), ("/buy/" + "1" * 19, b"", {}),
+                                 ("/buy/3", b"[1]", {}), ("/buy/3", b"{", {}), ("/buy/3", b'{"quantity": 0}', {}),
+                                 ("/buy/3", b'{"quantity": true}', {}), ("/buy/3", b'{"quantity": "2"}', {}),
+                                 ("/buy/3", b"", {"idempotency_key": "k" * 201}), ("/buy/3", b"", {"idempotency_key": ""}),
+                                 ("/update/3", b"{}", {})):
+            assert early(path, body, **hdrs) is None, (path, body, hdrs)
+        assert admission.gates["write"].in_flight == 0
+    finally:
+        app.extensions["pygmy_subscription"].stop()
+        app.extensions["pygmy_buys"].stop()
+
+
+def test_a_buy_is_answered_by_the_workers_event_loop_on_a_kept_connection(cluster: Cluster) -> None:
+    """Under Gunicorn, a buy that arrives whole is taken by the event loop and answered by the
+    thread its batch returns on (cluster/worker.py): no pool thread, so no ``Server`` header; the
+    connection is kept for the next request, which may be another buy or a read."""
+    host, port = cluster.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        orders = []
+        for n in range(3):
+            body = b'{"quantity": 1}'
+            sock.sendall(f"POST /buy/2 HTTP/1.1\r\nHost: t\r\nIdempotency-Key: loop-{time.time()}-{n}\r\n"
+                         f"X-Request-Id: loop-{n}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+            data = b""
+            while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < int(
+                    data.partition(b"Content-Length: ")[2].split(b"\r\n")[0] or b"0"):
+                chunk = sock.recv(4096)
+                assert chunk, "the connection closed"
+                data += chunk
+            status, headers, answer = parse_answer(data)
+            assert status == 200 and headers["X-Request-Id"] == f"loop-{n}", data
+            assert "Server" not in headers, "the buy went through a pool thread"
+            orders.append(json.loads(answer)["order_number"])
+        assert len(set(orders)) == 3
+        sock.sendall(b"GET /orders/%d HTTP/1.1\r\nHost: t\r\n\r\n" % orders[-1])
+        data = b""
+        while b"order_number" not in data:
+            chunk = sock.recv(4096)
+            assert chunk
+            data += chunk
+        assert parse_answer(data)[0] == 200
 
 
 def test_buy_and_order(cluster: Cluster) -> None:

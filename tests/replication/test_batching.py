@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -137,3 +138,90 @@ def test_call_many_hands_errors_to_the_items_of_the_failed_batch_only() -> None:
 
     out = Combiner(send, max_batch=2).call_many([1, 2, 3, 4], [1, 1, 1, 1])
     assert [type(o).__name__ if isinstance(o, BaseException) else o for o in out] == ["ValueError", "ValueError", 3, 4]
+
+
+def test_submitted_items_are_carried_by_the_helper_and_told_on_its_thread() -> None:
+    gate, first_in = threading.Event(), threading.Event()
+    batches: list[list[int]] = []
+
+    def send(items: list[int]) -> list[int]:
+        batches.append(items)
+        if len(batches) == 1:
+            first_in.set()
+            gate.wait(5)
+        return [-i for i in items]
+
+    c = Combiner(send)
+    told: dict[int, object] = {}
+    threads: dict[int, str] = {}
+    done = threading.Event()
+
+    def tell(i: int) -> Any:
+        def callback(result: object) -> None:
+            told[i], threads[i] = result, threading.current_thread().name
+            if len(told) == 5:
+                done.set()
+        return callback
+
+    c.submit(0, 5, tell(0))  # returns at once; the helper sends it
+    assert first_in.wait(5)
+    for i in range(1, 4):
+        c.submit(i, 5, tell(i))
+    waiter = threading.Thread(target=lambda: told.__setitem__(9, c.call(9, 5)))
+    waiter.start()  # a caller that waits shares the batches of submitted items
+    c.submit(4, 5, tell(4))
+    gate.set()
+    assert done.wait(5)
+    waiter.join(5)
+    assert told == {i: -i for i in (0, 1, 2, 3, 4, 9)}
+    assert batches[0] == [0] and sorted(x for b in batches[1:] for x in b) == [1, 2, 3, 4, 9]
+    assert threads[0].startswith("combiner")
+    c.stop()
+    with pytest.raises(RuntimeError):
+        c.submit(5, 1, tell(5))
+
+
+def test_a_submitted_item_whose_time_ran_out_in_the_queue_is_never_sent() -> None:
+    gate, first_in = threading.Event(), threading.Event()
+    sent: list[list[int]] = []
+
+    def send(items: list[int]) -> list[int]:
+        sent.append(items)
+        first_in.set()
+        gate.wait(5)
+        return items
+
+    c = Combiner(send)
+    told: list[object] = []
+    c.submit(1, 5, told.append)
+    assert first_in.wait(5)
+    c.submit(2, 0.05, told.append)  # queued behind a batch that outlasts its wait
+    c.submit(3, 5, told.append)
+    time.sleep(0.1)
+    gate.set()
+    deadline = time.monotonic() + 5
+    while len(told) < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    timeout = next(t for t in told if isinstance(t, CombinerTimeout))
+    assert timeout.sent is False
+    assert sorted(t for t in told if isinstance(t, int)) == [1, 3]
+    assert [x for b in sent for x in b] == [1, 3], "the withdrawn item was sent"
+    c.stop()
+
+
+def test_a_failing_send_and_a_broken_callback_reach_only_their_own() -> None:
+    c = Combiner(lambda items: (_ for _ in ()).throw(ValueError("down")) if 0 in items else items)
+    got: list[object] = []
+    ready = threading.Event()
+
+    def broken(result: object) -> None:
+        raise RuntimeError("callback bug")
+
+    c.submit(0, 5, lambda r: (got.append(r), ready.set()))
+    assert ready.wait(5) and isinstance(got[0], ValueError)
+    ready.clear()
+    c.submit(1, 5, broken)
+    c.submit(2, 5, lambda r: (got.append(r), ready.set()))
+    assert ready.wait(5) and got[-1] == 2
+    c.stop()
