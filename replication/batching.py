@@ -10,11 +10,14 @@ pays nothing extra, and under load the batch grows with the concurrency.
 A caller that cannot wait (Gunicorn's event loop, answering a buy without a thread of its own:
 ``cluster/worker.py``) ``submit``s its item with a callback instead. Its batches are sent by one
 helper thread the combiner starts on first use and ``stop`` ends; the callback runs on whichever
-thread finished the batch.
+thread finished the batch. The helper sends a batch in the context (``contextvars``) its first
+item was submitted in, as that caller's own thread would have: so a lone buy's request id travels
+with it to the order and catalog tiers.
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 import time
@@ -38,7 +41,7 @@ class CombinerTimeout(Exception):
 
 
 class _Slot(Generic[T, R]):
-    __slots__ = ("item", "sent", "done", "result", "error", "callback", "deadline")
+    __slots__ = ("item", "sent", "done", "result", "error", "callback", "deadline", "context")
 
     def __init__(self, item: T, callback: Callable[[R | BaseException], None] | None = None,
                  deadline: float = float("inf")) -> None:
@@ -50,6 +53,7 @@ class _Slot(Generic[T, R]):
         #: A submitted item's: told its outcome once; its deadline is checked when a batch is formed.
         self.callback = callback
         self.deadline = deadline
+        self.context = contextvars.copy_context() if callback is not None else None
 
 
 class Combiner(Generic[T, R]):
@@ -137,11 +141,12 @@ class Combiner(Generic[T, R]):
     def _drain(self) -> None:
         with self._cond:
             while not self._busy and self._queue and any(s.callback is not None for s in self._queue):
-                self._send_next()
+                self._send_next(adopt=True)
 
-    def _send_next(self) -> None:
+    def _send_next(self, adopt: bool = False) -> None:
         """Send the next batch from the queue (the lock held, released while it is sent); submitted
-        items whose time ran out while queued are told so, not sent."""
+        items whose time ran out while queued are told so, not sent. ``adopt``: the helper sends
+        it, in the context its first submitted item came with."""
         now = time.monotonic()
         expired = [s for s in self._queue if s.deadline <= now]
         if expired:
@@ -155,7 +160,10 @@ class Combiner(Generic[T, R]):
             for slot in expired:
                 slot.error = CombinerTimeout("not sent in time; withdrawn", sent=False)
                 self._tell(slot)
-            if batch:
+            context = next((s.context for s in batch if s.context is not None), None) if adopt else None
+            if context is not None:
+                context.run(self._run, batch)
+            elif batch:
                 self._run(batch)
         finally:
             self._cond.acquire()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import threading
 import time
 from typing import Any
@@ -224,4 +225,22 @@ def test_a_failing_send_and_a_broken_callback_reach_only_their_own() -> None:
     c.submit(1, 5, broken)
     c.submit(2, 5, lambda r: (got.append(r), ready.set()))
     assert ready.wait(5) and got[-1] == 2
+    c.stop()
+
+
+def test_the_helper_sends_a_batch_in_its_first_submitted_items_context() -> None:
+    """So a value such as the request id a lone caller set travels with its batch, as when the
+    caller's own thread sent it."""
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("var", default="none")
+    seen: list[str] = []
+    c = Combiner(lambda items: (seen.append(var.get()), items)[1])
+    got: list[object] = []
+    ready = threading.Event()
+    token = var.set("caller-1")
+    try:
+        c.submit(1, 5, lambda r: (got.append(r), ready.set()))
+    finally:
+        var.reset(token)
+    assert ready.wait(5) and got == [1]
+    assert seen == ["caller-1"] and var.get() == "none"
     c.stop()
