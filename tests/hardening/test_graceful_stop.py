@@ -3,8 +3,10 @@ flight finish, the tier fails over, and every order a client was told about is s
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -88,3 +90,65 @@ def test_sigterm_to_order_leader_loses_no_acknowledged_buy(fresh_cluster: Cluste
         for p in peers:
             r = c.replica_get(p, f"/orders/{number}")
             assert r.status_code == 200, (p, number, r.text)
+
+
+def read_answer(sock: socket.socket) -> bytes:
+    """One whole HTTP answer with a ``Content-Length`` body, or what came before the connection closed."""
+    data = b""
+    while True:
+        head, sep, body = data.partition(b"\r\n\r\n")
+        if sep:
+            length = int(next((line.split(b":", 1)[1] for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), b"0"))
+            if len(body) >= length:
+                return data
+        chunk = sock.recv(4096)
+        if not chunk:
+            return data
+        data += chunk
+
+
+def test_sigterm_to_a_frontend_answers_the_buys_its_event_loop_holds(fresh_cluster: Cluster) -> None:
+    """Buys taken by a frontend worker's event loop hold no thread (cluster/worker.py), so Gunicorn's
+    graceful stop would not wait for them: the worker waits for the answers it owes. The order
+    leader is stopped first, so the buys are still waiting on the order tier when the frontend is
+    told to stop; each must be answered 200 once the tier fails over, and the stock must add up."""
+    c = fresh_cluster
+    with c.client() as cl:
+        before = cl.lookup(3)["stock"]
+    leader = order_leader(c)
+    groups = c.process_groups()
+    host, port = c.url.removeprefix("http://").rsplit(":", 1)
+    socks = [socket.create_connection((host, int(port)), timeout=20) for _ in range(12)]
+    os.killpg(groups[leader], signal.SIGSTOP)
+    try:
+        body = b'{"quantity": 1}'
+        for n, sock in enumerate(socks):  # one segment each, so that the event loop takes it whole
+            sock.sendall(f"POST /buy/3 HTTP/1.1\r\nHost: t\r\nIdempotency-Key: term-{n}-{time.time()}\r\n"
+                         f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(0.15)  # taken, and waiting on the stopped leader (a router looks elsewhere at 0.25 s)
+        os.killpg(groups["frontend-1"], signal.SIGTERM)
+        time.sleep(0.5)
+    finally:
+        os.killpg(groups[leader], signal.SIGCONT)
+    answers = [read_answer(sock) for sock in socks]
+    for sock in socks:
+        sock.close()
+    for raw in answers:
+        assert raw.startswith(b"HTTP/1.1 200 "), raw[:300]
+        assert b"\r\nServer:" not in raw.partition(b"\r\n\r\n")[0], "the buy went through a pool thread"
+    orders = {json.loads(raw.partition(b"\r\n\r\n")[2])["order_number"] for raw in answers}
+    assert len(orders) == len(socks)
+    deadline = time.monotonic() + 15
+    while True:  # Gunicorn's graceful_timeout is 10 s
+        try:
+            os.killpg(groups["frontend-1"], 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline, "the frontend did not stop"
+        time.sleep(0.05)
+    c.restart("frontend-1")
+    with c.client() as cl:
+        assert cl.lookup(3)["stock"] == before - len(socks)
+        for number in orders:
+            assert cl.order(number)["item_number"] == 3

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextvars
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -12,14 +13,9 @@ import pytest
 from replication.batching import Combiner, CombinerTimeout
 
 
-def test_a_lone_caller_is_sent_alone_and_at_once() -> None:
-    batches: list[list[int]] = []
-    c = Combiner(lambda items: (batches.append(items), [i * 10 for i in items])[1])
-    assert c.call(3, 1) == 30 and c.call(4, 1) == 40
-    assert batches == [[3], [4]]
-
-
-def test_callers_arriving_during_a_batch_share_the_next_and_each_get_their_own_result() -> None:
+def held_first_batch() -> tuple[Callable[[list[int]], list[int]], threading.Event, threading.Event, list[list[int]]]:
+    """A ``send`` that records its batches, answers each item negated, and holds the first batch
+    until ``gate`` is set (``first_in`` tells it began): so callers can arrive while it is in flight."""
     gate, first_in = threading.Event(), threading.Event()
     batches: list[list[int]] = []
 
@@ -30,6 +26,18 @@ def test_callers_arriving_during_a_batch_share_the_next_and_each_get_their_own_r
             gate.wait(5)
         return [-i for i in items]
 
+    return send, gate, first_in, batches
+
+
+def test_a_lone_caller_is_sent_alone_and_at_once() -> None:
+    batches: list[list[int]] = []
+    c = Combiner(lambda items: (batches.append(items), [i * 10 for i in items])[1])
+    assert c.call(3, 1) == 30 and c.call(4, 1) == 40
+    assert batches == [[3], [4]]
+
+
+def test_callers_arriving_during_a_batch_share_the_next_and_each_get_their_own_result() -> None:
+    send, gate, first_in, batches = held_first_batch()
     c = Combiner(send)
     results: dict[int, int] = {}
     first = threading.Thread(target=lambda: results.__setitem__(0, c.call(0, 5)))
@@ -142,16 +150,7 @@ def test_call_many_hands_errors_to_the_items_of_the_failed_batch_only() -> None:
 
 
 def test_submitted_items_are_carried_by_the_helper_and_told_on_its_thread() -> None:
-    gate, first_in = threading.Event(), threading.Event()
-    batches: list[list[int]] = []
-
-    def send(items: list[int]) -> list[int]:
-        batches.append(items)
-        if len(batches) == 1:
-            first_in.set()
-            gate.wait(5)
-        return [-i for i in items]
-
+    send, gate, first_in, batches = held_first_batch()
     c = Combiner(send)
     told: dict[int, object] = {}
     threads: dict[int, str] = {}
