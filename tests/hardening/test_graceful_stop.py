@@ -110,7 +110,8 @@ def read_answer(sock: socket.socket) -> bytes:
 
 def test_sigterm_to_a_frontend_answers_the_buys_its_event_loop_holds(fresh_cluster: Cluster) -> None:
     """Buys taken by a frontend worker's event loop hold no thread (cluster/worker.py), so Gunicorn's
-    graceful stop would not wait for them: the worker waits for the answers it owes. The order
+    graceful stop, which waits for its threads, does not see them: the worker and its batcher
+    must see them through (``AdmissionWorker.run``, ``Combiner.stop``). The order
     leader is stopped first, so the buys are still waiting on the order tier when the frontend is
     told to stop; each must be answered 200 once the tier fails over, and the stock must add up."""
     c = fresh_cluster
