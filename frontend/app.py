@@ -7,7 +7,6 @@ single worker.
 from __future__ import annotations
 
 import base64
-import json
 import os
 import time
 import uuid
@@ -32,6 +31,7 @@ from cluster.web import (
     fail,
     int_field,
     json_body,
+    json_object,
     parse_item,
     query_int,
     request_deadline,
@@ -124,6 +124,18 @@ def buy_outcome(result: Reply | BaseException) -> tuple[int, dict[str, Any], dic
     if isinstance(result, BaseException):
         raise result
     return reply_answer(result, ORDER_FIELDS)
+
+
+def buy_item(item: str, key: str | None, data: dict[str, Any]) -> dict[str, Any]:
+    """A buy as the order tier takes it, from the path's item, the ``Idempotency-Key`` and the JSON
+    body; 400 (``ApiError``) for bad input. The route and the event loop's ``early_buy`` both read
+    a buy so, the latter leaving to the route whatever this refuses."""
+    number = parse_item(item)
+    if key is not None and not 0 < len(key) <= MAX_KEY:
+        fail(400, f"Idempotency-Key must be 1 to {MAX_KEY} characters")
+    quantity = int_field(data, "quantity", 1, 1000, default=1)
+    # A generated key makes our own retries (across an order-leader failover) exactly-once too.
+    return {"item": number, "quantity": quantity, "key": f"k:{key}" if key else f"g:{uuid.uuid4().hex}"}
 
 
 def create_app(config: ClusterConfig, k: int = 1) -> Flask:
@@ -302,17 +314,10 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
 
     @app.post("/buy/<item>")
     def buy(item: str) -> Response:
-        number = parse_item(item)
-        key = request.headers.get("Idempotency-Key")
-        if key is not None and not 0 < len(key) <= MAX_KEY:
-            fail(400, f"Idempotency-Key must be 1 to {MAX_KEY} characters")
-        quantity = int_field(json_body(), "quantity", 1, 1000, default=1)
-        # A generated key makes our own retries (across an order-leader failover) exactly-once too.
-        key = f"k:{key}" if key else f"g:{uuid.uuid4().hex}"
+        body = buy_item(item, request.headers.get("Idempotency-Key"), json_body())
         deadline = request_deadline(config.buy_deadline)
         try:
-            result: Reply | BaseException = buys.call(({"item": number, "quantity": quantity, "key": key}, deadline),
-                                                      max(0.0, deadline - time.monotonic()))
+            result: Reply | BaseException = buys.call((body, deadline), max(0.0, deadline - time.monotonic()))
         except (TierUnavailable, CombinerTimeout) as exc:
             result = exc
         code, body, extra = buy_outcome(result)
@@ -327,24 +332,11 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
         read differently (a malformed number, key or body) is left to the route: None."""
         if not path.startswith("/buy/"):
             return None
-        item = path[5:]
-        if not (item.isascii() and item.isdigit() and len(item) <= 18 and int(item) >= 1):
-            return None
         given = headers.get(b"idempotency-key")
-        key = None if given is None else given.decode("latin-1")
-        if key is not None and not 0 < len(key) <= MAX_KEY:
+        try:
+            body = buy_item(path[5:], None if given is None else given.decode("latin-1"), json_object(raw))
+        except ApiError:
             return None
-        quantity = 1
-        if raw.strip():
-            try:
-                data = json.loads(raw)
-            except ValueError:
-                return None
-            if not isinstance(data, dict):
-                return None
-            quantity = data.get("quantity", 1)
-            if not isinstance(quantity, int) or isinstance(quantity, bool) or not 1 <= quantity <= 1000:
-                return None
         now = time.monotonic()
         deadline = now + config.buy_deadline
         budget = headers.get(b"x-request-timeout-ms")  # well formed and not 0: Admission.early saw to it
@@ -353,7 +345,6 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
                 deadline = min(deadline, now + parse_timeout_ms(budget.decode("latin-1").strip()) / 1000)
             except ValueError:  # read as Admission.__call__ reads it, which then answers 400
                 return None
-        body = {"item": int(item), "quantity": quantity, "key": f"k:{key}" if key else f"g:{uuid.uuid4().hex}"}
 
         def work(answer: Answer) -> None:
             def done(result: Reply | BaseException) -> None:
