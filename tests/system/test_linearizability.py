@@ -55,6 +55,8 @@ def assert_enough_work(v: Verdict, reads: int = 300, updates: int = 70, buys: in
     assert c.get("lookup/ok", 0) >= reads and c.get("update/ok", 0) >= updates and \
         c.get("buy/ok", 0) + c.get("buy/out_of_stock", 0) >= buys, f"too little work to judge: {v.summary()}"
     assert v.cache.get("hit", 0) > 0, f"no cache hit: this run could not catch a stale cache ({v.summary()})"
+    assert v.buy_paths.get("event loop", 0) > 0 and v.buy_paths.get("route", 0) > 0, \
+        f"buys did not take both paths through the frontend ({v.summary()})"
 
 
 def test_every_book_is_linearizable_with_no_fault(make_cluster, tmp_path: Path) -> None:
