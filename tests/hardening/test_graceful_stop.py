@@ -108,6 +108,47 @@ def read_answer(sock: socket.socket) -> bytes:
         data += chunk
 
 
+def send_whole_buys(c: Cluster, keys: list[str], item: int) -> list[socket.socket]:
+    """One connection per key, each buy sent in one segment, so that a worker's event loop takes it."""
+    host, port = c.url.removeprefix("http://").rsplit(":", 1)
+    body = b'{"quantity": 1}'
+    socks = []
+    for key in keys:
+        sock = socket.create_connection((host, int(port)), timeout=20)
+        sock.sendall(f"POST /buy/{item} HTTP/1.1\r\nHost: t\r\nIdempotency-Key: {key}\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        socks.append(sock)
+    return socks
+
+
+def test_sigkill_to_a_frontend_holding_buys_leaves_each_key_one_order(fresh_cluster: Cluster) -> None:
+    """A frontend SIGKILLed while its event loop holds buys (waiting on a SIGSTOPped order leader):
+    their clients get no answer, and a retry of each key on the restarted frontend gives one order
+    per key, whether the first attempt reached the order tier or not; the stock adds up."""
+    c = fresh_cluster
+    with c.client() as cl:
+        before = cl.lookup(4)["stock"]
+    leader = order_leader(c)
+    groups = c.process_groups()
+    keys = [f"kill-{n}-{time.time()}" for n in range(12)]
+    os.killpg(groups[leader], signal.SIGSTOP)
+    try:
+        socks = send_whole_buys(c, keys, 4)
+        time.sleep(0.15)  # taken, and waiting on the stopped leader
+        os.killpg(groups["frontend-1"], signal.SIGKILL)
+    finally:
+        os.killpg(groups[leader], signal.SIGCONT)
+    for sock in socks:
+        assert not read_answer(sock).startswith(b"HTTP/1.1 200"), "answered by a killed frontend"
+        sock.close()
+    c.restart("frontend-1")
+    with c.client() as cl:
+        orders = {key: cl.buy(4, 1, key=key)["order_number"] for key in keys}
+        again = {key: cl.buy(4, 1, key=key)["order_number"] for key in keys}
+        assert orders == again and len(set(orders.values())) == len(keys)
+        assert cl.lookup(4)["stock"] == before - len(keys)
+
+
 def test_sigterm_to_a_frontend_answers_the_buys_its_event_loop_holds(fresh_cluster: Cluster) -> None:
     """Buys taken by a frontend worker's event loop hold no thread (cluster/worker.py), so Gunicorn's
     graceful stop, which waits for its threads, does not see them: the worker and its batcher
@@ -119,14 +160,9 @@ def test_sigterm_to_a_frontend_answers_the_buys_its_event_loop_holds(fresh_clust
         before = cl.lookup(3)["stock"]
     leader = order_leader(c)
     groups = c.process_groups()
-    host, port = c.url.removeprefix("http://").rsplit(":", 1)
-    socks = [socket.create_connection((host, int(port)), timeout=20) for _ in range(12)]
     os.killpg(groups[leader], signal.SIGSTOP)
     try:
-        body = b'{"quantity": 1}'
-        for n, sock in enumerate(socks):  # one segment each, so that the event loop takes it whole
-            sock.sendall(f"POST /buy/3 HTTP/1.1\r\nHost: t\r\nIdempotency-Key: term-{n}-{time.time()}\r\n"
-                         f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        socks = send_whole_buys(c, [f"term-{n}-{time.time()}" for n in range(12)], 3)
         time.sleep(0.15)  # taken, and waiting on the stopped leader (a router looks elsewhere at 0.25 s)
         os.killpg(groups["frontend-1"], signal.SIGTERM)
         time.sleep(0.5)
