@@ -17,6 +17,8 @@ request whose time is up; past that point only its outcome is kept (docs/replica
 from __future__ import annotations
 
 import json
+import logging
+import mmap
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -74,26 +76,98 @@ def timeout_header(deadline: float) -> dict[str, str]:
     return {DEADLINE_HEADER: str(max(0, int((deadline - time.monotonic()) * 1000)))}
 
 
+class Board:
+    """The in-flight counts of all the worker processes of one service, in memory they share, so that
+    a frontend's caps hold for the frontend and not for each worker.
+
+    With a cap per worker, a worker that the kernel handed more than its share of keep-alive
+    connections refused buys while the other had room: 32 buyers on two workers of 24 write places
+    got 705 answers 503 in the round that put 25 connections on one worker (docs/performance.md).
+    Gunicorn's master makes the board (an anonymous shared mapping) before it forks, gives each
+    worker a slot of its own as it forks it (``assign``, its ``pre_fork`` hook) and clears the slot
+    when the worker has exited (``release``, ``child_exit``), so the places of a killed worker are
+    not lost. A worker writes only its own slot, under its own lock; the sum is read without a
+    lock, so two workers admitting at the same instant may overshoot a cap by at most one request
+    each, never more."""
+
+    def __init__(self, classes: Iterable[str], slots: int) -> None:
+        self.classes = list(classes)
+        self.slots = slots
+        self._memory = mmap.mmap(-1, 8 * slots * max(1, len(self.classes)))  # MAP_SHARED: kept over fork
+        self._counts = memoryview(self._memory).cast("q")
+        self._ranges = {cls: slice(k * slots, (k + 1) * slots) for k, cls in enumerate(self.classes)}
+
+    def total(self, cls: str) -> int:
+        """Requests of ``cls`` in flight in all the service's workers."""
+        return sum(self._counts[self._ranges[cls]])
+
+    def put(self, cls: str, slot: int, count: int) -> None:
+        self._counts[self._ranges[cls].start + slot] = count
+
+    def clear(self, slot: int) -> None:
+        for cls in self.classes:
+            self.put(cls, slot, 0)
+
+    def assign(self, server: Any, worker: Any) -> None:
+        """Gunicorn's ``pre_fork`` (in the master): the lowest slot no live worker holds, cleared."""
+        taken = {getattr(w, "pygmy_slot", None) for w in server.WORKERS.values()}
+        slot = next((i for i in range(self.slots) if i not in taken), None)
+        if slot is None:  # more workers than slots (many TTIN signals): this one caps alone
+            logging.getLogger(__name__).warning("no free admission slot: a worker caps its own requests")
+            return
+        self.clear(slot)
+        worker.pygmy_board, worker.pygmy_slot = self, slot
+
+    def release(self, server: Any, worker: Any) -> None:
+        """Gunicorn's ``child_exit`` (in the master): the places a dead worker held are free again."""
+        slot = getattr(worker, "pygmy_slot", None)
+        if slot is not None:
+            self.clear(slot)
+
+
 class Gate:
-    """A cap on requests in flight for one class: non-blocking, so the excess is refused, not queued."""
+    """A cap on requests in flight for one class: non-blocking, so the excess is refused, not queued.
+
+    Alone it counts this process's requests; ``share`` makes it count those of every worker on a
+    ``Board``."""
 
     def __init__(self, limit: int) -> None:
         if limit < 1:
             raise ValueError("a limit on requests in flight must be at least 1")
         self.limit = limit
-        self.in_flight = 0
+        self.in_flight = 0  # this process's
         self._lock = threading.Lock()
+        self._board: tuple[Board, str, int] | None = None
+
+    def share(self, board: Board, cls: str, slot: int) -> None:
+        with self._lock:
+            self._board = (board, cls, slot)
+            board.put(cls, slot, self.in_flight)
+
+    def total(self) -> int:
+        """Requests in flight that the limit applies to: this process's, or all its workers'."""
+        shared = self._board
+        return self.in_flight if shared is None else shared[0].total(shared[1])
+
+    def full(self) -> bool:
+        return self.total() >= self.limit
+
+    def _count(self, change: int) -> None:
+        self.in_flight += change
+        shared = self._board
+        if shared is not None:
+            shared[0].put(shared[1], shared[2], self.in_flight)
 
     def try_enter(self) -> bool:
         with self._lock:
-            if self.in_flight >= self.limit:
+            if self.total() >= self.limit:
                 return False
-            self.in_flight += 1
+            self._count(1)
             return True
 
     def leave(self) -> None:
         with self._lock:
-            self.in_flight -= 1
+            self._count(-1)
 
 
 class Deferred:
@@ -143,14 +217,19 @@ class Admission:
                       b"Content-Length: %d\r\nRetry-After: %d\r\n\r\n%s" % (len(body), RETRY_AFTER, body)
                       for cls, body in self._refusal.items()}
 
+    def share(self, board: Board, slot: int) -> None:
+        """Count each class's requests on ``board`` (slot ``slot``): the caps become the service's."""
+        for cls, gate in self.gates.items():
+            gate.share(board, cls, slot)
+
     def snapshot(self) -> dict[str, dict[str, int]]:
-        """``{class: {"limit", "in_flight"}}`` in this process."""
-        return {cls: {"limit": g.limit, "in_flight": g.in_flight} for cls, g in self.gates.items()}
+        """``{class: {"limit", "in_flight"}}``: what the cap applies to (every worker's, if shared)."""
+        return {cls: {"limit": g.limit, "in_flight": g.total()} for cls, g in self.gates.items()}
 
     def answers_early(self) -> bool:
         """Whether ``early`` may answer now: a class is at its cap, or the app has a shortcut."""
         return getattr(self.app, "shortcut", None) is not None or any(
-            g.in_flight >= g.limit for g in self.gates.values())  # read without the locks: a hint
+            g.full() for g in self.gates.values())  # read without the locks: a hint
 
     def early(self, method: str, target: str, headers: dict[bytes, bytes], body: bytes = b"") -> bytes | Deferred | None:
         """The whole HTTP answer to a request not yet parsed, if it can be given at once, or a
@@ -178,7 +257,7 @@ class Admission:
                 return None
         cls = classify(method, path)
         gate = self.gates.get(cls) if cls else None
-        if gate is not None and gate.in_flight >= gate.limit:
+        if gate is not None and gate.full():
             self._shed[cls].inc()
             return self._wire[cls]
         early = getattr(self.app, "early", None)

@@ -75,8 +75,9 @@ def add_cluster_options(p: argparse.ArgumentParser, serve: bool = False) -> None
                                    "see experiments/nemesis.py), each at its own address")
     p.add_argument("--netns-subnet", help="first three octets of the namespaces' addresses (default 10.213.0)")
     p.add_argument("--frontend-write-limit", type=int,
-                   help="buys and updates in flight per frontend worker; more get 503 + Retry-After (default 24)")
-    p.add_argument("--frontend-read-limit", type=int, help="reads in flight per frontend worker (default 32)")
+                   help="buys and updates in flight per frontend, all its workers together; more get 503 + "
+                        "Retry-After (default 48)")
+    p.add_argument("--frontend-read-limit", type=int, help="reads in flight per frontend (default 64)")
     p.add_argument("--replica-write-limit", type=int, help="writes in flight per replica (default 64)")
     p.add_argument("--replica-read-limit", type=int, help="reads in flight per replica (default 48)")
     if serve:

@@ -50,10 +50,10 @@ class ClusterConfig:
     netns: str = ""
     netns_subnet: str = "10.213.0"
     replica_threads: int = 32
-    #: Admission control (cluster/admission.py): requests worked on at once per frontend worker
-    #: and per replica, by class; more are refused at once with 503 and Retry-After.
-    frontend_write_limit: int = 24
-    frontend_read_limit: int = 32
+    #: Admission control (cluster/admission.py): requests worked on at once per frontend (all its
+    #: workers together) and per replica, by class; more are refused at once with 503 and Retry-After.
+    frontend_write_limit: int = 48
+    frontend_read_limit: int = 64
     replica_write_limit: int = 64
     replica_read_limit: int = 48
     #: How long the frontend keeps retrying a buy (same idempotency key) across a failover.
@@ -71,7 +71,8 @@ class ClusterConfig:
         return {"write": self.replica_write_limit, "read": self.replica_read_limit}
 
     def threads(self, tier: str) -> int:
-        """Gunicorn threads per worker: room for both capped classes at once, plus control traffic
+        """Gunicorn threads per worker: room for both capped classes at once (a frontend's caps are
+        shared by its workers, and one worker may be holding all the places), plus control traffic
         and the answers that shed the excess (which must never wait behind admitted work)."""
         base = 16 if tier == "frontend" else self.replica_threads
         return max(base, sum(self.limits(tier).values()) + 8)

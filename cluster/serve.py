@@ -12,7 +12,7 @@ import logging
 import os
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -96,9 +96,20 @@ def _prepare_metrics_dir(path: Path) -> None:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
 
 
-def gunicorn_options(bind: str, workers: int, threads: int, name: str) -> dict[str, Any]:
-    """The Gunicorn settings every Pygmy service runs with (benchmarks reuse them for baselines)."""
+def gunicorn_options(bind: str, workers: int, threads: int, name: str,
+                     classes: Iterable[str] = ()) -> dict[str, Any]:
+    """The Gunicorn settings every Pygmy service runs with (benchmarks reuse them for baselines).
+
+    With several workers, the admission caps of ``classes`` hold for the service as a whole: the
+    workers count their requests on one ``Board`` (``cluster/admission.py``)."""
+    hooks: dict[str, Any] = {}
+    if workers > 1 and classes:
+        from cluster.admission import Board  # imports prometheus_client: after its directory is set
+
+        board = Board(classes, slots=2 * workers + 2)  # a reload forks new workers before the old go
+        hooks = {"pre_fork": board.assign, "child_exit": board.release}
     return {
+        **hooks,
         "bind": bind,
         "workers": workers,
         "worker_class": "cluster.worker.AdmissionWorker",  # gthread, refusing early under a surge
@@ -134,5 +145,6 @@ def serve(tier: str, config: ClusterConfig, k: int) -> None:
         workers=config.frontend_workers if tier == "frontend" else 1,
         threads=config.threads(tier),
         name=f"{tier}-{k}",
+        classes=config.limits(tier),
     )
     run_gunicorn(factory_for(tier, config, k), options)

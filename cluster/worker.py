@@ -36,7 +36,7 @@ from typing import Any
 
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
-from cluster.admission import Admission, Deferred
+from cluster.admission import Admission, Board, Deferred
 
 #: The most of a request the event loop looks at: refusals are small requests (a buy is ~300 bytes).
 PEEK = 8192
@@ -83,6 +83,8 @@ class AdmissionWorker(ThreadWorker):
     """``gthread`` with the answers that need no thread given by the event loop (module docstring)."""
 
     admission: Admission | None = None
+    pygmy_board: Board | None = None  # the service's in-flight counts, and this worker's slot on it
+    pygmy_slot: int = 0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -93,6 +95,9 @@ class AdmissionWorker(ThreadWorker):
         super().load_wsgi()
         found = getattr(self.wsgi, "wsgi_app", None)  # a Flask app made by cluster.web.create_base_app
         self.admission = found if isinstance(found, Admission) else None
+        board = getattr(self, "pygmy_board", None)  # set by the master as it forked this worker
+        if self.admission is not None and board is not None:
+            self.admission.share(board, self.pygmy_slot)
 
     def on_client_socket_readable(self, conn: TConn, client: Any) -> None:
         admission = self.admission

@@ -1,6 +1,7 @@
 """Test-side names for the local cluster driver (``cluster.local``), and the test-only hooks."""
 
 import os
+import socket
 import threading
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from cluster.local import LocalCluster as Cluster
 from cluster.local import free_port_base, pygmy, start_cluster
 
 __all__ = ["MUTATIONS", "Cluster", "FakeLeadership", "StandIn", "cluster_env", "free_port_base", "pygmy",
-           "start_cluster"]
+           "read_answer", "send_whole_buys", "start_cluster"]
 
 #: Test-only faults and mutations (``tests/mutations/sitecustomize.py``), for the processes of a cluster.
 MUTATIONS = Path(__file__).resolve().parent / "mutations"
@@ -59,3 +60,32 @@ class FakeLeadership:
 
     def vote_quiet_s(self) -> float:
         return self.vote_quiet
+
+
+def read_answer(sock: socket.socket) -> bytes:
+    """One whole HTTP answer with a ``Content-Length`` body, or what came before the connection closed."""
+    data = b""
+    while True:
+        head, sep, body = data.partition(b"\r\n\r\n")
+        if sep:
+            length = int(next((line.split(b":", 1)[1] for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), b"0"))
+            if len(body) >= length:
+                return data
+        chunk = sock.recv(4096)
+        if not chunk:
+            return data
+        data += chunk
+
+
+def send_whole_buys(url: str, keys: list[str], item: int) -> list[socket.socket]:
+    """One connection per key, each buy sent in one segment, so that a worker's event loop takes it."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    body = b'{"quantity": 1}'
+    socks = []
+    for key in keys:
+        sock = socket.create_connection((host, int(port)), timeout=20)
+        sock.sendall(f"POST /buy/{item} HTTP/1.1\r\nHost: t\r\nIdempotency-Key: {key}\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        socks.append(sock)
+    return socks

@@ -4,7 +4,9 @@ traffic never is, and a request's time budget is read from its header."""
 from __future__ import annotations
 
 import json
+import os
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -14,6 +16,7 @@ from cluster.admission import (
     ENVIRON_KEY,
     SHED,
     Admission,
+    Board,
     Deferred,
     Gate,
     classify,
@@ -173,3 +176,83 @@ def test_a_deferred_answer_holds_a_place_of_its_class_until_delivered_or_cancell
     second.cancel()  # never started: its place goes back, and nothing ran
     second.cancel()
     assert gate.in_flight == 0 and len(inner.started) == 1
+
+
+def test_workers_on_one_board_share_its_caps_however_their_requests_are_split() -> None:
+    """A frontend's caps are the frontend's: a worker handed most of the connections may take
+    every place, and none beyond it (the other worker's requests count too)."""
+    board = Board(["write", "read"], slots=4)
+    a, b = Admission(Inner(), "svc-g", {"write": 3, "read": 2}), Admission(Inner(), "svc-g", {"write": 3, "read": 2})
+    a.share(board, 0)
+    b.share(board, 1)
+    held = [call(a, "POST", f"/buy/{n}")[2] for n in range(3)]  # all three places, on one worker
+    assert call(b, "POST", "/buy/9")[0].startswith("503") and call(a, "POST", "/buy/9")[0].startswith("503")
+    assert b.early("POST", "/buy/9", {}) is not None, "the other worker's event loop refuses too"
+    assert a.snapshot()["write"] == b.snapshot()["write"] == {"limit": 3, "in_flight": 3}
+    status, _, read = call(b, "GET", "/lookup/1")
+    assert status.startswith("200"), "reads have their own shared cap"
+    assert board.total("read") == 1
+    read.close()
+    held.pop().close()
+    moved = call(b, "POST", "/buy/8")[2]
+    assert call(a, "POST", "/buy/7")[0].startswith("503")
+    assert (a.gates["write"].in_flight, b.gates["write"].in_flight, board.total("write")) == (2, 1, 3)
+    for body in (*held, moved):
+        body.close()
+    assert board.total("write") == 0 and board.total("read") == 0
+
+
+def test_a_board_is_shared_with_the_processes_forked_after_it() -> None:
+    board = Board(["write"], slots=2)
+    here = Admission(Inner(), "svc-h", {"write": 2})
+    here.share(board, 0)
+    ready, go = os.pipe(), os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a worker holding two places until told to leave
+        try:
+            child = Admission(Inner(), "svc-h", {"write": 2})
+            child.share(board, 1)
+            bodies = [call(child, "POST", "/buy/1")[2] for _ in range(2)]
+            os.write(ready[1], b"x")
+            os.read(go[0], 1)
+            for body in bodies:
+                body.close()
+        finally:
+            os._exit(0)
+    try:
+        os.read(ready[0], 1)
+        assert board.total("write") == 2
+        assert call(here, "POST", "/buy/2")[0].startswith("503"), "the child's places count here"
+        os.write(go[1], b"x")
+    finally:
+        os.waitpid(pid, 0)
+        for fd in (*ready, *go):
+            os.close(fd)
+    assert board.total("write") == 0 and call(here, "POST", "/buy/2")[0].startswith("200")
+
+
+def test_the_master_gives_each_worker_a_free_slot_and_frees_a_dead_workers_places() -> None:
+    """Gunicorn's hooks: ``assign`` before a fork, ``release`` once a worker has exited (a SIGKILLed
+    worker cannot give its places back itself)."""
+    board = Board(["write", "read"], slots=3)
+    server = SimpleNamespace(WORKERS={})
+    workers = []
+    for pid in (101, 102, 103):
+        worker = SimpleNamespace()
+        board.assign(server, worker)
+        server.WORKERS[pid] = worker
+        workers.append(worker)
+    assert [w.pygmy_slot for w in workers] == [0, 1, 2] and all(w.pygmy_board is board for w in workers)
+    board.put("write", 1, 5)  # worker 102 holds five places ...
+    board.put("read", 1, 2)
+    board.put("write", 2, 1)
+    del server.WORKERS[102]  # ... and is killed: the master reaps it
+    board.release(server, workers[1])
+    assert board.total("write") == 1 and board.total("read") == 0
+    spare = SimpleNamespace()
+    server.WORKERS[104] = spare  # its replacement takes the freed slot
+    board.assign(server, spare)
+    assert spare.pygmy_slot == 1
+    extra = SimpleNamespace()
+    board.assign(server, extra)  # no slot left: the worker caps alone, and no live slot is touched
+    assert not hasattr(extra, "pygmy_slot") and board.total("write") == 1

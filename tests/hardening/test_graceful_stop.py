@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import threading
 import time
 
 import requests
-from harness import Cluster
+from harness import Cluster, read_answer, send_whole_buys
 
 
 def order_leader(c: Cluster) -> str:
@@ -92,35 +91,6 @@ def test_sigterm_to_order_leader_loses_no_acknowledged_buy(fresh_cluster: Cluste
             assert r.status_code == 200, (p, number, r.text)
 
 
-def read_answer(sock: socket.socket) -> bytes:
-    """One whole HTTP answer with a ``Content-Length`` body, or what came before the connection closed."""
-    data = b""
-    while True:
-        head, sep, body = data.partition(b"\r\n\r\n")
-        if sep:
-            length = int(next((line.split(b":", 1)[1] for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), b"0"))
-            if len(body) >= length:
-                return data
-        chunk = sock.recv(4096)
-        if not chunk:
-            return data
-        data += chunk
-
-
-def send_whole_buys(c: Cluster, keys: list[str], item: int) -> list[socket.socket]:
-    """One connection per key, each buy sent in one segment, so that a worker's event loop takes it."""
-    host, port = c.url.removeprefix("http://").rsplit(":", 1)
-    body = b'{"quantity": 1}'
-    socks = []
-    for key in keys:
-        sock = socket.create_connection((host, int(port)), timeout=20)
-        sock.sendall(f"POST /buy/{item} HTTP/1.1\r\nHost: t\r\nIdempotency-Key: {key}\r\n"
-                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        socks.append(sock)
-    return socks
-
-
 def test_sigkill_to_a_frontend_holding_buys_leaves_each_key_one_order(fresh_cluster: Cluster) -> None:
     """A frontend SIGKILLed while its event loop holds buys (waiting on a SIGSTOPped order leader):
     their clients get no answer, and a retry of each key on the restarted frontend gives one order
@@ -133,7 +103,7 @@ def test_sigkill_to_a_frontend_holding_buys_leaves_each_key_one_order(fresh_clus
     keys = [f"kill-{n}-{time.time()}" for n in range(12)]
     os.killpg(groups[leader], signal.SIGSTOP)
     try:
-        socks = send_whole_buys(c, keys, 4)
+        socks = send_whole_buys(c.url, keys, 4)
         time.sleep(0.15)  # taken, and waiting on the stopped leader
         os.killpg(groups["frontend-1"], signal.SIGKILL)
     finally:
@@ -162,7 +132,7 @@ def test_sigterm_to_a_frontend_answers_the_buys_its_event_loop_holds(fresh_clust
     groups = c.process_groups()
     os.killpg(groups[leader], signal.SIGSTOP)
     try:
-        socks = send_whole_buys(c, [f"term-{n}-{time.time()}" for n in range(12)], 3)
+        socks = send_whole_buys(c.url, [f"term-{n}-{time.time()}" for n in range(12)], 3)
         time.sleep(0.15)  # taken, and waiting on the stopped leader (a router looks elsewhere at 0.25 s)
         os.killpg(groups["frontend-1"], signal.SIGTERM)
         time.sleep(0.5)

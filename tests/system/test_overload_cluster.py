@@ -3,6 +3,8 @@
 The order leader holds its decrements (``PYGMY_TEST_HOLD_DECREMENTS``) so buys stay in flight:
 - past the frontend's cap a buy is refused at once, 503 with ``Retry-After``, and does nothing;
   reads are still served; the held buys finish once released; stock falls by exactly those;
+- the cap is the frontend's, whichever of its two workers holds the buys, and the places of a
+  worker SIGKILLed while holding them are free again once Gunicorn has replaced it;
 - a buy whose time runs out after its intent was recorded is still exactly-once: the caller hears
   an error, the intent is finished off the buyer's path, and a retry with its key gets that order;
   also when the order leader is SIGKILLed at that instant (intent pending, decrement not sent).
@@ -10,14 +12,18 @@ The order leader holds its decrements (``PYGMY_TEST_HOLD_DECREMENTS``) so buys s
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
-from harness import cluster_env, pygmy, start_cluster
+from harness import cluster_env, pygmy, read_answer, send_whole_buys, start_cluster
 
 from client.api import PygmyClient, PygmyError
 from cluster.local import LocalCluster
@@ -29,7 +35,7 @@ LIMIT = 2
 def held(tmp_path_factory: pytest.TempPathFactory) -> Any:
     tmp = tmp_path_factory.mktemp("overload")
     flag = tmp / "hold-decrements"
-    c = start_cluster(tmp, "--frontend-workers", "1", "--frontend-write-limit", str(LIMIT),
+    c = start_cluster(tmp, "--frontend-workers", "2", "--frontend-write-limit", str(LIMIT),
                       env=cluster_env(PYGMY_TEST_HOLD_DECREMENTS=str(flag)))
     try:
         yield c, flag
@@ -39,7 +45,7 @@ def held(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def in_flight_writes(c: LocalCluster) -> int:
-    """Buys the (one) frontend worker is working on, from its ``/status``."""
+    """Buys the frontend is working on, all its workers together, from its ``/status``."""
     return requests.get(f"{c.url}/status", timeout=5).json()["frontend"]["admission"]["write"]["in_flight"]
 
 
@@ -150,3 +156,54 @@ def test_the_order_leader_killed_with_a_late_buys_intent_pending(held: Any) -> N
         assert client.lookup(6)["stock"] == stock - 1
     verify = pygmy("verify", "--data-dir", str(c.data_dir))
     assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def frontend_workers(c: LocalCluster) -> set[int]:
+    master = c.process_groups()["frontend-1"]
+    return {int(pid) for pid in Path(f"/proc/{master}/task/{master}/children").read_text().split()}
+
+
+def test_the_cap_is_the_frontends_and_a_killed_worker_gives_its_places_back(held: Any) -> None:
+    """Both places taken on one worker (the other is SIGSTOPped, so it accepts nothing); then that
+    one is stopped and the other let go: a third buy, which only the other can take, is refused,
+    not admitted by the worker with room of its own. Then the full worker is SIGKILLed with the
+    buys in it: once Gunicorn has forked its replacement the places are free again, and every key
+    still gives one order when retried."""
+    c, flag = held
+    with PygmyClient(c.url, timeout=30) as client:
+        stock = client.lookup(6)["stock"]
+    first, second = sorted(frontend_workers(c))
+    keys = [f"split-{n}-{uuid.uuid4().hex[:8]}" for n in range(2 * LIMIT)]
+    socks = []
+    flag.touch()
+    try:
+        os.kill(second, signal.SIGSTOP)
+        try:
+            socks += send_whole_buys(c.url, keys[:LIMIT], 6)  # all accepted by the first worker
+            wait_for(lambda: in_flight_writes(c) >= LIMIT)
+            os.kill(first, signal.SIGSTOP)
+            os.kill(second, signal.SIGCONT)
+            (refused,) = send_whole_buys(c.url, [f"over-{uuid.uuid4().hex[:8]}"], 6)  # to the second
+            answer = read_answer(refused)
+            refused.close()
+            assert answer.startswith(b"HTTP/1.1 503 ") and b"Retry-After: 1" in answer
+            assert b'"overloaded": true' in answer, answer
+            os.kill(first, signal.SIGKILL)
+        finally:
+            for pid in (first, second):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: len(frontend_workers(c)) == 2 and first not in frontend_workers(c))
+        assert in_flight_writes(c) == 0, "a killed worker's places must not be lost"
+        socks += send_whole_buys(c.url, keys[LIMIT:], 6)
+        wait_for(lambda: in_flight_writes(c) >= LIMIT)
+    finally:
+        flag.unlink(missing_ok=True)
+    for sock in socks[LIMIT:]:
+        assert read_answer(sock).startswith(b"HTTP/1.1 200 "), "held buys finish once released"
+    for sock in socks:
+        sock.close()
+    with PygmyClient(c.url, timeout=30) as client:
+        orders = {key: client.buy(6, key=key)["order_number"] for key in keys}
+        assert len(set(orders.values())) == len(keys), "one order per key, killed or not"
+        wait_for(lambda: client.lookup(6)["stock"] == stock - len(keys))
