@@ -20,6 +20,7 @@ from cluster.metrics import FRAME_LATENCY
 from cluster.web import ApiError, access_log, create_base_app, error_body, fail, require_secret
 from replication.metrics import ReplicaCollector
 from replication.node import NotLeader, ProposalTimeout, ReadIndexUnavailable, ReplicaNode, ReplicationConfig
+from replication.router import LEADER_HEADER
 from replication.statemachine import StateMachine
 from replication.transport import RAFT_PORT_OFFSET
 
@@ -88,6 +89,13 @@ class ReplicaRuntime:
     def create_app(self) -> Flask:
         app = create_base_app(self.name, lambda: [ReplicaCollector(self.name, self.node)],
                               limits=self.config.limits(self.tier))
+
+        @app.after_request
+        def _name_the_leader(resp: Response) -> Response:
+            leader = self.node.leader()
+            if leader is not None:
+                resp.headers[LEADER_HEADER] = leader[0]
+            return resp
 
         @app.errorhandler(NotLeader)
         @app.errorhandler(ProposalTimeout)

@@ -110,6 +110,20 @@ def test_a_hit_answered_before_flask_is_the_answer_flask_gives(cluster: Cluster)
         app.extensions["pygmy_subscription"].stop()
 
 
+def test_cache_misses_go_to_the_catalog_leader_once_a_replica_has_named_it(cluster: Cluster) -> None:
+    """``--read-from leader`` (the default): a worker never writes to the catalog, so it learns the
+    leader from its replicas' answers; after the first miss, misses are served by the leader (one
+    request, where a follower must ask the leader for the read index)."""
+    app = create_app(cluster.cluster_config(), 2)
+    try:
+        client = app.test_client()
+        leader = requests.get(f"{cluster.url}/status", timeout=5).json()["catalog"]["leader"]
+        served = [client.get(f"/lookup/{n}").headers["X-Served-By"].split("@")[0] for n in range(1, 8)]
+        assert served[1:] == [leader] * 6, served
+    finally:
+        app.extensions["pygmy_subscription"].stop()
+
+
 def test_a_hit_is_answered_by_the_workers_event_loop_as_flask_would(cluster: Cluster) -> None:
     """Under Gunicorn a hit is answered before a pool thread takes the request (cluster/worker.py):
     the same body, cache headers and request id, on a connection kept for the next request."""

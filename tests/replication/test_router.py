@@ -14,7 +14,7 @@ from harness import StandIn
 from client.retry import RetryBudget
 from cluster.admission import DEADLINE_HEADER
 from replication import router as router_module
-from replication.router import Reply, TierRouter, TierUnavailable, overloaded
+from replication.router import LEADER_HEADER, Reply, TierRouter, TierUnavailable, overloaded
 
 Behaviour = Callable[[], tuple[int, dict[str, Any]]]
 
@@ -25,6 +25,7 @@ class FakeReplica:
         self.calls: list[dict[str, str]] = []
         self.bodies: list[Any] = []
         self.behaviour: Behaviour = lambda: (200, {"ok": True, "by": name})
+        self.leader: str | None = None  # whom it names as the leader (LEADER_HEADER)
         app = Flask(name)
 
         @app.route("/<path:path>", methods=["GET", "POST"])
@@ -34,6 +35,8 @@ class FakeReplica:
             status, body = self.behaviour()
             resp = jsonify(body)
             resp.status_code = status
+            if self.leader:
+                resp.headers[LEADER_HEADER] = self.leader
             return resp
 
         self.served = StandIn(app)
@@ -158,3 +161,21 @@ def test_a_failed_or_malformed_batch_answer_reaches_every_item(tier: Any) -> Non
     replicas["r1"].behaviour = lambda: (400, {"error": {"code": 400, "message": "bad item"}})
     assert [(r.status, r.body["error"]["message"]) for r in router.write_batch("/many", items, 3.0, EXPIRED)] == [
         (400, "bad item")] * 2
+
+
+def test_a_router_that_only_reads_learns_the_leader_from_the_answers(tier: Any) -> None:
+    """Reads with ``prefer_leader`` go to the leader once any replica has named it, without a
+    write ever having found it; a name that is not a peer is ignored."""
+    router, replicas = tier
+    for r in replicas.values():
+        r.leader = "r3"
+    assert router.leader_hint is None
+    first = router.read("/books/1", time.monotonic() + 2, prefer_leader=True)
+    assert first.status == 200 and first.leader == "r3" and router.leader_hint == "r3"
+    replies = [router.read("/books/1", time.monotonic() + 2, prefer_leader=True) for _ in range(6)]
+    assert {r.replica for r in replies} == {"r3"}
+    replicas["r3"].leader = "elsewhere"
+    router.read("/books/1", time.monotonic() + 2, prefer_leader=True)
+    assert router.leader_hint == "r3"
+    spread = {router.read("/books/1", time.monotonic() + 2).replica for _ in range(6)}
+    assert spread == {"r1", "r2", "r3"}, "without prefer_leader reads still go round"
