@@ -908,7 +908,7 @@ def run(settings: h.Settings, frontends: int = 1, kill: str | None = None) -> di
         "description": f"Issue #19. Closed-loop capacity C from 32 buyers; then buys offered open-loop (a fresh key "
                        f"each, {TIMEOUT:g} s timeout, no retries; latency from the scheduled send) at "
                        f"{', '.join(f'{m:g}' for m in z.multiples)} x C for {z.point_s:g} s each, and a {SURGE:g}x C "
-                       f"surge of {z.surge_s:g} s with a lookup every 50 ms and a buy every 100 ms after it. {what}; "
+                       f"surge of {z.surge_s:g} s with two lookups every 50 ms (a random book of the 1,000, nearly always a cache miss, and one of the first seven, cached) and a buy every 100 ms after it. {what}; "
                        f"{z.books:,} books. The checks re-send every buy without a definite answer once with its key, "
                        "read every acknowledged order and the stock of every book. See experiments/overload.py.",
         "results": out, "raw": raw,
