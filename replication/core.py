@@ -100,6 +100,7 @@ class Message:
       (the node: the file it streamed the state into; the simulator: bytes). The core only passes it on.
     ``leader_commit`` is the leader's real commit (for the follower's "recovering" status) and ``ctx``
     the leader's tick when it sent the request, echoed back so the leader lease counts from send time.
+    ``quiet`` (a granted vote) = ticks since the voter last heard from a leader or was one.
     """
 
     type: str
@@ -117,6 +118,7 @@ class Message:
     snapshot_index: int = 0
     snapshot_term: int = 0
     ctx: int = 0
+    quiet: int = 0
     payload: Any = None
 
     _INT_FIELDS = (
@@ -129,6 +131,7 @@ class Message:
         "snapshot_index",
         "snapshot_term",
         "ctx",
+        "quiet",
     )
 
     def to_dict(self) -> dict[str, Any]:
@@ -285,9 +288,17 @@ class RaftCore:
         self.leader: str | None = None
         self.now = 0
         self._election_elapsed = 0
+        #: Ticks since this node last heard from a leader (a message it acknowledged) or was one;
+        #: from its start if it has not since. Unlike the election timer, votes do not reset it.
+        self._quiet = 0
         self._heartbeat_elapsed = 0
         self._timeout = 0
         self._votes: dict[str, bool] = {}
+        #: Of the votes granted to this candidate, each voter's ``quiet`` when it voted.
+        self._vote_quiet: dict[str, int] = {}
+        #: As leader, the least ``quiet`` of the majority that elected it: every earlier leader's
+        #: lease ended ``election_quiet - lease ticks - 1`` ticks or more before it won (docs/architecture.md).
+        self.election_quiet = 0
         self._prs: dict[str, Progress] = {}
         self._msgs: list[Message] = []
         self._persist_from = self.last_index + 1
@@ -369,6 +380,8 @@ class RaftCore:
         self._timeout = self._rng.randint(self.cfg.election_ticks_min, self.cfg.election_ticks_max)
 
     def _become_follower(self, term: int, leader: str | None) -> None:
+        if self.role == LEADER:
+            self._quiet = 0  # it led until now: its lease may have counted on messages it just sent
         if term != self.term:
             self.term = term
             self.vote = None
@@ -395,6 +408,7 @@ class RaftCore:
         self.role = CANDIDATE
         self.leader = None
         self._votes = {self.id: True}
+        self._vote_quiet = {}
         self._reset_timeout()
         for p in self.others:
             self._send(Message(VOTE, self.id, p, self.term, index=self.last_index, log_term=self.last_term))
@@ -403,7 +417,12 @@ class RaftCore:
     def _become_leader(self) -> None:
         self.role = LEADER
         self.leader = self.id
+        # Those who voted for us form a majority, and every leader's lease counted on a majority:
+        # one of us heard from it last, at least ``election_quiet`` ticks ago.
+        voters = [q for p, q in self._vote_quiet.items() if self._votes.get(p)]
+        self.election_quiet = min([self._quiet, *voters])
         self._votes = {}
+        self._vote_quiet = {}
         self._election_elapsed = 0
         self._heartbeat_elapsed = 0
         nxt = self.last_index + 1
@@ -443,8 +462,10 @@ class RaftCore:
         """Advance logical time by one tick."""
         self.now += 1
         if self.role == LEADER:
+            self._quiet = 0
             self._tick_leader()
             return
+        self._quiet += 1
         self._election_elapsed += 1
         if self._election_elapsed >= self._timeout:
             self._campaign()
@@ -539,6 +560,8 @@ class RaftCore:
         elif t == VOTE_RESP:
             if self.role == CANDIDATE:
                 self._votes[m.src] = m.success
+                if m.success:  # a duplicate answer may come later, with more quiet counted
+                    self._vote_quiet[m.src] = min(m.quiet, self._vote_quiet.get(m.src, m.quiet))
                 self._poll()
         elif t == PRE_VOTE_RESP:
             if self.role == PRE_CANDIDATE and m.term == self.term + 1:
@@ -551,6 +574,7 @@ class RaftCore:
                 self._become_follower(self.term, m.src)
             self.leader = m.src
             self._election_elapsed = 0
+            self._quiet = 0
             if self.first_leader_commit is None:
                 self.first_leader_commit = m.leader_commit
             if t == APPEND:
@@ -580,7 +604,8 @@ class RaftCore:
         if grant and not pre:
             self.vote = m.src
             self._election_elapsed = 0
-        self._send(Message(PRE_VOTE_RESP if pre else VOTE_RESP, self.id, m.src, m.term, success=grant))
+        self._send(Message(PRE_VOTE_RESP if pre else VOTE_RESP, self.id, m.src, m.term, success=grant,
+                           quiet=self._quiet if grant and not pre else 0))
 
     def _handle_append(self, m: Message) -> None:
         if m.index < self.commit:

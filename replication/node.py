@@ -15,6 +15,7 @@ Threads, all owned and joined by ``stop()``:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -351,7 +352,10 @@ class ReplicaNode:
         self.snapshot_out.mkdir(parents=True, exist_ok=True)
         self._seed = seed
         self.core = self._load_core()
-        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        #: (kind, value, when it arrived): ticks that fell due before an input arrived are handled
+        #: before it (``_loop``), so a timer counts only time that passed after it.
+        self._inbox: queue.Queue[tuple[str, Any, float]] = queue.Queue()
+        self._next_tick = 0.0  # when (monotonic) the core's next tick falls due
         self._proposals: dict[int, _Proposal] = {}
         self._apply_cond = threading.Condition()
         #: The core's commit index as of the last ``Ready``, set *before* its messages go out, so a
@@ -360,7 +364,8 @@ class ReplicaNode:
         self._apply_lock = threading.Lock()
         self._view: dict[str, Any] = {}
         self._lease_until = 0.0
-        self._leader_since: tuple[int, float] = (-1, 0.0)  # (term, monotonic time we became its leader)
+        #: (term, monotonic time we became its leader, the core's ``election_quiet`` in that term)
+        self._leader_since: tuple[int, float, int] = (-1, 0.0, 0)
         #: Why the node is not working (a storage fault it is retrying), or None. While set it is no
         #: leader, serves no reads, fails health checks and acknowledges nothing.
         self.fault: str | None = None
@@ -451,7 +456,7 @@ class ReplicaNode:
         if self._started:
             if self._server is not None:
                 self._server.stop()
-            self._inbox.put(("stop", None))
+            self._inbox.put(("stop", None, time.monotonic()))
             self._loop_thread.join(timeout=10)
             for s in self._senders.values():
                 s.queue.put(None)
@@ -462,7 +467,7 @@ class ReplicaNode:
         self._read_index.session.close()
         while True:  # proposals that arrived after the loop ended
             try:
-                kind, value = self._inbox.get_nowait()
+                kind, value, _ = self._inbox.get_nowait()
             except queue.Empty:
                 break
             if kind == "propose":
@@ -487,9 +492,9 @@ class ReplicaNode:
             raise NotLeader(*(self.leader() or (None, None)))
         prop = _Proposal(command)
         started = time.perf_counter()
-        self._inbox.put(("propose", prop))
+        self._inbox.put(("propose", prop, time.monotonic()))
         if not prop.done.wait(timeout):
-            self._inbox.put(("forget", prop))
+            self._inbox.put(("forget", prop, time.monotonic()))
             prop.settled.wait(1.0)  # the loop answers in a tick; a stalled loop leaves it unknown
             raise ProposalTimeout(f"{self.name}: not committed within {timeout:.3g}s",
                                   index=(prop.index or None) if prop.settled.is_set() else None)
@@ -519,7 +524,7 @@ class ReplicaNode:
 
     def leadership_start(self) -> float | None:
         """When (monotonic) this node became the leader of its current term; None if it does not lead it."""
-        term, since = self._leader_since
+        term, since, _ = self._leader_since
         return since if self.is_leader() and term == self.term() else None
 
     def leader_lease_until(self) -> float:
@@ -527,13 +532,18 @@ class ReplicaNode:
         return self._lease_until
 
     def vote_quiet_s(self) -> float:
-        """How long after a leader's lease ends, at least, a voter of its successor votes: every
-        voter ignores votes for ``election_ticks_min`` after last hearing from a leader, and the
-        leader's lease lasts ``effective_lease_ticks`` from a message a majority then heard (one of
-        them votes for any successor). So a successor leads only this long after that lease ended,
-        less one tick: the voter's count starts at its first tick after it heard, which may come at once."""
+        """How long, at least, before we became leader every earlier leader's lease had ended (0 when
+        we do not lead). Each leader's lease lasts ``effective_lease_ticks`` from a message a majority
+        heard; a majority voted for us, so one of our voters heard it, and it told us in its vote how
+        many ticks it had heard no leader (``election_quiet``, the least of our voters'). Less one
+        tick: a count starts at the first tick after the hearing, which may come at once. At least
+        ``election_ticks_min - effective_lease_ticks - 1`` ticks (90 ms by default), since nobody
+        votes sooner; as much as a whole lease when the voters had long heard nothing."""
         c = self.config
-        return max(0, c.election_ticks_min - c.effective_lease_ticks() - 1) * c.tick_ms / 1000.0
+        term, _, quiet = self._leader_since
+        if not self.is_leader() or term != self.term():
+            return 0.0
+        return max(0, quiet - c.effective_lease_ticks() - 1) * c.tick_ms / 1000.0
 
     def leader(self) -> tuple[str, str] | None:
         name = self._view.get("leader")
@@ -664,7 +674,7 @@ class ReplicaNode:
                 snaps[0].payload = path
                 msgs.append(snaps[0])
         if msgs:
-            self._inbox.put(("msgs", msgs))
+            self._inbox.put(("msgs", msgs, time.monotonic()))
 
     # -- event loop ------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -709,32 +719,33 @@ class ReplicaNode:
 
     def _loop(self) -> None:
         tick_s = self.config.tick_ms / 1000.0
-        next_tick = time.monotonic() + tick_s
-        max_catch_up = 2 * self.config.election_ticks_max
+        self._next_tick = time.monotonic() + tick_s
         fault_grace_s = self.config.election_ticks_max * tick_s
         while True:
             # Sleep until the core's next timer, not the next tick (an idle replica wakes at its
             # heartbeats); ticks that fell due meanwhile are caught up below, in order.
-            wake_at = next_tick + (self.core.ticks_until_timer() - 1) * tick_s
+            wake_at = self._next_tick + (self.core.ticks_until_timer() - 1) * tick_s
             timeout = max(0.0, wake_at - time.monotonic())
             try:
-                item = self._inbox.get(timeout=timeout)
+                item: tuple[str, Any, float] | None = self._inbox.get(timeout=timeout)
+            except queue.Empty:
+                item = None
+            handled = 0
+            while item is not None:
+                # The ticks due before an input arrived come first: a follower that slept through
+                # ten ticks and then hears from its leader must count none of them after hearing,
+                # or it would vote for a successor while that leader's lease still holds.
+                self._tick_until(item[2])
                 if not self._handle_input(item):
                     return
-                for _ in range(10_000):
-                    if not self._handle_input(self._inbox.get_nowait()):
-                        return
-            except queue.Empty:
-                pass
+                handled += 1
+                item = None
+                if handled < 10_000:
+                    with contextlib.suppress(queue.Empty):
+                        item = self._inbox.get_nowait()
             now = time.monotonic()
-            ticks = 0
-            while now >= next_tick and ticks < max_catch_up:
-                self.core.tick()
-                next_tick += tick_s
-                ticks += 1
-            if now >= next_tick:
-                next_tick = now + tick_s  # far behind (e.g. a stall): do not storm
-            self._process_ready(next_tick - tick_s)
+            self._tick_until(now)
+            self._process_ready(self._next_tick - tick_s)
             if self.fault is not None and self._caught_up and now - self._fault_at >= fault_grace_s:
                 # Only once it has caught up with a leader (or leads), which takes writing what it
                 # missed, and an election timeout without a new fault: a follower with a full disk
@@ -743,8 +754,21 @@ class ReplicaNode:
                 self.fault = None
                 self._fault_backoff = _FAULT_BACKOFF_MIN
 
-    def _handle_input(self, item: tuple[str, Any]) -> bool:
-        kind, value = item
+    def _tick_until(self, until: float) -> None:
+        """Tick the core once for every tick due by ``until`` (monotonic). Far behind (a stall
+        longer than two election timeouts), the rest are dropped rather than stormed: fewer ticks
+        than time passed only make every timer later, never earlier."""
+        tick_s = self.config.tick_ms / 1000.0
+        ticks = 0
+        while until >= self._next_tick and ticks < 2 * self.config.election_ticks_max:
+            self.core.tick()
+            self._next_tick += tick_s
+            ticks += 1
+        if until >= self._next_tick:
+            self._next_tick = until + tick_s
+
+    def _handle_input(self, item: tuple[str, Any, float]) -> bool:
+        kind, value, _ = item
         if kind == "msgs":
             for m in value:
                 self.core.step(m)
@@ -901,7 +925,7 @@ class ReplicaNode:
         if is_leader != self._was_leader:
             self._was_leader = is_leader
             if is_leader:
-                self._leader_since = (core.term, time.monotonic())
+                self._leader_since = (core.term, time.monotonic(), core.election_quiet)
             self._notify.put((is_leader, core.term))
 
     def _count_transitions(self, raw_role: str, leader: str | None, role: str) -> None:

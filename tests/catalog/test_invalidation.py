@@ -219,16 +219,25 @@ def test_a_new_leader_waits_from_its_election_what_an_old_lease_can_outlast_it(s
     assert Publish(clock, inv, 12).join() == pytest.approx(3.0 + LEASE)
 
 
-def test_the_default_timing_gives_a_successor_90_ms_of_voters_quiet() -> None:
-    """300 ms of election timeout counted in 10 ms ticks from the first tick after hearing (290 ms at
-    least), against a 200 ms leader lease: 90 ms, so a new catalog leader waits 0.31 s."""
+def test_a_successor_waits_what_its_voters_quiet_leaves_of_a_lease() -> None:
+    """Voters that last heard a leader 300 ms ago (the soonest anyone votes): 290 ms counted from the
+    first tick after hearing, against a 200 ms leader lease, leaves 90 ms, so a new catalog leader
+    waits 0.31 s from its election. Voters that had heard nothing for 600 ms: 390 ms, a 0.01 s wait.
+    A node that does not lead counts on nothing: a whole lease."""
     from types import SimpleNamespace
 
     from replication.node import ReplicaNode, ReplicationConfig
 
-    quiet = ReplicaNode.vote_quiet_s(SimpleNamespace(config=ReplicationConfig()))  # type: ignore[arg-type]
-    assert quiet == pytest.approx(0.09)
-    assert LEASE - quiet == pytest.approx(0.31)
+    def quiet_s(ticks: int, leading: bool = True) -> float:
+        node = SimpleNamespace(config=ReplicationConfig(), _leader_since=(4, 1.0, ticks),
+                               is_leader=lambda: leading, term=lambda: 4)
+        return ReplicaNode.vote_quiet_s(node)  # type: ignore[arg-type]
+
+    assert quiet_s(30) == pytest.approx(0.09)
+    assert LEASE - quiet_s(30) == pytest.approx(0.31)
+    assert quiet_s(60) == pytest.approx(0.39)
+    assert quiet_s(60, leading=False) == 0.0
+    assert quiet_s(5) == 0.0
 
 
 def test_a_grant_never_outlasts_the_leader_lease_by_more_than_a_lease(setup) -> None:

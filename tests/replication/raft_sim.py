@@ -150,6 +150,10 @@ class Cluster:
         self.proposed: dict[int, str] = {}
         #: (term, voter) -> the candidate it granted its vote to, from the grants it sent.
         self.votes: dict[tuple[int, str], str] = {}
+        #: term -> the latest tick to which its leader's lease ever reached.
+        self.lease_ends: dict[int, int] = {}
+        #: term -> (tick its leader was elected, the core's ``election_quiet``).
+        self.elections: dict[int, tuple[int, int]] = {}
         #: Crashes armed per node: the point in its next durable Ready where it dies.
         self.armed: dict[str, str] = {}
         #: How many armed crashes fired, per crash point; "leader_sent_unpersisted" counts those that
@@ -351,6 +355,7 @@ class Cluster:
                 prev = self.leaders.setdefault(core.term, node.name)
                 if prev != node.name:
                     raise SafetyError(f"two leaders in term {core.term}: {prev} and {node.name}")
+                self.check_lease(core)
                 # Leader completeness: a leader of a later term holds every committed entry.
                 for index, (term, _cmd) in self.committed.items():
                     later = core.term > self.commit_term[index]
@@ -364,6 +369,26 @@ class Cluster:
         if self.now % 10 == 0:
             self.check_log_matching()
             self.check_committed_durable()
+
+    def check_lease(self, core: RaftCore) -> None:
+        """No leader's lease reaches past ``election_quiet - lease ticks - 1`` ticks before any later
+        leader's election: what a new catalog leader's wait (``ReplicaNode.vote_quiet_s``) and the
+        read lease count on. Checked whenever an election is seen or a lease grows."""
+        lease = core.cfg.effective_lease_ticks()
+        if core.term not in self.elections:
+            elected, quiet = self.elections[core.term] = (self.now, core.election_quiet)
+            ended = max((e for t, e in self.lease_ends.items() if t < core.term), default=None)
+            if ended is not None and ended > elected - quiet + lease + 1:
+                raise SafetyError(f"{core.id} elected at {elected} in t{core.term} with {quiet} ticks of "
+                                  f"quiet, but an earlier lease reached {ended}")
+        remaining = core.lease_remaining()
+        end = self.now + remaining
+        if remaining and end > self.lease_ends.get(core.term, end - 1):
+            self.lease_ends[core.term] = end
+            for term, (elected, quiet) in self.elections.items():
+                if term > core.term and end > elected - quiet + lease + 1:
+                    raise SafetyError(f"t{core.term}'s lease reached {end}, past what the leader of "
+                                      f"t{term} counted on ({quiet} ticks of quiet at {elected})")
 
     def check_committed_durable(self) -> None:
         """Every entry observed committed is on the disks of a majority (crashed nodes count):

@@ -506,12 +506,61 @@ def test_granting_a_vote_restarts_the_election_timer() -> None:
     for _ in range(5):
         core.tick()
     core.step(Message("vote", "c", "b", 2, index=1, log_term=1))
-    assert core.ready().messages == [Message("vote_resp", "b", "c", 2, success=True)]
+    assert core.ready().messages == [Message("vote_resp", "b", "c", 2, success=True, quiet=5)]
     for _ in range(cfg.election_ticks_min - 1):
         core.tick()
     assert core.role == "follower"
     core.tick()
     assert core.role == "precandidate"
+
+
+def test_a_vote_tells_how_long_the_voter_has_heard_no_leader() -> None:
+    """``quiet`` counts from the last message of a leader; granting a vote restarts the election timer
+    but not this count, and a pre-vote carries none (it elects nobody)."""
+    core = follower(log(1), term=1, commit=1)
+    core.step(Message(HEARTBEAT, "a", "b", 1, commit=1, ctx=1))
+    core.ready()
+    for _ in range(CFG.election_ticks_min + 3):  # it campaigns meanwhile: no leader message since
+        core.tick()
+    core.ready()
+    core.step(Message("pre_vote", "c", "b", 3, index=1, log_term=1))
+    assert [(m.type, m.success, m.quiet) for m in core.ready().messages] == [("pre_vote_resp", True, 0)]
+    core.step(Message("vote", "c", "b", 3, index=1, log_term=1))
+    assert core.ready().messages == [Message("vote_resp", "b", "c", 3, success=True, quiet=13)]
+    core.tick()
+    core.step(Message("vote", "c", "b", 3, index=1, log_term=1))  # asked again: more quiet now
+    assert core.ready().messages == [Message("vote_resp", "b", "c", 3, success=True, quiet=14)]
+
+
+def test_a_new_leader_counts_the_least_quiet_of_the_majority_that_elected_it() -> None:
+    """Its own count is one of them; a refusal, or a vote after the majority was reached, is not."""
+    cfg = CoreConfig(heartbeat_ticks=2, election_ticks_min=10, election_ticks_max=10)
+    core = RaftCore("a", list("abcde"), hard_state=HardState(1, None, 1), entries=log(1), config=cfg, rng=1)
+    for _ in range(10):
+        core.tick()  # campaigns at its timeout: pre-vote first
+    for p in "bc":
+        core.step(Message("pre_vote_resp", p, "a", 2, success=True))
+    assert core.role == "candidate" and core.term == 2
+    core.step(Message("vote_resp", "b", "a", 2, success=True, quiet=40))
+    core.step(Message("vote_resp", "c", "a", 2, success=False))
+    core.step(Message("vote_resp", "d", "a", 2, success=True, quiet=35))
+    assert core.is_leader() and core.election_quiet == 10  # its own: it started 10 ticks ago
+    core.step(Message("vote_resp", "e", "a", 2, success=True, quiet=1))
+    assert core.election_quiet == 10
+
+
+def test_a_leader_that_steps_down_counts_its_quiet_from_then() -> None:
+    """Its lease may count on messages it sent until that moment, so its next vote says so."""
+    core = make_leader(RaftCore("a", list("abc"), config=CFG, rng=1))
+    for _ in range(CFG.election_ticks_min - 1):
+        core.tick()
+    assert core.is_leader()
+    core.step(Message(APPEND_RESP, "b", "a", core.term + 1))  # a newer term: it steps down
+    assert core.role == "follower"
+    core.tick()
+    core.tick()
+    core.step(Message("vote", "c", "a", core.term, index=core.last_index, log_term=core.last_term))
+    assert [(m.type, m.success, m.quiet) for m in core.ready().messages][-1:] == [("vote_resp", True, 2)]
 
 
 def ignored_then_granted(core: RaftCore) -> None:
@@ -520,7 +569,7 @@ def ignored_then_granted(core: RaftCore) -> None:
     assert core.term == 1 and core.ready().messages == []
     core.tick()
     core.step(Message("vote", "c", "b", 2, index=1, log_term=1))
-    assert core.term == 2 and core.ready().messages == [Message("vote_resp", "b", "c", 2, success=True)]
+    assert core.term == 2 and [(m.type, m.dst, m.success) for m in core.ready().messages] == [("vote_resp", "c", True)]
 
 
 def test_a_starting_node_ignores_vote_requests_for_one_election_timeout() -> None:

@@ -226,10 +226,41 @@ def test_peer_transport_requires_the_secret_and_a_member(cluster: Harness) -> No
     with socket.create_connection(cluster.addresses[target.name], timeout=2) as s:
         s.sendall(encode({"hello": other, "secret": SECRET, "channel": "raft"}))
         s.sendall(encode({"messages": [bogus, {**bogus, "src": leader.name}, stale]}))  # not who said hello
-        wait_for(lambda: any(kind == "msgs" for kind, _ in delivered), 5, "the frame was read")
-    msgs = [m for kind, value in delivered if kind == "msgs" for m in value]
+        wait_for(lambda: any(kind == "msgs" for kind, _, _ in delivered), 5, "the frame was read")
+    msgs = [m for kind, value, _ in delivered if kind == "msgs" for m in value]
     assert [(m.src, m.type, m.term) for m in msgs if m.src != leader.name or m.term > term] == [(other, "heartbeat", 0)]
     assert target.term() == term
+
+
+def test_a_follower_counts_no_tick_that_fell_due_before_it_heard_its_leader(cluster: Harness) -> None:
+    """An idle follower sleeps between heartbeats (100 ms apart) and catches up on the ticks it slept
+    through when one arrives. Counted after the heartbeat, those ticks would make it think it had
+    heard nothing for 90 ms more than it had: it would vote that much sooner, while the leader's
+    lease still holds, and tell a successor its old lease ended sooner than it did (``vote_quiet_s``).
+    So its count never runs ahead of the time since it heard (by more than the tick that may fall
+    due at once, and one for the queue)."""
+    leader = cluster.leader()
+    follower = next(n for n in cluster.nodes.values() if n is not leader)
+    core, tick_s = follower.core, follower.config.tick_ms / 1000.0
+    heard, ahead = [time.monotonic()], [0.0]
+    real_step, real_tick = core.step, core.tick
+
+    def step(m: Any) -> None:
+        real_step(m)
+        if m.src == leader.name and m.type in ("heartbeat", "append"):
+            heard[0] = time.monotonic()
+
+    def tick() -> None:
+        real_tick()
+        ahead[0] = max(ahead[0], core._quiet * tick_s - (time.monotonic() - heard[0]))
+
+    core.step, core.tick = step, tick  # type: ignore[method-assign]
+    try:
+        time.sleep(1.0)
+    finally:
+        core.step, core.tick = real_step, real_tick  # type: ignore[method-assign]
+    assert core.role == "follower"
+    assert ahead[0] <= 2 * tick_s, f"counted {ahead[0] * 1000:.0f} ms that had not passed since it heard"
 
 
 def test_leader_listener_and_apply_listener(cluster: Harness) -> None:

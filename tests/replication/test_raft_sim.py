@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from raft_sim import CRASH_POINTS, Cluster, SafetyError
 
-from replication.core import CANDIDATE
+from replication.core import APPEND, CANDIDATE, HEARTBEAT, Message, RaftCore
 
 ACTIONS = st.one_of(
     st.tuples(st.just("tick"), st.integers(1, 40)),
@@ -239,3 +239,27 @@ def test_an_acknowledged_entry_survives_a_crash(send_before_persist: bool, point
         assert c.wait_for(new_leader, 300)
         new = f1 if f1.core.is_leader() else f2
         assert new.core.term_at(index) == leader.core.term or not acked
+
+
+def test_a_voter_that_counts_time_not_yet_passed_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lease check is not vacuous. A replica whose loop handled a leader's heartbeat before the
+    ticks it had slept through (the order ``ReplicaNode._loop`` keeps) counts them after hearing:
+    here five such ticks after every leader message. Its vote then comes, and says it heard nothing
+    for longer than it did, while that leader's lease holds; seeded schedules find it."""
+    step = RaftCore.step
+
+    def step_counting_ticks_already_due(self: RaftCore, m: Message) -> None:
+        step(self, m)
+        if m.type in (APPEND, HEARTBEAT) and self.leader == m.src and m.term == self.term:
+            self._quiet += 5
+            self._election_elapsed += 5
+
+    monkeypatch.setattr(RaftCore, "step", step_counting_ticks_already_due)
+    for seed in ORDER_SEEDS:
+        try:
+            seeded_run(seed, send_before_persist=False)
+        except SafetyError as e:
+            print(f"seed {seed}: {e}")
+            assert "lease" in str(e)
+            return
+    pytest.fail(f"no lease violation in {len(ORDER_SEEDS)} schedules with ticks counted too soon")
