@@ -47,7 +47,7 @@ from replication.router import (
     ChannelRouter,
     HopError,
     Reply,
-    Silences,
+    Sightings,
     TierRouter,
     TierUnavailable,
     overloaded,
@@ -142,13 +142,14 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
     name = f"frontend-{k}"
     secret = config.secret()
     app = create_base_app(name, limits=config.limits("frontend"))
-    # What one router finds of a stopped replica, the others of its tier use (``Silences``).
-    silent = {"catalog": Silences(), "order": Silences()}
-    catalog = TierRouter("catalog", config.peers("catalog"), secret, silences=silent["catalog"])
-    orders = TierRouter("order", config.peers("order"), secret, silences=silent["order"])
+    # What one router finds of a stopped replica or of the leader, the others of its tier use
+    # (``Sightings``): the lease renewals' find of a new catalog leader sends the reads there too.
+    seen = {"catalog": Sightings(), "order": Sightings()}
+    catalog = TierRouter("catalog", config.peers("catalog"), secret, sightings=seen["catalog"])
+    orders = TierRouter("order", config.peers("order"), secret, sightings=seen["order"])
     # Buys go as frames on the order replicas' peer transport (``/buys``'s work, without HTTP).
     buy_frames = ChannelRouter("order", config.peers("order"), secret, f"{name}/{os.getpid()}", BUYS_CHANNEL,
-                               silences=silent["order"])
+                               sightings=seen["order"])
     # Its own token, not the internal secret: whoever may update books cannot act as a replica.
     admin = require_secret(config.admin_token(), ADMIN)
     if config.read_from not in ("leader", "any"):
@@ -172,7 +173,7 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
     cache = ReadCache(config.cache_size, enabled=config.cache, on_event=on_cache_event)
     # Always subscribe, cache or not: the invalidation floors are what make follower reads fresh.
     leases = ChannelRouter("catalog", config.peers("catalog"), secret, f"{name}/{os.getpid()}", SUBSCRIBE_CHANNEL,
-                           silences=silent["catalog"])
+                           sightings=seen["catalog"])
     def shape(key: str, book: Any) -> Any:
         """A book a release carries, as a lookup caches it (``book:N`` keys only)."""
         if key.startswith("book:") and isinstance(book, dict) and all(f in book for f in BOOK_FIELDS):

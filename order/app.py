@@ -29,7 +29,7 @@ from cluster.web import ApiError, fail, int_field, json_body, parse_item, reques
 from order.state import CONFIRMED, FAILED, PENDING, OrderState, confirmed
 from replication.batching import Combiner, CombinerTimeout
 from replication.node import NotLeader, ProposalTimeout
-from replication.router import ChannelRouter, Reply, Silences, TierRouter, TierUnavailable
+from replication.router import ChannelRouter, Reply, Sightings, TierRouter, TierUnavailable
 from replication.service import Periodic, ReplicaRuntime
 from replication.transport import BUYS_CHANNEL, DECREMENTS_CHANNEL
 
@@ -386,11 +386,11 @@ def parse_buy(body: Any, deadline: float) -> Buy:
 def create_app(config: ClusterConfig, k: int) -> Flask:
     state = OrderState(config.replica_dir(f"order-{k}") / "state.db")
     rt = ReplicaRuntime("order", k, config, state)
-    silent = Silences()  # the catalog replicas either router found stopped
-    catalog = TierRouter("catalog", config.peers("catalog"), rt.secret, silences=silent)
+    seen = Sightings()  # the catalog replicas either router found stopped, and its leader
+    catalog = TierRouter("catalog", config.peers("catalog"), rt.secret, sightings=seen)
     # The decrements as frames on the catalog's peer transport (``/books/decrements``'s work).
     decrements = ChannelRouter("catalog", config.peers("catalog"), rt.secret, rt.name, DECREMENTS_CHANNEL,
-                               silences=silent)
+                               sightings=seen)
     buys = BuyProcessor(rt, state, decrements)
     app = rt.create_app()
     app.extensions["pygmy_runtime"] = rt

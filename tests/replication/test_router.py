@@ -179,3 +179,38 @@ def test_a_router_that_only_reads_learns_the_leader_from_the_answers(tier: Any) 
     assert router.leader_hint == "r3"
     spread = {router.read("/books/1", time.monotonic() + 2).replica for _ in range(6)}
     assert spread == {"r1", "r2", "r3"}, "without prefer_leader reads still go round"
+
+
+def test_routers_of_one_tier_share_the_leader_they_found(tier: Any) -> None:
+    """A frontend's lease renewals (a frame router) find a new catalog leader; its catalog reads (an
+    HTTP router sharing the tier's ``Sightings``) go there first from then on, instead of to the
+    leader the reads last heard of, which may have stopped."""
+    router, replicas = tier
+    for r in replicas.values():
+        r.leader = "r1"
+    router.read("/books/1", time.monotonic() + 2, prefer_leader=True)
+    assert router.leader_hint == "r1"
+    renewals = TierRouter("t", router.peers, "secret", sightings=router.sightings)
+    try:
+        replicas["r1"].behaviour = not_leader("r2")  # it lost the lead; it names the new leader
+        assert renewals.write("/subscribe", {}, time.monotonic() + 2).replica == "r2"
+        assert router.leader_hint == "r2"
+        for r in replicas.values():
+            r.leader = "r2"
+        assert {router.read("/books/1", time.monotonic() + 2, prefer_leader=True).replica for _ in range(4)} == {"r2"}
+    finally:
+        renewals.close()
+
+
+def test_a_replica_that_could_not_serve_a_read_does_not_move_the_leader(tier: Any) -> None:
+    """A refusal (503: no read index, the leader it knows may have stopped) names a leader that is
+    not believed; a replica that serves the read is."""
+    router, replicas = tier
+    router.leader_hint = "r2"
+    replicas["r2"].behaviour = lambda: (503, {"error": {"code": 503, "message": "no read index"}})
+    replicas["r2"].leader = "r3"  # stale: r3 has stopped
+    reply = router.read("/books/1", time.monotonic() + 2, prefer_leader=True)
+    assert reply.status == 200 and reply.replica != "r2" and router.leader_hint == "r2"
+    replicas["r1"].leader = replicas["r3"].leader = "r1"
+    router.read("/books/1", time.monotonic() + 2, prefer_leader=True)
+    assert router.leader_hint == "r1"

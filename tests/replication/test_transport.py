@@ -330,9 +330,9 @@ def test_a_router_leaves_a_stopped_leader_for_the_one_that_took_over(
     for s in servers:
         s.start()
     peers = {n: f"http://127.0.0.1:{ports[n]}" for n in ("t-1", "t-2", "t-3")}
-    silences = rt.Silences()
-    router = rt.ChannelRouter("t", peers, SECRET, "frontend-1/7", "buys", silences=silences)
-    reads = rt.TierRouter("t", peers, SECRET, silences=silences)  # the same process's HTTP router to the tier
+    sightings = rt.Sightings()
+    router = rt.ChannelRouter("t", peers, SECRET, "frontend-1/7", "buys", sightings=sightings)
+    reads = rt.TierRouter("t", peers, SECRET, sightings=sightings)  # the same process's HTTP router to the tier
     router.leader_hint = "t-1"
     try:
         if old_leader_answers_status:
@@ -342,7 +342,7 @@ def test_a_router_leaves_a_stopped_leader_for_the_one_that_took_over(
         assert (reply.status, reply.body, router.leader_hint) == (200, {"from": want}, want)
         assert calls[0] == "t-1" and (old_leader_answers_status or not gate.is_set())
         # Reads of the same process ask a stopped replica last, until it answers again.
-        assert silences.silent("t-1") is not old_leader_answers_status
+        assert sightings.silent("t-1") is not old_leader_answers_status
         if not old_leader_answers_status:
             assert [reads._read_order()[-1] for _ in range(3)] == ["t-1"] * 3  # every rotation
     finally:
