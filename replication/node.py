@@ -536,9 +536,10 @@ class ReplicaNode:
         we do not lead). Each leader's lease lasts ``effective_lease_ticks`` from a message a majority
         heard; a majority voted for us, so one of our voters heard it, and it told us in its vote how
         many ticks it had heard no leader (``election_quiet``, the least of our voters'). Less one
-        tick: a count starts at the first tick after the hearing, which may come at once. At least
-        ``election_ticks_min - effective_lease_ticks - 1`` ticks (90 ms by default), since nobody
-        votes sooner; as much as a whole lease when the voters had long heard nothing."""
+        tick: a count starts at the first tick after the hearing, which may come at once. Usually
+        ``election_ticks_min - effective_lease_ticks - 1`` ticks (90 ms by default) or more, since a
+        follower of a live leader votes no sooner; less (a longer wait) from a voter that had dropped
+        its leader for a newer term; as much as a whole lease when the voters had long heard nothing."""
         c = self.config
         term, _, quiet = self._leader_since
         if not self.is_leader() or term != self.term():

@@ -66,6 +66,13 @@ class Sightings:
     def __init__(self) -> None:
         self._until: dict[str, float] = {}
         self.leader: str | None = None
+        self._lock = threading.Lock()
+
+    def forget_leader(self, name: str) -> None:
+        """``name`` did not answer: no longer ask it first, unless another router has moved on."""
+        with self._lock:
+            if self.leader == name:
+                self.leader = None
 
     def mark(self, name: str, seconds: float = SILENT_FOR) -> None:
         self._until[name] = time.monotonic() + seconds
@@ -118,7 +125,6 @@ class _LeaderSeeker:
         self.sightings = sightings or Sightings()
         self.peers = dict(peers)
         self.names = list(peers)
-        self._lock = threading.Lock()
         #: Bounds the retries that could add to an overload (see ``_to_leader``).
         self.budget = RetryBudget()
 
@@ -133,16 +139,14 @@ class _LeaderSeeker:
 
     def _note_leader(self, reply: Reply) -> str | None:
         leader = reply.body.get("error", {}).get("leader") if reply.status == 421 else None
-        with self._lock:
-            if leader in self.peers:
-                self.leader_hint = leader
-            elif reply.status == 421:
-                self.leader_hint = None
+        if leader in self.peers:
+            self.leader_hint = leader
+        elif reply.status == 421:
+            self.sightings.forget_leader(reply.replica)
         return leader
 
     def _leader_first(self) -> list[str]:
-        with self._lock:
-            hint = self.leader_hint
+        hint = self.leader_hint
         rest = [n for n in self.names if n != hint]
         return ([hint] if hint else []) + rest
 
@@ -168,21 +172,17 @@ class _LeaderSeeker:
                     reply = attempt(name, min(READ_TIMEOUT, remaining))
                 except Abandoned as exc:  # another replica leads now: go there (the key makes it safe)
                     last = f"{name}: {exc}"
-                    with self._lock:
-                        self.leader_hint = exc.reason
+                    self.leader_hint = exc.reason
                     break
                 except OSError as exc:  # HopError and the transport's errors
                     last = f"{name}: {type(exc).__name__}"
-                    with self._lock:
-                        if self.leader_hint == name:
-                            self.leader_hint = None
+                    self.sightings.forget_leader(name)
                     if _timed_out(exc) and not self.budget.try_retry():
                         raise TierUnavailable(self.tier, f"{last} (retry budget spent)") from None
                     continue
                 if reply.status not in RETRY_ELSEWHERE or overloaded(reply):
                     if reply.status not in RETRY_ELSEWHERE:
-                        with self._lock:
-                            self.leader_hint = name
+                        self.leader_hint = name
                     return reply
                 last = f"{name}: {reply.status} {reply.body.get('error', {}).get('message', '')}"
                 leader = self._note_leader(reply)
@@ -329,6 +329,7 @@ class TierRouter(_LeaderSeeker):
                        for name, url in self.peers.items()}
         self._rr = itertools.count()
         self._avoid: dict[str, float] = {}  # replica -> monotonic time until which reads skip it
+        self._lock = threading.Lock()  # guards ``_avoid``
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(peers)), thread_name_prefix=f"{tier}-status")
 
     def close(self) -> None:
