@@ -709,21 +709,26 @@ def surge(c: LocalCluster, urls: Sequence[str], z: Sizes, cap: float, kill: str 
     return f, kills, cpu
 
 
+def _probe(s: Shots, stream: str, surge_s: float) -> tuple[Shots, float | None, float | None, int]:
+    """A lookup probe's shots during the surge, its p50 before and during it (answered ones) and how
+    many failed during it (no 200, or not within the client's timeout)."""
+    looks = s.where(s.stream == stream)
+    before, during = looks.where(looks.sched < 0), looks.where((looks.sched >= 0) & (looks.sched < surge_s))
+    failed = int(((during.status != 200) | (during.latency > TIMEOUT)).sum())
+    return (during, _ms(before.latency[before.status == 200], 50),
+            _ms(during.latency[during.status == 200], 50), failed)
+
+
 def surge_figures(f: Fired, z: Sizes, cap: float, normal_buy_ms: float) -> dict[str, Any]:
     s = f.shots
     looks = s.where(s.stream == "lookup")
-    before = looks.where(looks.sched < 0)
-    during = looks.where((looks.sched >= 0) & (looks.sched < z.surge_s))
-    hot = s.where(s.stream == "hot")
-    hot_before, hot_during = hot.where(hot.sched < 0), hot.where((hot.sched >= 0) & (hot.sched < z.surge_s))
-    hb, hd = _ms(hot_before.latency[hot_before.status == 200], 50), _ms(hot_during.latency[hot_during.status == 200], 50)
+    during, lb, ld, failed = _probe(s, "lookup", z.surge_s)
+    hot_during, hb, hd, hot_failed = _probe(s, "hot", z.surge_s)
     after_l = looks.where(looks.sched >= z.surge_s)
     after_b = s.where(s.stream == "after")
     for part in (after_l, after_b):
         part.cols["sched"] = part.sched - z.surge_s
     in_surge = s.where((s.sched >= 0) & (s.sched < z.surge_s))
-    lb = _ms(before.latency[before.status == 200], 50)
-    ld = _ms(during.latency[during.status == 200], 50)
     return {"seconds": z.surge_s, "multiple": SURGE, **summary(s.where(s.stream == "surge"), z.surge_s, cap),
             "generator_cpu_cores": sum(f.cpu_s) / f.wall_s, "generator_cpu_s": f.cpu_s,
             "generator_priority": f.priority,
@@ -731,8 +736,7 @@ def surge_figures(f: Fired, z: Sizes, cap: float, normal_buy_ms: float) -> dict[
             "all_requests_max_answered_ms": _ms(in_surge.latency[in_surge.status != 0], 100),
             "lookup_before_p50_ms": lb, "lookup_during_p50_ms": ld, "lookup_during_p99_ms": _ms(during.latency, 99),
             "lookup_ratio": h.ratio(ld, lb), "lookups_during": len(during) + len(hot_during),
-            "lookups_failed": int(((during.status != 200) | (during.latency > TIMEOUT)).sum()
-                                  + ((hot_during.status != 200) | (hot_during.latency > TIMEOUT)).sum()),
+            "lookups_failed": failed + hot_failed,
             "hot_lookup_before_p50_ms": hb, "hot_lookup_during_p50_ms": hd, "hot_lookup_ratio": h.ratio(hd, hb),
             "lookup_lag_p99_ms": _ms(looks.lag, 99),
             "buy_recovery_s": buy_recovery(after_b, normal_buy_ms, z.post_s),
