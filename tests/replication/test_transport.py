@@ -274,8 +274,21 @@ def test_a_call_stops_waiting_when_its_stall_check_says_so_and_not_before() -> N
         server.stop()
 
 
+def _port_pair() -> int:
+    """A free port whose peer-transport port (+ 50) is free too: a replica listens on both."""
+    while True:
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 50))
+            except OSError:
+                continue
+        return port
+
+
 def _status_server(body: dict[str, Any]) -> Any:
-    """A replica's /status alone, on a free port, in a thread (stopped by ``.shutdown()``)."""
+    """A replica's /status alone, on a free port whose + 50 is free too, in a thread (stopped by
+    ``.shutdown()``)."""
     import json
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -291,7 +304,7 @@ def _status_server(body: dict[str, Any]) -> Any:
         def log_message(self, *args: Any) -> None:
             pass
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Status)
+    httpd = ThreadingHTTPServer(("127.0.0.1", _port_pair()), Status)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     return httpd
 
@@ -323,8 +336,8 @@ def test_a_router_leaves_a_stopped_leader_for_the_one_that_took_over(
         statuses["t-1"] = {"role": "leader", "term": 6}
     https = {n: _status_server(b) for n, b in statuses.items()}
     ports = {n: h.server_address[1] for n, h in https.items()}
-    ports.setdefault("t-1", free_port())  # nothing listens: a stopped process's /status gives nothing
-    # Frames listen on the HTTP port + 50; find three such ports free.
+    ports.setdefault("t-1", _port_pair())  # nothing listens: a stopped process's /status gives nothing
+    # Frames listen on the HTTP port + 50, which ``_port_pair`` found free too.
     servers = [FrameServer("127.0.0.1", ports[n] + 50, SECRET, {"buys": Channel(replica(n))}, name=n)
                for n in ("t-1", "t-2", "t-3")]
     for s in servers:
