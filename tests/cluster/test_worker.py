@@ -96,8 +96,9 @@ def test_pipelined_partial_and_closing_requests_are_each_answered_once(full_writ
         assert read_answer(sock)[0] == 200
     with socket.create_connection((host, port), timeout=5) as sock:
         sock.sendall(buy_request("Connection: close\r\n"))
-        status, _, _, rest = read_answer(sock)
+        status, headers, _, rest = read_answer(sock)
         assert status == 503 and rest == b""
+        assert headers.get("connection") == "close", "the answer did not say the connection closes"
         assert sock.recv(100) == b"", "a refused request that asked to close left its connection open"
 
 

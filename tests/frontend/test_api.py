@@ -158,6 +158,19 @@ def test_a_hit_is_answered_by_the_workers_event_loop_as_flask_would(cluster: Clu
         conn.close()
 
 
+def test_answers_to_a_client_that_closes_each_connection_say_so(cluster: Cluster) -> None:
+    """A hit or a buy answered by the event loop to ``Connection: close`` says ``Connection: close``:
+    without it a pooled client took the connection for kept alive, sent its next request into the
+    close and got a reset (1 request in 50 failed so)."""
+    with requests.Session() as session:
+        session.headers["Connection"] = "close"
+        answers = [session.get(f"{cluster.url}/lookup/{1 + n % 3}", timeout=5) for n in range(150)]
+        answers += [session.post(f"{cluster.url}/buy/{1 + n % 3}", json={}, timeout=5) for n in range(30)]
+    assert all(r.status_code == 200 for r in answers)
+    assert any(r.headers["X-Cache"] == "hit" for r in answers[:150]), "no lookup hit the cache"
+    assert all(r.headers.get("Connection") == "close" for r in answers)
+
+
 def parse_answer(raw: bytes) -> tuple[int, dict[str, str], bytes]:
     head, _, body = raw.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
