@@ -1,6 +1,6 @@
 """Where the CPU goes: py-spy samples every service of a cluster under a load, or idle.
 
-``python -m experiments.profile [--load buy|mix|idle] [--seconds 15] [--out DIR]`` starts a cluster
+``python -m experiments.profile [--load buy|mix|idle] [--warm] [--seconds 15] [--out DIR]`` starts a cluster
 (3+3 replicas, 1 frontend x 2 workers, 1,000 books), runs the load, records every Gunicorn worker
 with ``py-spy record --nonblocking --gil`` (only samples holding the GIL: Python CPU, not waits; collapsed stacks and an SVG flame graph per process) and
 prints, per service, the share of samples and the functions with the most samples (inclusive and
@@ -22,7 +22,7 @@ from pathlib import Path
 from catalog.books import synthetic
 from cluster.local import LocalCluster
 from experiments import harness as h
-from experiments.writepath import BOOKS, STOCK, TOPICS, cluster_cpu_s
+from experiments.writepath import BOOKS, STOCK, TOPICS, cluster_cpu_s, warm
 
 LOADS = {"buy": {"buy": 1.0}, "mix": {"search": 0.4, "lookup": 0.4, "buy": 0.2}, "idle": None}
 
@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--clients", default="4x8", help="processes x threads (closed loop)")
     p.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--warm", action="store_true", help="read every book and topic first, as make bench's warm mix")
     p.add_argument("--out", type=Path, default=Path("results/profile"))
     a = p.parse_args(argv)
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
@@ -67,6 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     settings = h.Settings(quick=True, progress=False)
     with h.cluster(settings, books=synthetic(BOOKS, topics=TOPICS, stock=STOCK)) as c:
         time.sleep(2)
+        if a.warm:
+            warm(c)
         recorders = []
         for name, pids in workers(c).items():
             for pid in pids:

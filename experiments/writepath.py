@@ -50,12 +50,14 @@ def total_stock(c: LocalCluster, books: int) -> int:
 
 def warm(c: LocalCluster, rounds: int = 4) -> None:
     """Read every book and every topic ``rounds`` times from 8 threads, as a store in steady state has
-    them cached: requests land on a frontend's workers at random, so each worker caches most of them
-    (all but about 1 in 2^rounds)."""
+    them cached. Each read on a new connection: a kept-alive one stays with the worker that accepted
+    it, which would then cache every key of its thread and the other worker none; new connections
+    land on the workers at random, so each caches all but about 1 in 2^rounds of the keys."""
     keys = [("lookup", n) for n in range(1, BOOKS + 1)] + [("search", f"topic {t}") for t in range(TOPICS)]
 
     def read(part: int) -> None:
         with c.client() as cl:
+            cl.session.headers["Connection"] = "close"
             for _ in range(rounds):
                 for op, arg in keys[part::8]:
                     cl.lookup(arg) if op == "lookup" else cl.search(arg)
