@@ -79,6 +79,11 @@ def _request_head(data: bytes) -> tuple[bytes, bytes, dict[bytes, bytes], int] |
     return parts[0], parts[1], headers, length
 
 
+def asks_to_close(headers: dict[bytes, bytes]) -> bool:
+    """Whether the request's ``Connection`` header lists ``close`` (a list of tokens, any case)."""
+    return b"close" in (token.strip() for token in headers.get(b"connection", b"").lower().split(b","))
+
+
 def said_closing(answer: bytes) -> bytes:
     """``answer`` with ``Connection: close`` after its status line, as Gunicorn writes it when it
     closes after an answer: without it an HTTP/1.1 client takes the connection for kept alive and
@@ -141,7 +146,7 @@ class AdmissionWorker(ThreadWorker):
                     if isinstance(answer, Deferred):
                         answer.cancel()
                     return True
-        closing = headers.get(b"connection", b"").lower() == b"close"
+        closing = asks_to_close(headers)
         try:
             got = 0
             while got < length:  # the bytes are there (peeked): this does not block

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from cluster.worker import _request_head
+from cluster.worker import _request_head, asks_to_close, said_closing
 from experiments.refusal import serve_gated
 
 
@@ -130,3 +130,16 @@ def test_request_head(data: bytes, expected: tuple[str, str, int] | None) -> Non
         assert head is not None
         method, target, _, length = head
         assert (method.decode(), target.decode(), length) == expected
+
+
+@pytest.mark.parametrize(("value", "closing"), [
+    (None, False), (b"keep-alive", False), (b"close", True), (b"Close", True), (b"TE, close", True),
+    (b"closed", False), (b"keep-alive,close ", True),
+])
+def test_a_connection_header_asks_to_close_when_it_lists_close(value: bytes | None, closing: bool) -> None:
+    assert asks_to_close({} if value is None else {b"connection": value}) is closing
+
+
+def test_an_answer_that_closes_says_so_after_its_status_line() -> None:
+    assert said_closing(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}") == (
+        b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{}")
