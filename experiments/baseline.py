@@ -18,10 +18,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import requests
 
 from experiments import harness as h
@@ -82,6 +84,29 @@ def server(workers: int = 2, timeout: float = 30) -> Iterator[str]:
         yield url
     finally:
         h.stop_group(proc)
+
+
+def paired_p50(call: Callable[[int], Any], blocks: int, n: int) -> dict[str, Any]:
+    """``call(i)``'s sequential p50 in blocks alternating with the bare lookup's (ABAB, the bare
+    endpoint started beside whatever ``call`` talks to): each block's ratio is to the bare block
+    next to it, so a shared machine that drifts between the parts of a run (by more than the
+    goals' margins, within minutes) does not move it. The median ratio, their spread, and the
+    p50s over all blocks."""
+    from client.api import PygmyClient
+
+    with server() as url, PygmyClient(url) as bare:
+        for i in range(20):
+            bare.lookup(1)
+            if i < 10:
+                call(i)
+        pairs: list[tuple[list[float], list[float]]] = []
+        for b in range(blocks):
+            pairs.append(([h.timed(lambda: bare.lookup(1))[0] for _ in range(n)],
+                          [h.timed(partial(call, b * n + i))[0] for i in range(n)]))
+    ratios = [h.stats(mine)["p50"] / h.stats(base)["p50"] for base, mine in pairs]
+    return {"ratio": float(np.median(ratios)), "ratios": ratios,
+            "bare_p50": h.stats([x for base, _ in pairs for x in base])["p50"],
+            "p50": h.stats([x for _, mine in pairs for x in mine])["p50"]}
 
 
 def sqlite_commits(n: int) -> list[float]:
