@@ -13,13 +13,22 @@ Without the variables below it does nothing.
   as it is cut off; caught by the nemesis run, tests/experiments/test_chaos.py),
   ``ignore-lost-pushes`` (a hold that a worker never acknowledged counts as delivered: no revocation,
   no lease wait; and grants list no pending holds, the second line of defence, which alone already
-  hides lost pushes whenever a write takes longer than a renewal period).
+  hides lost pushes whenever a write takes longer than a renewal period),
+  ``no-lease-wait`` (a new catalog leader trusts its voters' quiet without bound, so it writes at
+  once instead of waiting out the cache leases its predecessor may have granted: a frontend still
+  under the old leader's lease serves values the new leader has already changed).
 - ``PYGMY_TEST_PUSH_DELAY=<seconds>``: every frontend worker takes that long to handle a push, as
   over a slow link. A correct build only writes more slowly; a build that lets a write become
   readable before its hold arrives shows old values for that long, so a short run catches it.
 - ``PYGMY_TEST_PUSH_FAULT=<file>`` with ``PYGMY_TEST_PUSH_FAULT_SERVICE=frontend-1``: while the file
   exists, that frontend's workers swallow every push from the catalog (no answer: the catalog's push
   times out, as if the packets were dropped one way), while their renewals and reads go on.
+- ``PYGMY_TEST_RENEW_FAULT=<file>`` with ``PYGMY_TEST_RENEW_FAULT_SERVICE=frontend-1``: while the file
+  exists, that frontend's workers renew no lease (as if they could reach no catalog replica): each
+  keeps the lease it has until it runs out, and serves its cache meanwhile.
+- ``PYGMY_TEST_CACHE_LEASE=<seconds>``: the catalog grants cache leases that long instead of 0.4 s
+  (a new catalog leader waits out that much less its voters' quiet), so a test can make the window
+  a lease covers longer than a failover takes.
 - ``PYGMY_TEST_CRASH_UNPERSISTED=<file>``: when the file names a tier (``catalog``/``order``), the
   next leader of that tier to send appends of entries it has not yet written (``Ready.send_first``)
   deletes the file and SIGKILLs its own process group right there, between the send and its write.
@@ -66,6 +75,8 @@ def _mutate(name: str) -> None:
         subscribe = inv.Invalidator.subscribe
         inv.Invalidator._revoke = lambda self, failed, targets: 0.0
         inv.Invalidator.subscribe = lambda self, sid, url: {**subscribe(self, sid, url), "holds": []}
+    elif name == "no-lease-wait":
+        ReplicaNode.vote_quiet_s = lambda self: 3600.0
     elif name == "stale-leader":
         os.environ["PYGMY_RAFT_CHECK_QUORUM"] = "0"  # a leader cut off from its peers never steps down
 
@@ -96,6 +107,30 @@ def _push_fault(flag: str | None, service: str, delay: float) -> None:
         apply_push(self, body)
 
     Subscription.apply_push = faulty
+
+
+def _renew_fault(flag: str, service: str) -> None:
+    from frontend.subscription import Subscription
+
+    renew = Subscription.renew
+
+    def faulty(self):  # type: ignore[no-untyped-def]
+        if self.id.startswith(service + "/") and os.path.exists(flag):
+            return False
+        return renew(self)
+
+    Subscription.renew = faulty
+
+
+def _cache_lease(seconds: float) -> None:
+    import catalog.invalidation as inv
+
+    init = inv.Invalidator.__init__
+
+    def with_lease(self, node, secret, lease=seconds):  # type: ignore[no-untyped-def]
+        init(self, node, secret, lease)
+
+    inv.Invalidator.__init__ = with_lease
 
 
 def _drop_confirms(flag: str) -> None:
@@ -202,6 +237,10 @@ if os.environ.get("PYGMY_TEST_CRASH_MID_SNAPSHOT"):
     _crash_mid_snapshot(os.environ["PYGMY_TEST_CRASH_MID_SNAPSHOT"])
 if os.environ.get("PYGMY_TEST_CRASH_UNPERSISTED"):
     _crash_unpersisted(os.environ["PYGMY_TEST_CRASH_UNPERSISTED"])
+if os.environ.get("PYGMY_TEST_RENEW_FAULT"):
+    _renew_fault(os.environ["PYGMY_TEST_RENEW_FAULT"], os.environ.get("PYGMY_TEST_RENEW_FAULT_SERVICE", "frontend-1"))
+if os.environ.get("PYGMY_TEST_CACHE_LEASE"):
+    _cache_lease(float(os.environ["PYGMY_TEST_CACHE_LEASE"]))
 if os.environ.get("PYGMY_TEST_DROP_CONFIRMS"):
     _drop_confirms(os.environ["PYGMY_TEST_DROP_CONFIRMS"])
 if os.environ.get("PYGMY_TEST_HOLD_DECREMENTS"):

@@ -8,13 +8,17 @@ counter). The same load against a deliberately broken build (a test-only mutatio
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from harness import Cluster, cluster_env, start_cluster
 
+from experiments import harness as h
 from experiments import lincheck
 from experiments.linearizability import Verdict, run_and_check
 
@@ -130,3 +134,58 @@ def test_lost_pushes_to_one_frontend_hide_no_write(make_cluster, tmp_path: Path,
         assert v.ok, v.summary() + "\n" + v.result.output
     else:
         assert not v.result.ok, f"{mutation}: stale reads under lost pushes not caught: {v.summary()}"
+
+
+#: Cache leases of 1 s: longer than a failover takes to let a write through (about 0.5 s: an
+#: election, then a router's first look elsewhere 0.25 s into a stalled request), so a new leader
+#: that did not wait them out would be seen.
+LONG_LEASES = {"PYGMY_TEST_CACHE_LEASE": "1.0"}
+
+#: Writes few enough that a book is often cached with no write of it in flight when its leader
+#: stops (a write in flight holds its book in every cache until a new lease flushes them).
+FAILOVER_LOAD = {"items": [1, 2, 3], "writers": 3, "readers": 8, "buyers": 2, "write_pause": 0.3}
+
+
+def catalog_leader_pauses(c: Cluster, flag: Path, pauses: int, pause: float = 1.2,
+                          gap: float = 0.6) -> threading.Thread:
+    """SIGSTOP the catalog leader's process group for ``pause`` s, ``pauses`` times, on a thread of
+    its own, with ``flag`` there meanwhile; every stopped group is continued, whatever happens."""
+
+    def run() -> None:
+        for _ in range(pauses):
+            group = c.process_groups()[h.leader(c, "catalog")]
+            os.killpg(group, signal.SIGSTOP)
+            flag.touch()
+            try:
+                time.sleep(pause)
+            finally:
+                os.killpg(group, signal.SIGCONT)
+                flag.unlink(missing_ok=True)
+            time.sleep(gap)
+
+    t = threading.Thread(target=run, name="leader-pauses")
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("mutation", [None, "no-lease-wait"])
+def test_a_new_catalog_leader_writes_only_once_old_cache_leases_are_over(make_cluster, tmp_path: Path,
+                                                                         mutation: str | None) -> None:
+    """The catalog leader is SIGSTOPped eight times under load, and each time a new one is elected
+    while frontend-1's workers, which cannot renew meanwhile (as if cut off from the new leader),
+    still hold the old leader's leases and serve their caches. The new leader's wait
+    (docs/architecture.md, case 3) keeps every read linearizable; a build that skips it is caught."""
+    flag = tmp_path / "renew-fault"
+    env = dict(LONG_LEASES, PYGMY_TEST_RENEW_FAULT=str(flag), **({"PYGMY_MUTATION": mutation} if mutation else {}))
+    c = make_cluster(**env)
+    pauses = catalog_leader_pauses(c, flag, pauses=8)
+    try:
+        v = run_and_check(urls(c), c.admin_token(), 16, tmp_path / "history.json", **FAILOVER_LOAD)
+    finally:
+        pauses.join(60)
+    assert not pauses.is_alive()
+    if mutation is None:
+        assert_enough_work(v, reads=150, updates=20, buys=5)
+        assert v.ok, v.summary() + "\n" + v.result.output
+    else:
+        assert not v.result.ok, f"{mutation}: stale reads across catalog failovers not caught: {v.summary()}"
