@@ -171,6 +171,7 @@ class AdmissionWorker(ThreadWorker):
     def _deliver(self, conn: TConn, closing: bool, answer: bytes, deferred: bool = True) -> None:
         """Send ``answer`` on ``conn`` and give the connection back to the poller for its next
         request (or close it). Any thread; a deferred answer's count goes down here."""
+        closing = closing or not self.alive  # ``_done`` closes it then: a stopping worker keeps nothing
         if closing:
             answer = said_closing(answer)
         try:

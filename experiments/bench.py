@@ -78,8 +78,8 @@ def run(settings: h.Settings) -> dict[str, Any]:
                                 "paired": _paired_lookups(c, settings.size(5, 3, 1), max(30, n // 3), bl["clients"],
                                                           bl["duration_s"])}
         out["buy_3"] = _sequential(c, "buy", n)
-        with c.client() as cl:
-            out["buy_3"]["paired"] = baseline.paired_p50(lambda i: cl.buy(1 + i % 7), settings.size(5, 5, 1),
+        with c.client() as buyer:
+            out["buy_3"]["paired"] = baseline.paired_p50(lambda i: buyer.buy(1 + i % 7), settings.size(5, 5, 1),
                                                          max(10, n // 5))
         out["invalidation_1fe"] = _invalidation(c, n)
         windows: dict[str, list[float]] = {}

@@ -99,6 +99,7 @@ def test_pipelined_partial_and_closing_requests_are_each_answered_once(full_writ
         status, headers, _, rest = read_answer(sock)
         assert status == 503 and rest == b""
         assert headers.get("connection") == "close", "the answer did not say the connection closes"
+        assert "server" not in headers, "refused by a pool thread, not by the event loop"
         assert sock.recv(100) == b"", "a refused request that asked to close left its connection open"
 
 

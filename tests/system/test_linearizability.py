@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -146,22 +145,29 @@ LONG_LEASES = {"PYGMY_TEST_CACHE_LEASE": "1.0"}
 FAILOVER_LOAD = {"items": [1, 2, 3], "writers": 3, "readers": 8, "buyers": 2, "write_pause": 0.3}
 
 
-def catalog_leader_pauses(c: Cluster, flag: Path, pauses: int, pause: float = 1.2,
+def catalog_term(c: Cluster) -> int:
+    return max(int(r.get("term", 0)) for r in h.tier_status(c, "catalog")["replicas"])
+
+
+def catalog_leader_pauses(c: Cluster, flag: Path, pauses: int, stop: threading.Event, pause: float = 1.2,
                           gap: float = 0.6) -> threading.Thread:
-    """SIGSTOP the catalog leader's process group for ``pause`` s, ``pauses`` times, on a thread of
-    its own, with ``flag`` there meanwhile; every stopped group is continued, whatever happens."""
+    """SIGSTOP the catalog leader's process group for ``pause`` s, ``pauses`` times (or until
+    ``stop``), on a thread of its own, with ``flag`` there meanwhile; every stopped group is
+    continued and the flag removed, whatever happens."""
 
     def run() -> None:
         for _ in range(pauses):
+            if stop.is_set():
+                return
             group = c.process_groups()[h.leader(c, "catalog")]
-            os.killpg(group, signal.SIGSTOP)
-            flag.touch()
             try:
-                time.sleep(pause)
+                os.killpg(group, signal.SIGSTOP)
+                flag.touch()
+                stop.wait(pause)
             finally:
                 os.killpg(group, signal.SIGCONT)
                 flag.unlink(missing_ok=True)
-            time.sleep(gap)
+            stop.wait(gap)
 
     t = threading.Thread(target=run, name="leader-pauses")
     t.start()
@@ -178,12 +184,17 @@ def test_a_new_catalog_leader_writes_only_once_old_cache_leases_are_over(make_cl
     flag = tmp_path / "renew-fault"
     env = dict(LONG_LEASES, PYGMY_TEST_RENEW_FAULT=str(flag), **({"PYGMY_MUTATION": mutation} if mutation else {}))
     c = make_cluster(**env)
-    pauses = catalog_leader_pauses(c, flag, pauses=8)
+    term, stop = catalog_term(c), threading.Event()
+    pauses = catalog_leader_pauses(c, flag, pauses=8, stop=stop)
     try:
         v = run_and_check(urls(c), c.admin_token(), 16, tmp_path / "history.json", **FAILOVER_LOAD)
+        pauses.join(30)
     finally:
-        pauses.join(60)
+        stop.set()
+        pauses.join(30)
     assert not pauses.is_alive()
+    # Each pause outlasts an election: eight new catalog leaders at least, or the run proved little.
+    assert catalog_term(c) >= term + 8, f"catalog term {term} -> {catalog_term(c)}: too few failovers"
     if mutation is None:
         assert_enough_work(v, reads=150, updates=20, buys=5)
         assert v.ok, v.summary() + "\n" + v.result.output
