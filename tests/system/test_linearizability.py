@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -94,20 +95,32 @@ def test_the_checker_catches_a_broken_build(make_cluster, tmp_path: Path, mutati
     assert all(path.exists() for path in v.result.html.values()) and v.result.html
 
 
-def push_fault_windows(flag: Path, windows: int, fault: float = 0.6, clear: float = 0.3) -> threading.Thread:
-    """Toggle the one-way push fault on frontend-1 ``windows`` times, on a thread of its own."""
-    stop = threading.Event()
+def fault_windows(windows: int, begin: Callable[[], Callable[[], None]], hold: float, gap: float,
+                  stop: threading.Event | None = None) -> threading.Thread:
+    """``windows`` times, on a thread of its own: ``begin()`` a fault, wait ``hold`` s, end it (the
+    function ``begin`` returned: called whatever happens), wait ``gap`` s. ``stop`` ends it early."""
+    stop = stop or threading.Event()
 
     def run() -> None:
         for _ in range(windows):
-            flag.touch()
-            stop.wait(fault)
-            flag.unlink(missing_ok=True)
-            stop.wait(clear)
+            if stop.is_set():
+                return
+            end = begin()
+            try:
+                stop.wait(hold)
+            finally:
+                end()
+            stop.wait(gap)
 
-    t = threading.Thread(target=run, name="push-fault")
+    t = threading.Thread(target=run, name="fault-windows")
     t.start()
     return t
+
+
+def push_fault_windows(flag: Path, windows: int, fault: float = 0.6, clear: float = 0.3) -> threading.Thread:
+    """Toggle the one-way push fault on frontend-1 ``windows`` times."""
+    flag_down = partial(flag.unlink, missing_ok=True)
+    return fault_windows(windows, lambda: (flag.touch(), flag_down)[1], fault, clear)
 
 
 @pytest.mark.parametrize("mutation", [None, "ignore-lost-pushes"])
@@ -151,27 +164,25 @@ def catalog_term(c: Cluster) -> int:
 
 def catalog_leader_pauses(c: Cluster, flag: Path, pauses: int, stop: threading.Event, pause: float = 1.2,
                           gap: float = 0.6) -> threading.Thread:
-    """SIGSTOP the catalog leader's process group for ``pause`` s, ``pauses`` times (or until
-    ``stop``), on a thread of its own, with ``flag`` there meanwhile; every stopped group is
-    continued and the flag removed, whatever happens."""
+    """SIGSTOP the catalog leader's process group for ``pause`` s, ``pauses`` times, with ``flag``
+    there meanwhile; every stopped group is continued and the flag removed."""
 
-    def run() -> None:
-        for _ in range(pauses):
-            if stop.is_set():
-                return
-            group = c.process_groups()[h.leader(c, "catalog")]
-            try:
-                os.killpg(group, signal.SIGSTOP)
-                flag.touch()
-                stop.wait(pause)
-            finally:
-                os.killpg(group, signal.SIGCONT)
-                flag.unlink(missing_ok=True)
-            stop.wait(gap)
+    def begin() -> Callable[[], None]:
+        group = c.process_groups()[h.leader(c, "catalog")]
 
-    t = threading.Thread(target=run, name="leader-pauses")
-    t.start()
-    return t
+        def end() -> None:
+            os.killpg(group, signal.SIGCONT)
+            flag.unlink(missing_ok=True)
+
+        try:
+            os.killpg(group, signal.SIGSTOP)
+            flag.touch()
+        except BaseException:
+            end()
+            raise
+        return end
+
+    return fault_windows(pauses, begin, pause, gap, stop)
 
 
 @pytest.mark.parametrize("mutation", [None, "no-lease-wait"])
