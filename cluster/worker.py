@@ -81,7 +81,8 @@ def _request_head(data: bytes) -> tuple[bytes, bytes, dict[bytes, bytes], int] |
 
 def asks_to_close(headers: dict[bytes, bytes]) -> bool:
     """Whether the request's ``Connection`` header lists ``close`` (a list of tokens, any case)."""
-    return b"close" in (token.strip() for token in headers.get(b"connection", b"").lower().split(b","))
+    value = headers.get(b"connection")  # absent from most requests: nothing to split then
+    return value is not None and b"close" in (token.strip() for token in value.lower().split(b","))
 
 
 def said_closing(answer: bytes) -> bytes:

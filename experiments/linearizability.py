@@ -178,8 +178,11 @@ class Workload:
                 # frontend worker's event loop takes it (cluster/worker.py); Requests sends a JSON body
                 # after the headers, so the others go through the Flask route. Both are in the history.
                 body = {"json": {"quantity": 1}} if i % 2 else {}
+                # One in four asks to close its connection: the event loop's answer then says so
+                # (cluster/worker.py ``said_closing``), and the session opens a new one.
+                close = {"Connection": "close"} if i % 4 == 2 else {}
                 r = self._call(s, "POST", f"{self._url(k, i)}/buy/{item}", **body,
-                               headers={"Idempotency-Key": f"lin-{uuid.uuid4().hex}"})
+                               headers={"Idempotency-Key": f"lin-{uuid.uuid4().hex}", **close})
                 if r is None or r.status_code >= 500:
                     self.history.unknown(op)
                     continue
