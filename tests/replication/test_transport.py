@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from cluster.local import free_port_base
 from replication.transport import (
     Channel,
     FrameClient,
@@ -275,15 +276,9 @@ def test_a_call_stops_waiting_when_its_stall_check_says_so_and_not_before() -> N
 
 
 def _port_pair() -> int:
-    """A free port whose peer-transport port (+ 50) is free too: a replica listens on both."""
-    while True:
-        port = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 50))
-            except OSError:
-                continue
-        return port
+    """A free port whose peer-transport port (+ RAFT_PORT_OFFSET) is free too, as a replica needs:
+    the first catalog replica's HTTP port of a port base ``free_port_base`` checked."""
+    return free_port_base(replicas=1, frontends=0) + 101
 
 
 def _status_server(body: dict[str, Any]) -> Any:
