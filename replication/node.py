@@ -2,9 +2,15 @@
 
 Threads, all owned and joined by ``stop()``:
 
-- the event loop: the only thread touching the core, the log store and (for writes) the state
-  machine. It drains an inbox of peer messages and proposals, ticks every ``tick_ms``, then handles
-  the core's ``Ready``: persist (durably) -> send -> apply -> advance;
+- the event loop: runs the core's timers (ticks, sleeping until the next one falls due) and takes
+  every turn no other thread could. A *turn* drains an inbox of peer messages and proposals, ticks,
+  then handles the core's ``Ready``: persist (durably) -> send -> apply -> advance. Turns are taken
+  under one lock, the only way to touch the core, the log store and (for writes) the state machine;
+  whoever puts an input in the inbox takes the turn itself when the lock is free (``_drive``), so
+  a proposal, an append and its answer are handled on the thread that brought them, not handed to
+  the loop thread and woken there (a hand-off each). A thread that finds the lock taken leaves its
+  input to the holder, which looks at the inbox again once it lets go, so concurrent inputs still
+  share one turn (one append, one synced write);
 - one sender per peer: coalesces queued messages into one frame on a long-lived connection
   (``replication.transport``; drops on error: Raft retransmits), and streams snapshots to that
   peer in chunks (``replication.snapshots``);
@@ -15,7 +21,6 @@ Threads, all owned and joined by ``stop()``:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import queue
@@ -47,6 +52,9 @@ log = logging.getLogger("pygmy.replication")
 LEADER_READ_WAIT = 0.25
 #: First wait before reloading after a fault; doubles up to 1 s, back to this once working again.
 _FAULT_BACKOFF_MIN = 0.05
+#: Turns one thread takes in a row for inputs that keep arriving before it leaves the rest to the
+#: loop thread: a frame reader or a proposer lends itself to the node only for a while.
+_INLINE_TURNS = 3
 
 COMMIT_SECONDS = Histogram(
     "pygmy_replica_commit_seconds", "Time from a proposal on the leader to its commit and local apply",
@@ -355,6 +363,17 @@ class ReplicaNode:
         #: (kind, value, when it arrived): ticks that fell due before an input arrived are handled
         #: before it (``_loop``), so a timer counts only time that passed after it.
         self._inbox: queue.Queue[tuple[str, Any, float]] = queue.Queue()
+        #: Held for a turn (``_turn``): whoever holds it owns the core, the log store and the applier.
+        self._core_lock = threading.Lock()
+        self._turn_thread: int | None = None  # the thread taking a turn (propose() must not be it)
+        #: Wakes the loop thread: a stop, an error in a turn, a timer made earlier by another thread's
+        #: turn, or inputs a busy thread left to it.
+        self._wake = threading.Event()
+        self._loop_sleeps_until = 0.0  # the loop thread's next timer (monotonic), as it last saw it
+        self._wake_at = 0.0  # when the core's next timer falls due, as of the last turn
+        #: A turn's error, for the loop thread to handle (a fault, then a reload from disk); no other
+        #: thread takes a turn while it is set.
+        self._broken: BaseException | None = None
         self._next_tick = 0.0  # when (monotonic) the core's next tick falls due
         self._proposals: dict[int, _Proposal] = {}
         self._apply_cond = threading.Condition()
@@ -441,6 +460,7 @@ class ReplicaNode:
         if self._started:
             return
         self._started = True
+        self._next_tick = time.monotonic() + self.config.tick_ms / 1000.0
         self._server = FrameServer(*self._listen, self.secret, self._channels, name=self.name)
         self._server.start()
         for s in self._senders.values():
@@ -457,6 +477,7 @@ class ReplicaNode:
             if self._server is not None:
                 self._server.stop()
             self._inbox.put(("stop", None, time.monotonic()))
+            self._wake.set()
             self._loop_thread.join(timeout=10)
             for s in self._senders.values():
                 s.queue.put(None)
@@ -465,36 +486,43 @@ class ReplicaNode:
             self._notify.put(None)
             self._notify_thread.join(timeout=10)
         self._read_index.session.close()
-        while True:  # proposals that arrived after the loop ended
-            try:
-                kind, value, _ = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if kind == "propose":
-                value.finish(error=ProposalTimeout(f"{self.name} stopped"))
-        for p in list(self._proposals.values()):
-            p.finish(error=ProposalTimeout(f"{self.name} stopped"))
-        self._proposals.clear()
-        with self._apply_cond:
-            self._apply_cond.notify_all()
-        self._incoming.close()
-        self.store.close()
+        # A turn another thread began before the stop ends first (one stuck in a disk write is not
+        # waited for longer than the loop thread was); none begins after: they check _stopping.
+        locked = self._core_lock.acquire(timeout=10)
+        try:
+            while True:  # proposals that arrived after the loop ended
+                try:
+                    kind, value, _ = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "propose":
+                    value.finish(error=ProposalTimeout(f"{self.name} stopped"))
+            for p in list(self._proposals.values()):
+                p.finish(error=ProposalTimeout(f"{self.name} stopped"))
+            self._proposals.clear()
+            with self._apply_cond:
+                self._apply_cond.notify_all()
+            self._incoming.close()
+            self.store.close()
+        finally:
+            if locked:
+                self._core_lock.release()
 
     # -- public API ------------------------------------------------------------------------------
     def propose(self, command: dict[str, Any], timeout: float) -> Any:
         """Replicate ``command``; returns ``state_machine.apply``'s result once committed and applied
         here. Raises NotLeader (not written), or ProposalTimeout (outcome unknown)."""
-        if threading.current_thread() is self._loop_thread:
-            raise RuntimeError("propose() called from the replication thread (e.g. an apply listener)")
+        if threading.current_thread() is self._loop_thread or self._turn_thread == threading.get_ident():
+            raise RuntimeError("propose() called from a replication turn (e.g. an apply listener)")
         if self._stopping.is_set() or not self._started:
             raise ProposalTimeout(f"{self.name} is not running")
         if not self.is_leader():
             raise NotLeader(*(self.leader() or (None, None)))
         prop = _Proposal(command)
         started = time.perf_counter()
-        self._inbox.put(("propose", prop, time.monotonic()))
+        self._submit("propose", prop)
         if not prop.done.wait(timeout):
-            self._inbox.put(("forget", prop, time.monotonic()))
+            self._submit("forget", prop)
             prop.settled.wait(1.0)  # the loop answers in a tick; a stalled loop leaves it unknown
             raise ProposalTimeout(f"{self.name}: not committed within {timeout:.3g}s",
                                   index=(prop.index or None) if prop.settled.is_set() else None)
@@ -621,8 +649,9 @@ class ReplicaNode:
         self._leader_listeners.append(cb)
 
     def add_apply_listener(self, cb: Callable[[int, Any, Any], None]) -> None:
-        """``cb(index, command, result)`` after each applied command (not no-ops), on the event-loop
-        thread before the proposer is answered; it must be quick and must not call ``propose``."""
+        """``cb(index, command, result)`` after each applied command (not no-ops), in the turn that
+        applied it (on whichever thread took it) before the proposer is answered; it must be quick
+        and must not call ``propose``."""
         self._apply_listeners.append(cb)
 
     # -- HTTP ------------------------------------------------------------------------------------
@@ -675,34 +704,70 @@ class ReplicaNode:
                 snaps[0].payload = path
                 msgs.append(snaps[0])
         if msgs:
-            self._inbox.put(("msgs", msgs, time.monotonic()))
+            self._submit("msgs", msgs)
 
     # -- event loop ------------------------------------------------------------------------------
+    def _submit(self, kind: str, value: Any) -> None:
+        """Put an input in the inbox (stamped with when it arrived) and see it handled."""
+        self._inbox.put((kind, value, time.monotonic()))
+        self._drive()
+
+    def _drive(self) -> None:
+        """Take the next turn on this thread if nobody holds the core; if somebody does, it looks at
+        the inbox again once it lets go, so the input is not left behind. After a few turns in a row
+        (inputs keep coming), or while the node stops or recovers from a fault, the loop thread
+        takes over."""
+        for _ in range(_INLINE_TURNS):
+            if self._inbox.empty():
+                return
+            if not self._core_lock.acquire(blocking=False):
+                return
+            try:
+                if self._broken is not None or self._stopping.is_set():
+                    break
+                self._turn_thread = threading.get_ident()
+                self._turn()
+                if self._wake_at < self._loop_sleeps_until:
+                    self._wake.set()  # e.g. elected: its heartbeats fall due before what the loop waits for
+            except Exception as exc:
+                self._broken = exc
+                break
+            finally:
+                self._turn_thread = None
+                self._core_lock.release()
+        self._wake.set()
+
     def _run(self) -> None:
-        """The event loop, supervised: an error in it (a full disk, any bug) never leaves a replica
-        up with a frozen view. The node drops its in-memory state, as a crash would, and reloads
-        from disk after a backoff; Raft is built to survive exactly that. It retries until the
-        fault clears (space returns), then catches up as after a restart."""
+        """The event loop, supervised: an error in a turn, on any thread (a full disk, any bug),
+        never leaves a replica up with a frozen view. The node drops its in-memory state, as a crash
+        would, and reloads from disk after a backoff; Raft is built to survive exactly that. It
+        retries until the fault clears (space returns), then catches up as after a restart. Other
+        threads take no turn meanwhile (``_broken``); their inputs wait in the inbox."""
         while True:
             try:
                 self._loop()
                 return
             except Exception as exc:
-                self._enter_fault(exc)
+                with self._core_lock:
+                    self._broken = exc
+                    self._enter_fault(exc)
             while True:
                 if self._stopping.wait(self._fault_backoff):
                     return
                 self._fault_backoff = min(self._fault_backoff * 2, 1.0)
                 try:
-                    self.core = self._load_core()
-                    self._caught_up = False
-                    self._refresh_view()
+                    with self._core_lock:
+                        self.core = self._load_core()
+                        self._caught_up = False
+                        self._refresh_view()
+                        self._broken = None
                     break
                 except Exception as exc:
-                    self._enter_fault(exc)
+                    with self._core_lock:
+                        self._enter_fault(exc)
             log.warning("%s: reloaded from disk after a fault; rejoining as a follower", self.name)
 
-    def _enter_fault(self, exc: Exception) -> None:
+    def _enter_fault(self, exc: BaseException) -> None:
         first = self.fault is None
         self.fault = describe(exc) if is_storage_fault(exc) else f"replication loop error: {type(exc).__name__}: {exc}"
         self.faults += 1
@@ -719,41 +784,48 @@ class ReplicaNode:
             self._notify.put((False, int(self._view.get("term", 0))))
 
     def _loop(self) -> None:
+        """Turns whenever the core's next timer falls due (an idle replica wakes at its heartbeats,
+        not every tick) or another thread wakes it; raises the error of a turn taken elsewhere."""
         tick_s = self.config.tick_ms / 1000.0
-        self._next_tick = time.monotonic() + tick_s
-        fault_grace_s = self.config.election_ticks_max * tick_s
-        while True:
-            # Sleep until the core's next timer, not the next tick (an idle replica wakes at its
-            # heartbeats); ticks that fell due meanwhile are caught up below, in order.
-            wake_at = self._next_tick + (self.core.ticks_until_timer() - 1) * tick_s
-            timeout = max(0.0, wake_at - time.monotonic())
+        with self._core_lock:
+            self._next_tick = time.monotonic() + tick_s
+        while not self._stopping.is_set():
+            with self._core_lock:
+                if self._broken is not None:
+                    raise self._broken
+                self._wake.clear()  # under the lock: a wake after this is seen below
+                self._turn()
+                self._loop_sleeps_until = self._wake_at
+            if not self._inbox.empty():
+                continue  # left by a thread that found the lock taken
+            self._wake.wait(max(0.0, self._loop_sleeps_until - time.monotonic()))
+
+    def _turn(self) -> None:
+        """With the core lock held: every input queued so far (each after the ticks that fell due
+        before it arrived), the ticks due now, then the core's ``Ready``."""
+        tick_s = self.config.tick_ms / 1000.0
+        for _ in range(10_000):
             try:
-                item: tuple[str, Any, float] | None = self._inbox.get(timeout=timeout)
+                item = self._inbox.get_nowait()
             except queue.Empty:
-                item = None
-            handled = 0
-            while item is not None:
-                # The ticks due before an input arrived come first: a follower that slept through
-                # ten ticks and then hears from its leader must count none of them after hearing,
-                # or it would vote for a successor while that leader's lease still holds.
-                self._tick_until(item[2])
-                if not self._handle_input(item):
-                    return
-                handled += 1
-                item = None
-                if handled < 10_000:
-                    with contextlib.suppress(queue.Empty):
-                        item = self._inbox.get_nowait()
-            now = time.monotonic()
-            self._tick_until(now)
-            self._process_ready(self._next_tick - tick_s)
-            if self.fault is not None and self._caught_up and now - self._fault_at >= fault_grace_s:
-                # Only once it has caught up with a leader (or leads), which takes writing what it
-                # missed, and an election timeout without a new fault: a follower with a full disk
-                # that merely had nothing to write for a while is not working again.
-                log.warning("%s: working again after %s", self.name, self.fault)
-                self.fault = None
-                self._fault_backoff = _FAULT_BACKOFF_MIN
+                break
+            # The ticks due before an input arrived come first: a follower that slept through ten
+            # ticks and then hears from its leader must count none of them after hearing, or it
+            # would vote for a successor while that leader's lease still holds.
+            self._tick_until(item[2])
+            if not self._handle_input(item):
+                break
+        now = time.monotonic()
+        self._tick_until(now)
+        self._process_ready(self._next_tick - tick_s)
+        self._wake_at = self._next_tick + (self.core.ticks_until_timer() - 1) * tick_s
+        if self.fault is not None and self._caught_up and now - self._fault_at >= self.config.election_ticks_max * tick_s:
+            # Only once it has caught up with a leader (or leads), which takes writing what it
+            # missed, and an election timeout without a new fault: a follower with a full disk
+            # that merely had nothing to write for a while is not working again.
+            log.warning("%s: working again after %s", self.name, self.fault)
+            self.fault = None
+            self._fault_backoff = _FAULT_BACKOFF_MIN
 
     def _tick_until(self, until: float) -> None:
         """Tick the core once for every tick due by ``until`` (monotonic). Far behind (a stall
@@ -808,10 +880,18 @@ class ReplicaNode:
             if rd.send_first:  # a leader's appends: its own disk write overlaps the followers'
                 self._send(rd.messages)
                 self._persist(rd)
-            else:
+                self._apply(rd.committed_entries)
+            elif self.core.is_leader():
+                # No new entries: what goes out tells the followers the new commit index. Their
+                # applying can wait the few microseconds of ours; the proposers waiting for it
+                # should not wait for those sends.
                 self._persist(rd)
+                self._apply(rd.committed_entries)
                 self._send(rd.messages)
-            self._apply(rd.committed_entries)
+            else:
+                self._persist(rd)  # a follower acknowledges only what is on its disk
+                self._send(rd.messages)
+                self._apply(rd.committed_entries)
             self.core.advance(rd)
             self._maybe_compact()
         self._refresh_view(tick_wall)
