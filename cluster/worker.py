@@ -26,6 +26,8 @@ threads, and a surge of buys does not fill the pool that lookups and refusals ne
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import selectors
 import socket
@@ -200,10 +202,21 @@ class AdmissionWorker(ThreadWorker):
             self.nr_conns -= 1
         conn.close()
 
+    def _signalled(self, _: Any) -> None:
+        """Empty the wakeup pipe (non-blocking: an empty pipe raises); the handler already ran."""
+        with contextlib.suppress(OSError):
+            while os.read(self.PIPE[0], 4096):
+                pass
+
     def run(self) -> None:
         """Gunicorn's loop; then, as it waits for the requests its threads still serve, wait for
         the deferred answers still owed (their work may finish within the graceful timeout)."""
         self._drained = threading.Condition(self._lock)
+        # A stop signal wakes the loop at once. Gunicorn has every signal write a byte to PIPE
+        # (``signal.set_wakeup_fd``), but gthread's poller does not watch it: a worker saw its
+        # SIGTERM only when its poll's one-second timeout ran out, so each service took a second
+        # or more to stop (every test cluster's teardown, every graceful restart).
+        self.poller.register(self.PIPE[0], selectors.EVENT_READ, self._signalled)
         try:
             super().run()
         finally:
