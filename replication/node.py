@@ -760,6 +760,9 @@ class ReplicaNode:
                         self.core = self._load_core()
                         self._caught_up = False
                         self._refresh_view()
+                        # Ticks count from now: a turn another thread takes next must not count
+                        # the backoff against the new core (an election at once).
+                        self._next_tick = time.monotonic() + self.config.tick_ms / 1000.0
                         self._broken = None
                     break
                 except Exception as exc:
@@ -794,7 +797,14 @@ class ReplicaNode:
                 if self._broken is not None:
                     raise self._broken
                 self._wake.clear()  # under the lock: a wake after this is seen below
-                self._turn()
+                try:
+                    self._turn()
+                except BaseException as exc:
+                    # Marked before the lock is let go: a half-handled Ready (entries sent, not
+                    # written) must not be built on by another thread's turn, such as an
+                    # acknowledgement counting this leader's unwritten entry towards a majority.
+                    self._broken = exc
+                    raise
                 self._loop_sleeps_until = self._wake_at
             if not self._inbox.empty():
                 continue  # left by a thread that found the lock taken
@@ -877,13 +887,13 @@ class ReplicaNode:
             self._stepped_snapshots = []
         if not rd.is_empty():
             self._commit_seen = self.core.commit
-            if rd.send_first:  # a leader's appends: its own disk write overlaps the followers'
+            if rd.send_first and rd.entries:  # a leader's appends: its disk write overlaps the followers'
                 self._send(rd.messages)
                 self._persist(rd)
                 self._apply(rd.committed_entries)
-            elif self.core.is_leader():
-                # No new entries: what goes out tells the followers the new commit index. Their
-                # applying can wait the few microseconds of ours; the proposers waiting for it
+            elif rd.send_first:
+                # A leader's Ready without entries: what goes out tells the followers the new
+                # commit index. Their applying can wait for ours; the proposers waiting for ours
                 # should not wait for those sends.
                 self._persist(rd)
                 self._apply(rd.committed_entries)
