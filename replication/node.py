@@ -361,7 +361,7 @@ class ReplicaNode:
         self._seed = seed
         self.core = self._load_core()
         #: (kind, value, when it arrived): ticks that fell due before an input arrived are handled
-        #: before it (``_loop``), so a timer counts only time that passed after it.
+        #: before it (``_turn``), so a timer counts only time that passed after it.
         self._inbox: queue.Queue[tuple[str, Any, float]] = queue.Queue()
         #: Held for a turn (``_turn``): whoever holds it owns the core, the log store and the applier.
         self._core_lock = threading.Lock()
@@ -460,7 +460,7 @@ class ReplicaNode:
         if self._started:
             return
         self._started = True
-        self._next_tick = time.monotonic() + self.config.tick_ms / 1000.0
+        self._count_ticks_from_now()
         self._server = FrameServer(*self._listen, self.secret, self._channels, name=self.name)
         self._server.start()
         for s in self._senders.values():
@@ -476,8 +476,7 @@ class ReplicaNode:
         if self._started:
             if self._server is not None:
                 self._server.stop()
-            self._inbox.put(("stop", None, time.monotonic()))
-            self._wake.set()
+            self._wake.set()  # the loop thread sees _stopping; other threads take no turn now
             self._loop_thread.join(timeout=10)
             for s in self._senders.values():
                 s.queue.put(None)
@@ -729,12 +728,17 @@ class ReplicaNode:
                 self._turn()
                 if self._wake_at < self._loop_sleeps_until:
                     self._wake.set()  # e.g. elected: its heartbeats fall due before what the loop waits for
-            except Exception as exc:
-                self._broken = exc
+            except BaseException as exc:
+                self._broken = exc  # before the lock is let go, as in ``_loop``
+                if not isinstance(exc, Exception):
+                    raise
                 break
             finally:
                 self._turn_thread = None
                 self._core_lock.release()
+        else:
+            if self._inbox.empty():
+                return  # nothing left over for the loop thread
         self._wake.set()
 
     def _run(self) -> None:
@@ -760,9 +764,9 @@ class ReplicaNode:
                         self.core = self._load_core()
                         self._caught_up = False
                         self._refresh_view()
-                        # Ticks count from now: a turn another thread takes next must not count
-                        # the backoff against the new core (an election at once).
-                        self._next_tick = time.monotonic() + self.config.tick_ms / 1000.0
+                        # A turn another thread takes next must not count the backoff against the
+                        # new core (an election at once).
+                        self._count_ticks_from_now()
                         self._broken = None
                     break
                 except Exception as exc:
@@ -789,9 +793,6 @@ class ReplicaNode:
     def _loop(self) -> None:
         """Turns whenever the core's next timer falls due (an idle replica wakes at its heartbeats,
         not every tick) or another thread wakes it; raises the error of a turn taken elsewhere."""
-        tick_s = self.config.tick_ms / 1000.0
-        with self._core_lock:
-            self._next_tick = time.monotonic() + tick_s
         while not self._stopping.is_set():
             with self._core_lock:
                 if self._broken is not None:
@@ -823,8 +824,7 @@ class ReplicaNode:
             # ticks and then hears from its leader must count none of them after hearing, or it
             # would vote for a successor while that leader's lease still holds.
             self._tick_until(item[2])
-            if not self._handle_input(item):
-                break
+            self._handle_input(item)
         now = time.monotonic()
         self._tick_until(now)
         self._process_ready(self._next_tick - tick_s)
@@ -836,6 +836,11 @@ class ReplicaNode:
             log.warning("%s: working again after %s", self.name, self.fault)
             self.fault = None
             self._fault_backoff = _FAULT_BACKOFF_MIN
+
+    def _count_ticks_from_now(self) -> None:
+        """The first tick falls due one tick from now: at start, and for a core reloaded after a
+        fault (before any turn: ``_tick_until`` would count the time before as ticks)."""
+        self._next_tick = time.monotonic() + self.config.tick_ms / 1000.0
 
     def _tick_until(self, until: float) -> None:
         """Tick the core once for every tick due by ``until`` (monotonic). Far behind (a stall
@@ -850,7 +855,7 @@ class ReplicaNode:
         if until >= self._next_tick:
             self._next_tick = until + tick_s
 
-    def _handle_input(self, item: tuple[str, Any, float]) -> bool:
+    def _handle_input(self, item: tuple[str, Any, float]) -> None:
         kind, value, _ = item
         if kind == "msgs":
             for m in value:
@@ -870,9 +875,6 @@ class ReplicaNode:
             if self._proposals.get(prop.index) is prop:
                 del self._proposals[prop.index]
             prop.settled.set()
-        elif kind == "stop":
-            return False
-        return True
 
     def _leader_tuple(self) -> tuple[str, str] | None:
         name = self.core.leader
