@@ -356,8 +356,9 @@ def json_body(required: bool = False) -> dict[str, Any]:
 
 def json_object(raw: bytes, required: bool = False) -> dict[str, Any]:
     """``raw`` as a JSON object, read as Flask reads a body; 400 for anything else (``json_body``;
-    the frontend's event loop reads a buy's body with it too)."""
-    if not raw.strip():
+    the frontend's event loop reads a buy's body with it too). Only a body of no bytes is empty:
+    one of whitespace is not JSON, and must not buy a book as an empty one does."""
+    if not raw:
         if required:
             fail(400, "a JSON object body is required")
         return {}
