@@ -6,12 +6,12 @@ node never forgetting a vote or an acknowledged entry. One transaction per ``Rea
 
 from __future__ import annotations
 
-import json
 import sqlite3
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from replication import codec
 from replication.core import Entry, HardState
 from replication.storage import transaction
 
@@ -72,7 +72,7 @@ class LogStore:
         for idx, term, command in rows:
             if idx != expected:
                 break  # a gap can only follow a crash mid-way; keep the contiguous prefix
-            entries.append(Entry(idx, term, None if command is None else json.loads(command)))
+            entries.append(Entry(idx, term, None if command is None else codec.loads(command)))
             expected += 1
         return PersistedState(hs, snap, entries, installing)
 
@@ -96,7 +96,7 @@ class LogStore:
         if hard_state is None and not entries and truncate_from is None and snapshot is None:
             return  # a Ready with only messages (heartbeats): no transaction, no sync
         c = self._conn
-        rows = [(e.index, e.term, None if e.command is None else json.dumps(e.command, separators=(",", ":")))
+        rows = [(e.index, e.term, None if e.command is None else codec.dumps_text(e.command))
                 for e in entries]
         with transaction(c):
             if snapshot is not None:

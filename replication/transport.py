@@ -3,7 +3,7 @@
 Why not HTTP: a Raft round or a cache hold over Flask + Requests cost about a millisecond of CPU per
 message on each side (Werkzeug parsing, Requests' session machinery, a thread hand-off per request),
 and a buy made a dozen such hops; an idle cluster spent half a core on heartbeats and lease renewals.
-A frame on an open connection costs a ``json.dumps`` and one ``sendall``.
+A frame on an open connection costs an encode (``replication.codec``, orjson) and one ``sendall``.
 
 Wire format: each frame is a 4-byte big-endian length and that many bytes of UTF-8 JSON. A client
 opens with a hello frame ``{"hello": <its name>, "secret": <the cluster secret>, "channel": <c>}``;
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import json
 import logging
 import select
 import socket
@@ -32,6 +31,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
+
+from replication import codec
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def subscriber_address(url: str) -> tuple[str, int]:
 
 
 def encode(obj: Any) -> bytes:
-    data = json.dumps(obj, separators=(",", ":")).encode()
+    data = codec.dumps(obj)
     return _HEADER.pack(len(data)) + data
 
 
@@ -113,7 +114,7 @@ def read_frame(stream: Any) -> Any:
     if len(data) < length:
         raise FrameError("connection closed inside a frame")
     try:
-        return json.loads(data)
+        return codec.loads(data)
     except ValueError as exc:
         raise FrameError(f"frame is not JSON: {exc}") from None
 
