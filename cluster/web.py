@@ -12,7 +12,9 @@ from functools import wraps
 from http import HTTPStatus
 from typing import Any, NoReturn
 
+import orjson
 from flask import Flask, Request, Response, jsonify, request
+from flask.json.provider import DefaultJSONProvider
 from prometheus_client.registry import Collector
 from werkzeug.exceptions import HTTPException
 from werkzeug.http import HTTP_STATUS_CODES
@@ -263,6 +265,28 @@ def _refuse(start_response: Callable[..., Any], code: int, message: str) -> list
     return [body]
 
 
+
+_ORJSON_PASS = orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS
+
+
+class CompactJSON(DefaultJSONProvider):
+    """Flask's compact JSON (every answer, and a cache hit's body, encoded per request) through
+    orjson: ``json.dumps`` was a ninth of a frontend's CPU under the 40/40/20 mix. Keys keep their
+    order; text is UTF-8 rather than ``\\u`` escapes (the same JSON). What orjson cannot encode
+    (integers over 64 bits, lone surrogates) and any other layout go to Flask's own ``dumps``.
+    Request bodies are still read by ``json``, so what a request may say is unchanged."""
+
+    sort_keys = False
+
+    def dumps(self, obj: Any, **kwargs: Any) -> str:
+        if kwargs.keys() == {"separators"} and kwargs["separators"] == (",", ":"):
+            try:
+                return orjson.dumps(obj, default=self.default, option=_ORJSON_PASS).decode()
+            except TypeError:
+                pass
+        return super().dumps(obj, **kwargs)
+
+
 def create_base_app(name: str, extra_metrics: Callable[[], Iterable[Collector]] | None = None,
                     limits: dict[str, int] | None = None) -> Flask:
     """A Flask app whose every error, including 404/405/413/414/431 and crashes, is a JSON body.
@@ -272,12 +296,12 @@ def create_base_app(name: str, extra_metrics: Callable[[], Iterable[Collector]] 
     ids, size limits, metrics and the access log of every admitted request.
     """
     app = Flask(name)
+    app.json = CompactJSON(app)
     app.request_class = EdgeRequest
     edge = app.extensions["pygmy_edge"] = Edge(app.wsgi_app, name)
     app.wsgi_app = Admission(edge, name, limits or {})  # type: ignore[method-assign]
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY
     instrument(app, extra_metrics)
-    app.json.sort_keys = False  # type: ignore[attr-defined]
 
     @app.errorhandler(ApiError)
     def _api_error(exc: ApiError) -> Response:

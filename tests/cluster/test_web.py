@@ -102,3 +102,29 @@ def test_a_shortcut_answers_before_flask_or_passes_the_request_on() -> None:
     assert client.get("/books/8").json == {"n": 8}  # passed on to Flask
     assert seen == ["/books/7", "/books/8"]
     assert count("edge-shortcut", "/books/<int:n>", "GET", 200) == 2
+
+
+def test_answers_are_the_json_flask_would_write_compact_through_orjson() -> None:
+    """``CompactJSON``: the same values and key order as Flask's provider; what orjson cannot encode
+    (an integer over 64 bits, a lone surrogate) and other layouts fall back to Flask's own dumps."""
+    import datetime
+    import json
+
+    from flask.json.provider import DefaultJSONProvider
+
+    app = create_base_app("json-svc")
+    flask_json = DefaultJSONProvider(app)
+    flask_json.sort_keys = False
+    when = datetime.datetime(2026, 11, 25, 12, 0, tzinfo=datetime.UTC)
+    for value in ({"z": 1, "a": [1.5, None, True], "t": "RPCs f\u00fcr Dummies"}, {"n": 2**70}, ["\ud800"],
+                  {"at": when}, 1e16):
+        ours = app.json.dumps(value, separators=(",", ":"))
+        assert json.loads(ours) == json.loads(flask_json.dumps(value, separators=(",", ":")))
+        if isinstance(value, dict):
+            assert list(json.loads(ours)) == list(value)  # key order kept
+    assert app.json.dumps({"t": "\u00e9"}, separators=(",", ":")) == '{"t":"\u00e9"}'  # orjson: UTF-8
+    assert app.json.dumps({"a": 1}) == '{"a": 1}'  # no separators given: Flask's own layout
+    with app.test_request_context():
+        resp = app.json.response({"b": 2, "a": "\u00e9"})
+    assert resp.get_data() == '{"b":2,"a":"\u00e9"}\n'.encode()
+    assert resp.mimetype == "application/json"
