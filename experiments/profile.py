@@ -22,7 +22,7 @@ from pathlib import Path
 from catalog.books import synthetic
 from cluster.local import LocalCluster
 from experiments import harness as h
-from experiments.writepath import BOOKS, STOCK, TOPICS, cluster_cpu_s, warm
+from experiments.writepath import BOOKS, STOCK, TOPICS, cache_counters, cluster_cpu_s, warm
 
 LOADS = {"buy": {"buy": 1.0}, "mix": {"search": 0.4, "lookup": 0.4, "buy": 0.2}, "idle": None}
 
@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
                     [spy, "record", "--nonblocking", "--gil", "--pid", str(pid), "--rate", str(a.rate), "--duration",
                      str(int(a.seconds)), "--format", "raw", "--output", f"{base}.txt"],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+        cache0 = cache_counters(c)  # the load's own hits and misses, not warm()'s nor the start's flushes
         cpu0, t0 = cluster_cpu_s(c), time.monotonic()
         load = LOADS[a.load]
         done = {}
@@ -94,8 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         wall = time.monotonic() - t0
         for _, _, proc in recorders:
             proc.wait(timeout=a.seconds + 60)
-        with c.client() as client:
-            cache = client.status()["frontend"]["cache"]
+        cache = {k: v - cache0[k] for k, v in cache_counters(c).items()}
     ops = len(done["rec"].op) if done else 0
     print(f"load {a.load}: {ops} operations in {wall:.1f} s; cluster CPU {cpu:.2f} s "
           f"({cpu / wall * 100:.0f}% of one core){f', {cpu / ops * 1000:.2f} ms per operation' if ops else ''}")

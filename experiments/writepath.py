@@ -73,7 +73,7 @@ def warm(c: LocalCluster, rounds: int = 4) -> None:
         list(pool.map(read, range(8)))
 
 
-def _cache(c: LocalCluster) -> dict[str, int]:
+def cache_counters(c: LocalCluster) -> dict[str, int]:
     """The frontend's cache counters (every worker), to tell how many reads each load missed."""
     with c.client() as cl:
         cache = cl.status()["frontend"]["cache"]
@@ -81,12 +81,12 @@ def _cache(c: LocalCluster) -> dict[str, int]:
 
 
 def _load(c: LocalCluster, mix: dict[str, float], duration: float, procs: int, threads: int) -> dict[str, Any]:
-    cache0 = _cache(c)
+    cache0 = cache_counters(c)
     cpu0 = cluster_cpu_s(c)
     rec = h.run_load(c.url, procs, mix, duration=duration, items=BOOKS, threads=threads,
                      topics=tuple(f"topic {t}" for t in range(TOPICS)))
     cpu = cluster_cpu_s(c) - cpu0
-    cache = {k: v - cache0[k] for k, v in _cache(c).items()}
+    cache = {k: v - cache0[k] for k, v in cache_counters(c).items()}
     buys = int(rec.select("buy").sum())
     return {"ops_per_s": rec.throughput(), "buys_per_s": rec.throughput("buy"), "buys": buys,
             "errors": rec.errors(), "buy": rec.stats("buy"), "all": rec.stats(),
