@@ -61,10 +61,14 @@ def pygmy(*args: str, env: dict[str, str] | None = None, timeout: float = 60) ->
 
 
 class LocalCluster:
-    def __init__(self, data_dir: Path, port_base: int, args: list[str], env: dict[str, str] | None = None) -> None:
-        """``env`` is added to the environment of every process started here (tests' fault hooks)."""
-        self.data_dir, self.port_base, self.args = data_dir, port_base, args
+    def __init__(self, data_dir: Path, port_base: int, args: list[str], env: dict[str, str] | None = None,
+                 root: Path = ROOT) -> None:
+        """``env`` is added to the environment of every process started here (tests' fault hooks);
+        ``root`` is the checkout whose code the services run (another version, for ``experiments.ab``)."""
+        self.data_dir, self.port_base, self.args, self.root = data_dir, port_base, args, root
         self.env = dict(env or {})
+        if root != ROOT:
+            self.env["PYTHONPATH"] = str(root)  # its packages, not this checkout's installed ones
         self.url = f"http://127.0.0.1:{port_base}"
         self.proc: subprocess.Popen[str] | None = None
         self._lines: queue.Queue[str] = queue.Queue()
@@ -74,7 +78,7 @@ class LocalCluster:
     def start(self, reset: bool = False, timeout: float = 60) -> LocalCluster:
         cmd = [sys.executable, "-m", "cluster.cli", "up", "--port-base", str(self.port_base),
                "--data-dir", str(self.data_dir), *self.args] + (["--reset"] if reset else [])
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        self.proc = subprocess.Popen(cmd, cwd=self.root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, **self.env})
         threading.Thread(target=self._pump, args=(self.proc,), daemon=True).start()
         deadline = time.monotonic() + timeout

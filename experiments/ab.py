@@ -1,0 +1,108 @@
+"""The same load on two versions of Pygmy, both up at once, in alternating blocks: what a change did.
+
+``python -m experiments.ab --old REV [--new REV] [--load mix|buy|sequential] [--pairs 6] [--seconds 10]``
+checks each REV out into a temporary git worktree (``--new`` defaults to this working tree, uncommitted
+changes included), starts a default cluster from each (3+3 replicas, 1,000 books, as ``writepath``),
+warms both caches, then runs the load on one and then the other, the order swapped every pair. Per
+block: requests per second and the cluster's CPU per request (every process of its services, from
+``/proc``); at the end the medians over pairs of new/old. This machine's speed drifts by 10-30% within
+minutes, more than most changes move a figure: blocks seconds apart see the same machine, so their
+ratio is worth more than two runs minutes apart (docs/performance.md).
+
+``mix`` is the 40/40/20 search/lookup/buy mix and ``buy`` the 32 buyers of ``writepath`` (4 processes x
+8 threads); ``sequential`` times one buyer's buys (p50) and its cluster's CPU per buy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from catalog.books import synthetic
+from cluster.local import ROOT, LocalCluster
+from experiments import harness as h
+from experiments.writepath import BOOKS, STOCK, TOPICS, cluster_cpu_s, warm
+
+LOADS = {"mix": {"search": 0.4, "lookup": 0.4, "buy": 0.2}, "buy": {"buy": 1.0}}
+
+
+@contextlib.contextmanager
+def checkout(rev: str | None) -> Iterator[Path]:
+    """``rev`` in a temporary worktree (removed afterwards), or this working tree for None."""
+    if rev is None:
+        yield ROOT
+        return
+    with tempfile.TemporaryDirectory(prefix="pygmy-ab-") as tmp:
+        path = Path(tmp) / "tree"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), rev], check=True,
+                       capture_output=True, timeout=60)
+        try:
+            yield path
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)],
+                           capture_output=True, timeout=60)
+
+
+def block(c: LocalCluster, load: str, seconds: float, n: int) -> dict[str, float]:
+    """One block of ``load``: throughput (or p50 for ``sequential``) and cluster CPU per operation."""
+    cpu0 = cluster_cpu_s(c)
+    if load == "sequential":
+        with c.client() as cl:
+            timed = [h.timed(lambda i=i: cl.buy(1 + i % BOOKS)) for i in range(n)]
+        return {"p50_ms": statistics.median(t for t, _ in timed) * 1000,
+                "cpu_ms": (cluster_cpu_s(c) - cpu0) / n * 1000,
+                "errors": sum(1 for _, r in timed if isinstance(r, Exception))}
+    rec = h.run_load(c.url, 4, LOADS[load], duration=seconds, items=BOOKS, threads=8,
+                     topics=tuple(f"topic {t}" for t in range(TOPICS)))
+    ops = max(1, len(rec.op))
+    return {"ops_per_s": rec.throughput(), "cpu_ms": (cluster_cpu_s(c) - cpu0) / ops * 1000,
+            "errors": rec.errors()}
+
+
+def run(old: str, new: str | None, load: str, pairs: int, seconds: float, n: int) -> dict[str, Any]:
+    settings = h.Settings(quick=True, progress=False)
+    books = synthetic(BOOKS, topics=TOPICS, stock=STOCK)
+    out: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
+    with contextlib.ExitStack() as stack:
+        roots = {"old": stack.enter_context(checkout(old)), "new": stack.enter_context(checkout(new))}
+        clusters = {k: stack.enter_context(h.cluster(settings, books=books, root=r)) for k, r in roots.items()}
+        time.sleep(2)  # let start-up settle
+        for c in clusters.values():
+            warm(c)
+        for k in range(pairs):
+            for name in ("old", "new") if k % 2 == 0 else ("new", "old"):
+                b = block(clusters[name], load, seconds, n)
+                out[name].append(b)
+                figure = f"{b['p50_ms']:.2f} ms p50" if load == "sequential" else f"{b['ops_per_s']:.0f} req/s"
+                print(f"pair {k + 1} {name}: {figure}, {b['cpu_ms']:.3f} ms CPU per operation, "
+                      f"{b['errors']:.0f} errors", flush=True)
+    key = "p50_ms" if load == "sequential" else "ops_per_s"
+    ratios = {m: [nb[m] / ob[m] for ob, nb in zip(out["old"], out["new"], strict=True)] for m in (key, "cpu_ms")}
+    for m, label in ((key, "p50" if load == "sequential" else "throughput"), ("cpu_ms", "CPU per operation")):
+        r = ratios[m]
+        print(f"new/old {label}: median {statistics.median(r):.3f} over {len(r)} pairs "
+              f"({min(r):.3f}-{max(r):.3f})")
+    return {"blocks": out, "ratios": ratios}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m experiments.ab", description=__doc__.split("\n\n")[0])
+    p.add_argument("--old", required=True, help="the revision to compare against (e.g. HEAD~1)")
+    p.add_argument("--new", help="the revision measured (default: this working tree)")
+    p.add_argument("--load", choices=[*LOADS, "sequential"], default="mix")
+    p.add_argument("--pairs", type=int, default=6)
+    p.add_argument("--seconds", type=float, default=10.0, help="length of one block of mix or buy")
+    p.add_argument("--buys", type=int, default=200, help="buys in one block of sequential")
+    a = p.parse_args(argv)
+    run(a.old, a.new, a.load, a.pairs, a.seconds, a.buys)
+
+
+if __name__ == "__main__":
+    main()
