@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from json import dumps, loads
 from typing import Any
 from urllib.parse import urlencode
 
@@ -26,6 +25,7 @@ from client.retry import RetryBudget, backoff
 from cluster.admission import timeout_header
 from cluster.logs import HEADER as REQUEST_ID_HEADER
 from cluster.logs import current_request_id
+from replication import codec
 from replication.transport import Abandoned, FrameClient, FrameError, raft_address
 
 log = logging.getLogger(__name__)
@@ -244,7 +244,7 @@ class ChannelRouter(_LeaderSeeker):
         try:
             resp = self._status_pools[name].urlopen("GET", "/status", headers=self._headers, redirect=False,
                                                     timeout=urllib3.Timeout(connect=LOOK_TIMEOUT, read=LOOK_TIMEOUT))
-            body = loads(resp.data) if resp.status == 200 else None
+            body = codec.loads(resp.data) if resp.status == 200 else None
         except (urllib3.exceptions.HTTPError, ValueError):
             return None
         return body if isinstance(body, dict) else None
@@ -353,14 +353,14 @@ class TierRouter(_LeaderSeeker):
             path = f"{path}?{urlencode(params)}"
         try:
             resp = self._pools[name].urlopen(
-                method, path, body=None if json is None else dumps(json, separators=(",", ":")), headers=all_headers,
+                method, path, body=None if json is None else codec.dumps(json), headers=all_headers,
                 timeout=urllib3.Timeout(connect=CONNECT_TIMEOUT, read=timeout), redirect=False)
         except urllib3.exceptions.HTTPError as exc:
             raise HopError(f"{name}: {type(exc).__name__}",
                            timed_out=isinstance(exc, urllib3.exceptions.ReadTimeoutError)) from exc
         self.sightings.clear(name)
         try:
-            body = loads(resp.data)
+            body = codec.loads(resp.data)
         except ValueError:
             body = {"error": {"code": resp.status, "message": resp.data[:200].decode("utf-8", "replace")}}
         return Reply(resp.status, body if isinstance(body, dict) else {"value": body}, name,
