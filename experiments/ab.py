@@ -1,6 +1,6 @@
 """The same load on two versions of Pygmy, both up at once, in alternating blocks: what a change did.
 
-``python -m experiments.ab --old REV [--new REV] [--load mix|buy|sequential] [--pairs 6] [--seconds 10]``
+``python -m experiments.ab --old REV [--new REV] [--load mix|buy|sequential|idle] [--pairs 6] [--seconds 10]``
 checks each REV out into a temporary git worktree (``--new`` defaults to this working tree, uncommitted
 changes included), starts a default cluster from each (3+3 replicas, 1,000 books, as ``writepath``),
 warms both caches, then runs the load on one and then the other, the order swapped every pair. Per
@@ -10,7 +10,9 @@ minutes, more than most changes move a figure: blocks seconds apart see the same
 ratio is worth more than two runs minutes apart (docs/performance.md).
 
 ``mix`` is the 40/40/20 search/lookup/buy mix and ``buy`` the 32 buyers of ``writepath`` (4 processes x
-8 threads); ``sequential`` times one buyer's buys (p50) and its cluster's CPU per buy.
+8 threads); ``sequential`` times one buyer's buys (p50) and its cluster's CPU per buy; ``idle`` serves
+nothing and takes the cluster's CPU per second (both clusters sit idle through each other's blocks, so
+only the block's own cluster is counted).
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ def checkout(rev: str | None) -> Iterator[Path]:
 def block(c: LocalCluster, load: str, seconds: float, n: int) -> dict[str, float]:
     """One block of ``load``: throughput (or p50 for ``sequential``) and cluster CPU per operation."""
     cpu0 = cluster_cpu_s(c)
+    if load == "idle":
+        time.sleep(seconds)
+        return {"cpu_ms": (cluster_cpu_s(c) - cpu0) / seconds * 1000, "errors": 0}
     if load == "sequential":
         with c.client() as cl:
             timed = [h.timed(lambda i=i: cl.buy(1 + i % BOOKS)) for i in range(n)]
@@ -80,12 +85,16 @@ def run(old: str, new: str | None, load: str, pairs: int, seconds: float, n: int
             for name in ("old", "new") if k % 2 == 0 else ("new", "old"):
                 b = block(clusters[name], load, seconds, n)
                 out[name].append(b)
-                figure = f"{b['p50_ms']:.2f} ms p50" if load == "sequential" else f"{b['ops_per_s']:.0f} req/s"
-                print(f"pair {k + 1} {name}: {figure}, {b['cpu_ms']:.3f} ms CPU per operation, "
-                      f"{b['errors']:.0f} errors", flush=True)
-    key = "p50_ms" if load == "sequential" else "ops_per_s"
-    ratios = {m: [nb[m] / ob[m] for ob, nb in zip(out["old"], out["new"], strict=True)] for m in (key, "cpu_ms")}
-    for m, label in ((key, "p50" if load == "sequential" else "throughput"), ("cpu_ms", "CPU per operation")):
+                figure = {"sequential": f"{b.get('p50_ms', 0):.2f} ms p50, ", "idle": ""}.get(
+                    load, f"{b.get('ops_per_s', 0):.0f} req/s, ")
+                per = "per second" if load == "idle" else "per operation"
+                print(f"pair {k + 1} {name}: {figure}{b['cpu_ms']:.3f} ms of CPU {per}, {b['errors']:.0f} errors",
+                      flush=True)
+    key = {"sequential": "p50_ms", "idle": None}.get(load, "ops_per_s")
+    measures = [(key, "p50" if load == "sequential" else "throughput")] if key else []
+    measures.append(("cpu_ms", "CPU per second" if load == "idle" else "CPU per operation"))
+    ratios = {m: [nb[m] / ob[m] for ob, nb in zip(out["old"], out["new"], strict=True)] for m, _ in measures}
+    for m, label in measures:
         r = ratios[m]
         print(f"new/old {label}: median {statistics.median(r):.3f} over {len(r)} pairs "
               f"({min(r):.3f}-{max(r):.3f})")
@@ -96,9 +105,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m experiments.ab", description=__doc__.split("\n\n")[0])
     p.add_argument("--old", required=True, help="the revision to compare against (e.g. HEAD~1)")
     p.add_argument("--new", help="the revision measured (default: this working tree)")
-    p.add_argument("--load", choices=[*LOADS, "sequential"], default="mix")
+    p.add_argument("--load", choices=[*LOADS, "sequential", "idle"], default="mix")
     p.add_argument("--pairs", type=int, default=6)
-    p.add_argument("--seconds", type=float, default=10.0, help="length of one block of mix or buy")
+    p.add_argument("--seconds", type=float, default=10.0, help="length of one block of mix, buy or idle")
     p.add_argument("--buys", type=int, default=200, help="buys in one block of sequential")
     a = p.parse_args(argv)
     run(a.old, a.new, a.load, a.pairs, a.seconds, a.buys)
