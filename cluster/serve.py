@@ -7,6 +7,7 @@ everything it keeps in memory is written to be correct with several of them.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -59,6 +60,18 @@ def _worker_exit(server: Any, worker: Any) -> None:
                 owner.stop()
             except Exception:  # keep stopping the others
                 logging.getLogger(__name__).exception("stopping %s", ext)
+    if runtime is not None:
+        runtime.sm.close_all()  # closed here, not by the collections that are skipped below
+    _exit_without_collections()
+
+
+def _exit_without_collections() -> None:
+    """Let the process exit without garbage collections over its whole heap: what is left is freed
+    by the exit itself, and nothing left needs a finalizer (the databases are closed, logging is
+    flushed at exit). Interpreter shutdown collects several times; with every service of a
+    cluster stopping at once on 2 cores, that took most of the second each took to stop
+    (measured: a whole cluster's ``pygmy up`` stop 1.3-2.2 s -> 0.6-0.8 s)."""
+    gc.freeze()
 
 
 def _json_write_error(sock: Any, status_int: int, reason: str, mesg: str) -> None:
@@ -124,6 +137,7 @@ def gunicorn_options(bind: str, workers: int, threads: int, name: str,
         "limit_request_fields": 1000,
         "preload_app": False,
         "worker_exit": _worker_exit,
+        "on_exit": lambda arbiter: _exit_without_collections(),  # the master's exit, after its workers'
         "proc_name": f"pygmy-{name}",
         "accesslog": None,
         "errorlog": "-",

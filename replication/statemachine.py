@@ -118,6 +118,10 @@ class StateMachine(ABC):
     def full_digest(self) -> tuple[int, str, str]:
         """``(applied index, digest, digest recomputed from the whole state)``: verification."""
 
+    def close_all(self) -> None:
+        """Release what the state holds open, once nothing uses it (a stopping service)."""
+        return  # nothing by default
+
 
 class SQLiteStateMachine(StateMachine):
     """Generic SQLite plumbing; subclasses give the schema, the commands and what the digest covers."""
@@ -132,6 +136,7 @@ class SQLiteStateMachine(StateMachine):
         Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
         self._write_lock = threading.Lock()
+        self._opened: list[sqlite3.Connection] = []  # every thread's connection, for ``close_all``
         with self._write_lock:
             conn = self._conn()
             conn.execute(META_SCHEMA)
@@ -204,6 +209,7 @@ class SQLiteStateMachine(StateMachine):
             conn.execute("PRAGMA recursive_triggers=ON")
             conn.create_function("pygmy_digest_mix", -1, _mix, deterministic=True)
             self._local.conn = conn
+            self._opened.append(conn)  # list.append is atomic: no lock
         return conn
 
     def read(self, sql: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
@@ -320,3 +326,13 @@ class SQLiteStateMachine(StateMachine):
         if conn is not None:
             conn.close()
             self._local.conn = None
+
+    def close_all(self) -> None:
+        """Close every thread's connection, once no thread uses them (a stopping service). A
+        connection is in a reference cycle with its statement cache (CPython's sqlite3), so one left
+        by a thread that ended closes only in a garbage collection; and the last one to close is
+        what checkpoints the WAL into the database and removes it."""
+        opened, self._opened = self._opened, []
+        for conn in opened:
+            conn.close()
+        self._local = threading.local()

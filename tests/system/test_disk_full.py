@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from harness import Cluster, free_port_base
-from test_faults import Load, check_invariants, leader, run_faulty_load
+from test_faults import Load, check_invariants, leader, run_faulty_load, wait_acked
 
 from experiments import nemesis
 from experiments.nemesis import fill
@@ -100,7 +100,7 @@ def test_full_disks_on_leaders_and_followers_degrade_and_recover(tmpfs_cluster: 
               f"recovered {time.monotonic() - freed:.2f} s after space returned")
 
     def faults() -> None:
-        time.sleep(1.0)
+        wait_acked(load)  # load before the first fault
         for tier in ("catalog", "order"):
             for role in ("leader", "follower"):
                 phase(tier, role)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from harness import Cluster, free_port_base
@@ -44,8 +45,10 @@ def test_five_replicas_survive_losing_two(tmp_path: Path) -> None:
             bought = [client.buy(1 + i % 7) for i in range(10)]
             # Book 1: the first buy and those with i % 7 == 0 (i = 0 and 7).
             assert client.lookup(1)["stock"] == 1000 - 1 - 2
-        for name in killed:
-            c.restart(name)
+        # Started side by side, as `pygmy up` starts services: each waits for its own health check.
+        with ThreadPoolExecutor(len(killed)) as pool:
+            for started in [pool.submit(c.restart, name) for name in killed]:
+                started.result()
         st = wait_converged(c)
         for tier in ("catalog", "order"):
             assert len({r["state_digest"] for r in st[tier]["replicas"]}) == 1
