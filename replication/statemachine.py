@@ -136,7 +136,9 @@ class SQLiteStateMachine(StateMachine):
         Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
         self._write_lock = threading.Lock()
-        self._opened: list[sqlite3.Connection] = []  # every thread's connection, for ``close_all``
+        #: Every live thread's connection, for ``close_all``; a dead thread's is closed when the next opens.
+        self._opened: dict[threading.Thread, sqlite3.Connection] = {}
+        self._opened_lock = threading.Lock()
         with self._write_lock:
             conn = self._conn()
             conn.execute(META_SCHEMA)
@@ -209,7 +211,12 @@ class SQLiteStateMachine(StateMachine):
             conn.execute("PRAGMA recursive_triggers=ON")
             conn.create_function("pygmy_digest_mix", -1, _mix, deterministic=True)
             self._local.conn = conn
-            self._opened.append(conn)  # list.append is atomic: no lock
+            with self._opened_lock:
+                # Threads come and go with connections (a frame connection has one): those that ended
+                # are closed here, not kept open until stop, nor left to a later garbage collection.
+                for thread in [t for t in self._opened if not t.is_alive()]:
+                    self._opened.pop(thread).close()
+                self._opened[threading.current_thread()] = conn
         return conn
 
     def read(self, sql: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
@@ -326,13 +333,16 @@ class SQLiteStateMachine(StateMachine):
         if conn is not None:
             conn.close()
             self._local.conn = None
+            with self._opened_lock:
+                self._opened.pop(threading.current_thread(), None)
 
     def close_all(self) -> None:
         """Close every thread's connection, once no thread uses them (a stopping service). A
         connection is in a reference cycle with its statement cache (CPython's sqlite3), so one left
         by a thread that ended closes only in a garbage collection; and the last one to close is
         what checkpoints the WAL into the database and removes it."""
-        opened, self._opened = self._opened, []
-        for conn in opened:
+        with self._opened_lock:
+            opened, self._opened = self._opened, {}
+        for conn in opened.values():
             conn.close()
         self._local = threading.local()

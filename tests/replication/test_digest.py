@@ -162,3 +162,34 @@ def test_a_batch_undoes_a_failing_command_alone_and_skips_what_it_already_applie
     assert agrees(state) == agrees(alone) and state.applied_index() == 4
     assert state.apply_many(batch[:2]) == [(None, None), (None, None)]  # replayed: nothing happens
     assert agrees(state) == agrees(alone) and state.applied_index() == 4
+
+
+def test_a_connection_is_closed_once_its_thread_has_ended(tmp_path: Path) -> None:
+    """A thread's SQLite connection stays open only while the thread lives (a frame connection's
+    thread has one): the next connection opened closes those of ended threads, and ``close_all``
+    the rest, so a long-running replica keeps no file handles of threads long gone."""
+    import threading
+
+    sm = CatalogState(str(tmp_path / "c.db"))
+    opened: list[sqlite3.Connection] = []
+
+    def read() -> None:
+        sm.read("SELECT 1")
+        opened.append(sm._local.conn)
+
+    for _ in range(3):
+        t = threading.Thread(target=read)
+        t.start()
+        t.join()
+
+    def works(conn: sqlite3.Connection) -> bool:
+        try:
+            conn.execute("SELECT 1")
+        except sqlite3.ProgrammingError:  # closed
+            return False
+        return True
+
+    assert [works(c) for c in opened] == [False, False, True]  # the last thread's: until the next opens
+    assert len(sm._opened) == 2  # this thread's (the constructor's) and the last thread's
+    sm.close_all()
+    assert sm._opened == {} and not works(opened[2])
