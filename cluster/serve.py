@@ -62,7 +62,10 @@ def _worker_exit(server: Any, worker: Any) -> None:
                 logging.getLogger(__name__).exception("stopping %s", ext)
     if runtime is not None:
         runtime.sm.close_all()  # closed here, not by the collections that are skipped below
-    _exit_without_collections()
+    if os.getpid() == worker.pid:
+        # Gunicorn's master also calls this hook for a worker it found dead, and goes on running:
+        # only a worker that is itself exiting skips the collections.
+        _exit_without_collections()
 
 
 def _exit_without_collections() -> None:

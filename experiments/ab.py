@@ -50,6 +50,8 @@ def checkout(rev: str | None) -> Iterator[Path]:
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)],
                            capture_output=True, timeout=60)
+            # Whatever happened above, git forgets a worktree whose directory is gone.
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], capture_output=True, timeout=60)
 
 
 def block(c: LocalCluster, load: str, seconds: float, n: int) -> dict[str, float]:
@@ -93,7 +95,8 @@ def run(old: str, new: str | None, load: str, pairs: int, seconds: float, n: int
     key = {"sequential": "p50_ms", "idle": None}.get(load, "ops_per_s")
     measures = [(key, "p50" if load == "sequential" else "throughput")] if key else []
     measures.append(("cpu_ms", "CPU per second" if load == "idle" else "CPU per operation"))
-    ratios = {m: [nb[m] / ob[m] for ob, nb in zip(out["old"], out["new"], strict=True)] for m, _ in measures}
+    ratios = {m: [nb[m] / ob[m] if ob[m] else float("nan") for ob, nb in zip(out["old"], out["new"], strict=True)]
+              for m, _ in measures}
     for m, label in measures:
         r = ratios[m]
         print(f"new/old {label}: median {statistics.median(r):.3f} over {len(r)} pairs "

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from replication import codec
+from cluster import codec
 from replication.core import Entry, HardState
 from replication.storage import transaction
 

@@ -22,10 +22,10 @@ import urllib3
 from requests.adapters import HTTPAdapter
 
 from client.retry import RetryBudget, backoff
+from cluster import codec
 from cluster.admission import timeout_header
 from cluster.logs import HEADER as REQUEST_ID_HEADER
 from cluster.logs import current_request_id
-from replication import codec
 from replication.transport import Abandoned, FrameClient, FrameError, raft_address
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 Why not HTTP: a Raft round or a cache hold over Flask + Requests cost about a millisecond of CPU per
 message on each side (Werkzeug parsing, Requests' session machinery, a thread hand-off per request),
 and a buy made a dozen such hops; an idle cluster spent half a core on heartbeats and lease renewals.
-A frame on an open connection costs an encode (``replication.codec``, orjson) and one ``sendall``.
+A frame on an open connection costs an encode (``cluster.codec``, orjson) and one ``sendall``.
 
 Wire format: each frame is a 4-byte big-endian length and that many bytes of UTF-8 JSON. A client
 opens with a hello frame ``{"hello": <its name>, "secret": <the cluster secret>, "channel": <c>}``;
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from replication import codec
+from cluster import codec
 
 log = logging.getLogger(__name__)
 
