@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -41,15 +42,23 @@ def not_finite(obj: Any) -> bool:
     return False
 
 
+def orjson_dumps(obj: Any, default: Callable[[Any], Any] | None = None, option: int = 0) -> bytes | None:
+    """``obj`` as orjson writes it, or None where that is not what ``json`` would write (the caller
+    then asks ``json``): big integers, non-string keys, lone surrogates and subclasses (orjson
+    refuses them, as it does whatever ``default`` refuses), and floats that are not finite."""
+    try:
+        data = orjson.dumps(obj, default=default, option=option | _OPTIONS)
+    except TypeError:  # orjson.JSONEncodeError
+        return None
+    if b"null" in data and not_finite(obj):  # looked for only where orjson may have written one
+        return None
+    return data
+
+
 def dumps(obj: Any) -> bytes:
     """``obj`` as compact UTF-8 JSON that ``loads`` reads back as ``json`` would have."""
-    try:
-        data = orjson.dumps(obj, option=_OPTIONS)
-    except TypeError:  # orjson.JSONEncodeError: big integers, non-string keys, lone surrogates
-        return b" " + json.dumps(obj, separators=(",", ":")).encode()
-    if b"null" in data and not_finite(obj):  # looked for only where orjson may have written one
-        return b" " + json.dumps(obj, separators=(",", ":")).encode()
-    return data
+    data = orjson_dumps(obj)
+    return b" " + json.dumps(obj, separators=(",", ":")).encode() if data is None else data
 
 
 def dumps_text(obj: Any) -> str:

@@ -21,7 +21,7 @@ from werkzeug.http import HTTP_STATUS_CODES
 from werkzeug.routing import Rule
 
 from cluster.admission import Admission, Deferred, deadline_of
-from cluster.codec import not_finite
+from cluster.codec import orjson_dumps
 from cluster.logs import HEADER as REQUEST_ID_HEADER
 from cluster.logs import reset_request_id, set_request_id, valid_request_id
 from cluster.metrics import RequestMetrics, instrument
@@ -267,7 +267,8 @@ def _refuse(start_response: Callable[..., Any], code: int, message: str) -> list
 
 
 
-_ORJSON_PASS = orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_SUBCLASS
+#: Datetimes and dataclasses go to Flask's ``default``, which writes them its own way.
+_ORJSON_PASS = orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS
 
 
 class CompactJSON(DefaultJSONProvider):
@@ -282,13 +283,9 @@ class CompactJSON(DefaultJSONProvider):
 
     def dumps(self, obj: Any, **kwargs: Any) -> str:
         if kwargs.keys() == {"separators"} and kwargs["separators"] == (",", ":"):
-            try:
-                data = orjson.dumps(obj, default=self.default, option=_ORJSON_PASS)
-            except TypeError:
-                pass
-            else:
-                if b"null" not in data or not not_finite(obj):  # orjson writes NaN as null
-                    return data.decode()
+            data = orjson_dumps(obj, self.default, _ORJSON_PASS)
+            if data is not None:
+                return data.decode()
         return super().dumps(obj, **kwargs)
 
 
