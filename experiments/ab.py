@@ -30,7 +30,7 @@ from typing import Any
 from catalog.books import synthetic
 from cluster.local import ROOT, LocalCluster
 from experiments import harness as h
-from experiments.writepath import BOOKS, STOCK, TOPICS, cluster_cpu_s, warm
+from experiments.writepath import BOOKS, STOCK, TOPICS, cluster_cpu_s, measured_load, warm
 
 LOADS = {"mix": {"search": 0.4, "lookup": 0.4, "buy": 0.2}, "buy": {"buy": 1.0}}
 
@@ -66,11 +66,8 @@ def block(c: LocalCluster, load: str, seconds: float, n: int) -> dict[str, float
         return {"p50_ms": statistics.median(t for t, _ in timed) * 1000,
                 "cpu_ms": (cluster_cpu_s(c) - cpu0) / n * 1000,
                 "errors": sum(1 for _, r in timed if isinstance(r, Exception))}
-    rec = h.run_load(c.url, 4, LOADS[load], duration=seconds, items=BOOKS, threads=8,
-                     topics=tuple(f"topic {t}" for t in range(TOPICS)))
-    ops = max(1, len(rec.op))
-    return {"ops_per_s": rec.throughput(), "cpu_ms": (cluster_cpu_s(c) - cpu0) / ops * 1000,
-            "errors": rec.errors()}
+    b = measured_load(c, LOADS[load], seconds)
+    return {"ops_per_s": b["ops_per_s"], "cpu_ms": b["cpu_ms_per_op"] or 0.0, "errors": b["errors"]}
 
 
 def run(old: str, new: str | None, load: str, pairs: int, seconds: float, n: int) -> dict[str, Any]:

@@ -80,7 +80,10 @@ def cache_counters(c: LocalCluster) -> dict[str, int]:
     return {k: int(cache[k]) for k in ("hits", "misses", "invalidations", "flushes")}
 
 
-def _load(c: LocalCluster, mix: dict[str, float], duration: float, procs: int, threads: int) -> dict[str, Any]:
+def measured_load(c: LocalCluster, mix: dict[str, float], duration: float, procs: int = 4,
+                  threads: int = 8) -> dict[str, Any]:
+    """One closed-loop load on ``c``: throughput, errors, latencies, the cache's counters and the
+    cluster's CPU per buy and per operation over it."""
     cache0 = cache_counters(c)
     cpu0 = cluster_cpu_s(c)
     rec = h.run_load(c.url, procs, mix, duration=duration, items=BOOKS, threads=threads,
@@ -142,14 +145,14 @@ def run(settings: h.Settings) -> dict[str, Any]:
             out["sequential_buy"]["paired"] = baseline.paired_p50(lambda i: cl.buy(1 + i % BOOKS),
                                                                   settings.size(5, 5, 1), max(10, n // 5))
         before = total_stock(c, BOOKS)
-        out["buyers"] = _load(c, {"buy": 1.0}, duration, procs, threads)
+        out["buyers"] = measured_load(c, {"buy": 1.0}, duration, procs, threads)
         sold = before - total_stock(c, BOOKS)
         out["buyers"]["stock_sold"] = sold
         out["buyers"]["lost_or_doubled"] = sold - out["buyers"]["buys"] if out["buyers"]["errors"] == 0 else None
         mix = {"search": 0.4, "lookup": 0.4, "buy": 0.2}
-        out["mix"] = _load(c, mix, duration, procs, threads)  # caches as the buyers and the stock count left them
+        out["mix"] = measured_load(c, mix, duration, procs, threads)  # caches as the buyers and the stock count left them
         warm(c)
-        out["mix_warm"] = _load(c, mix, duration, procs, threads)
+        out["mix_warm"] = measured_load(c, mix, duration, procs, threads)
     with baseline.server() as url:
         bare_after = _bare_loads(url, duration, procs, threads)
     for k in ("bare_post", "bare_mix"):
