@@ -40,6 +40,11 @@ Without the variables below it does nothing.
   ``<tier> sender`` (or ``<tier> receiver``), the first replica of that tier to have sent (received)
   three chunks of a snapshot stream deletes the file and SIGKILLs its own process group right
   there: a stream cut short at either end, a partial file left on the receiver.
+- ``PYGMY_TEST_CRASH_APPLIED_UNANNOUNCED=<file>``: when the file names a tier, the next leader of
+  that tier to apply committed entries in a turn that then tells the followers the new commit index
+  (a Ready with no new entries: apply first, then send) deletes the file and SIGKILLs its own process
+  group between the apply and the send: its proposers may have been answered, no follower knows
+  the entries are committed.
 - ``PYGMY_TEST_DROP_CONFIRMS=<file>``: while the file exists, an order leader answers buys but never
   records their confirm (as if it died right after answering): the crash instant between a buy's
   answer and its confirm, held open for as long as a test needs.
@@ -216,6 +221,24 @@ def _crash_unpersisted(flag: str) -> None:
     ReplicaNode._persist = crashing
 
 
+def _crash_applied_unannounced(flag: str) -> None:
+    from replication.node import ReplicaNode
+
+    apply, send = ReplicaNode._apply, ReplicaNode._send
+
+    def applying(self, entries):  # type: ignore[no-untyped-def]
+        apply(self, entries)
+        self._test_applied = bool(entries) and self.core.is_leader()
+
+    def sending(self, messages):  # type: ignore[no-untyped-def]
+        if getattr(self, "_test_applied", False) and messages and not any(m.entries for m in messages):
+            _die_if_named(flag, self.name)  # applied (and answered), the commit not yet told
+        self._test_applied = False
+        send(self, messages)
+
+    ReplicaNode._apply, ReplicaNode._send = applying, sending
+
+
 def _crash_mid_batch(flag: str) -> None:
     from replication.node import ReplicaNode
 
@@ -235,6 +258,8 @@ if os.environ.get("PYGMY_TEST_CRASH_MID_BATCH"):
     _crash_mid_batch(os.environ["PYGMY_TEST_CRASH_MID_BATCH"])
 if os.environ.get("PYGMY_TEST_CRASH_MID_SNAPSHOT"):
     _crash_mid_snapshot(os.environ["PYGMY_TEST_CRASH_MID_SNAPSHOT"])
+if os.environ.get("PYGMY_TEST_CRASH_APPLIED_UNANNOUNCED"):
+    _crash_applied_unannounced(os.environ["PYGMY_TEST_CRASH_APPLIED_UNANNOUNCED"])
 if os.environ.get("PYGMY_TEST_CRASH_UNPERSISTED"):
     _crash_unpersisted(os.environ["PYGMY_TEST_CRASH_UNPERSISTED"])
 if os.environ.get("PYGMY_TEST_RENEW_FAULT"):

@@ -313,12 +313,15 @@ def test_minority_leader_acknowledges_nothing(cluster3: Cluster) -> None:
     assert stock in (before, before + 3, before - 1, before + 2)
 
 
-def test_a_leader_killed_between_sending_entries_and_writing_them(tmp_path: Path) -> None:
-    """A leader sends appends before its own write (``Ready.send_first``). SIGKILL it right there,
-    under load, in each tier (a test-only hook, tests/mutations/sitecustomize.py): nothing
-    acknowledged is lost or doubled, stock adds up, and every replica agrees and verifies."""
-    flag = tmp_path / "crash-unpersisted"
-    c = Cluster(tmp_path / "d", free_port_base(), [], cluster_env(PYGMY_TEST_CRASH_UNPERSISTED=str(flag)))
+@pytest.mark.parametrize("hook", ["PYGMY_TEST_CRASH_UNPERSISTED", "PYGMY_TEST_CRASH_APPLIED_UNANNOUNCED"])
+def test_a_leader_killed_between_sending_entries_and_writing_them(tmp_path: Path, hook: str) -> None:
+    """A leader sends appends before its own write (``Ready.send_first``), and applies committed
+    entries (answering their proposers) before it tells the followers they are committed. SIGKILL
+    it right at either instant, under load, in each tier (test-only hooks,
+    tests/mutations/sitecustomize.py): nothing acknowledged is lost or doubled, stock adds up, and
+    every replica agrees and verifies."""
+    flag = tmp_path / "crash-flag"
+    c = Cluster(tmp_path / "d", free_port_base(), [], cluster_env(**{hook: str(flag)}))
     c.start(reset=True)
     load = Load()
     crashed: list[str] = []
@@ -331,7 +334,7 @@ def test_a_leader_killed_between_sending_entries_and_writing_them(tmp_path: Path
                 flag.write_text(tier)
                 deadline = time.monotonic() + 20
                 while flag.exists():
-                    assert time.monotonic() < deadline, f"no {tier} leader wrote entries it had sent"
+                    assert time.monotonic() < deadline, f"no {tier} leader reached the instant of {hook}"
                     time.sleep(0.02)
                 wait_dead(c, victim, deadline)
                 crashed.append(victim)
