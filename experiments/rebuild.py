@@ -96,7 +96,9 @@ def run(settings: h.Settings) -> dict[str, Any]:
             deadline = time.monotonic() + 30  # the state is readable a moment before the install is logged
             while not snapshots_installed(c, victim) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            digests = {r["state_digest"] for r in h.tier_status(c, "catalog")["replicas"]}
+            # Each replica's own status, read now: the frontend's /status may be a view from before
+            # the install (it is up to a quarter of a second old, older while a refresh is on its way).
+            digests = {(h.replica_status(c, n, timeout=2) or {}).get("state_digest") for n in (leader, *followers)}
             out = {"books": books, "writes_while_down": writes, "answered_s": answered, "rebuilt_s": rebuilt,
                    "snapshots_installed": snapshots_installed(c, victim), "digests_equal": len(digests) == 1,
                    "victim_peak_mib": memory(c, victim, "VmHWM"), "victim_rss_mib": memory(c, victim, "VmRSS"),

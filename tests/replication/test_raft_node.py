@@ -465,6 +465,7 @@ def test_a_turn_that_fails_on_the_loop_thread_is_marked_before_the_core_is_let_g
     leader = cluster.leader()
     real_lock, marked = leader._core_lock, []
     injected = RuntimeError("injected")
+    inside = threading.local()  # a turn taken through Watched (not one that took the real lock before the swap)
 
     class Watched:
         """The core lock, noting what other threads would see as a failing turn lets it go."""
@@ -477,9 +478,11 @@ def test_a_turn_that_fails_on_the_loop_thread_is_marked_before_the_core_is_let_g
 
         def __enter__(self) -> Watched:
             real_lock.acquire()
+            inside.held = True
             return self
 
         def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+            inside.held = False
             if exc is injected:
                 marked.append(leader._broken)
             real_lock.release()
@@ -487,7 +490,7 @@ def test_a_turn_that_fails_on_the_loop_thread_is_marked_before_the_core_is_let_g
     real_ready, calls = leader._process_ready, {"n": 0}
 
     def flaky(tick_wall: float) -> None:
-        if threading.current_thread() is leader._loop_thread and calls["n"] == 0:
+        if threading.current_thread() is leader._loop_thread and getattr(inside, "held", False) and calls["n"] == 0:
             calls["n"] += 1
             raise injected
         real_ready(tick_wall)
