@@ -54,9 +54,10 @@ def free_port_base(replicas: int = 5, frontends: int = 2) -> int:
     raise RuntimeError("no free port base found")
 
 
-def pygmy(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """Run the ``pygmy`` command line as a user would."""
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], cwd=ROOT, capture_output=True, text=True,
+def pygmy(*args: str, env: dict[str, str] | None = None, timeout: float = 60,
+          root: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    """Run the ``pygmy`` command line as a user would (that of the checkout ``root``)."""
+    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], cwd=root, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
@@ -134,11 +135,11 @@ class LocalCluster:
 
     # -- fault injection as a user does it ------------------------------------------------------
     def kill(self, name: str) -> None:
-        r = pygmy("kill", name, "--data-dir", str(self.data_dir), env=self.env)
+        r = pygmy("kill", name, "--data-dir", str(self.data_dir), env=self.env, root=self.root)
         assert r.returncode == 0, r.stderr
 
     def restart(self, name: str) -> None:
-        r = pygmy("start", name, "--data-dir", str(self.data_dir), env=self.env)
+        r = pygmy("start", name, "--data-dir", str(self.data_dir), env=self.env, root=self.root)
         assert r.returncode == 0, r.stderr + self.logs_tail(name)
 
     # -- looking at it from outside --------------------------------------------------------------

@@ -12,7 +12,9 @@ ratio is worth more than two runs minutes apart (docs/performance.md).
 ``mix`` is the 40/40/20 search/lookup/buy mix and ``buy`` the 32 buyers of ``writepath`` (4 processes x
 8 threads); ``sequential`` times one buyer's buys (p50) and its cluster's CPU per buy; ``idle`` serves
 nothing and takes the cluster's CPU per second (both clusters sit idle through each other's blocks, so
-only the block's own cluster is counted).
+only the block's own cluster is counted); ``catch-up`` is ``recovery.catch_up`` (a catalog follower
+killed, ``--updates`` committed without it, restarted): the time from its first status answer until it
+has applied them, and the victim's CPU is not separated out (the whole cluster's per missed command).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 from catalog.books import synthetic
 from cluster.local import ROOT, LocalCluster
 from experiments import harness as h
+from experiments import recovery
 from experiments.writepath import BOOKS, STOCK, TOPICS, cluster_cpu_s, measured_load, warm
 
 LOADS = {"mix": {"search": 0.4, "lookup": 0.4, "buy": 0.2}, "buy": {"buy": 1.0}}
@@ -66,6 +69,10 @@ def block(c: LocalCluster, load: str, seconds: float, n: int) -> dict[str, float
         return {"p50_ms": statistics.median(t for t, _ in timed) * 1000,
                 "cpu_ms": (cluster_cpu_s(c) - cpu0) / n * 1000,
                 "errors": sum(1 for _, r in timed if isinstance(r, Exception))}
+    if load == "catch-up":
+        p = recovery.catch_up(c, n, clients=4, timeout=120 + n / 100)
+        return {"catch_up_ms": p["catch_up_after_start_s"] * 1000, "cpu_ms": (cluster_cpu_s(c) - cpu0) / p["missed"] * 1000,
+                "errors": p["update_errors"]}
     b = measured_load(c, LOADS[load], seconds)
     return {"ops_per_s": b["ops_per_s"], "cpu_ms": b["cpu_ms_per_op"] or 0.0, "errors": b["errors"]}
 
@@ -84,13 +91,15 @@ def run(old: str, new: str | None, load: str, pairs: int, seconds: float, n: int
             for name in ("old", "new") if k % 2 == 0 else ("new", "old"):
                 b = block(clusters[name], load, seconds, n)
                 out[name].append(b)
-                figure = {"sequential": f"{b.get('p50_ms', 0):.2f} ms p50, ", "idle": ""}.get(
+                figure = {"sequential": f"{b.get('p50_ms', 0):.2f} ms p50, ", "idle": "",
+                          "catch-up": f"caught up {b.get('catch_up_ms', 0):.0f} ms after answering, "}.get(
                     load, f"{b.get('ops_per_s', 0):.0f} req/s, ")
                 per = "per second" if load == "idle" else "per operation"
                 print(f"pair {k + 1} {name}: {figure}{b['cpu_ms']:.3f} ms of CPU {per}, {b['errors']:.0f} errors",
                       flush=True)
-    key = {"sequential": "p50_ms", "idle": None}.get(load, "ops_per_s")
-    measures = [(key, "p50" if load == "sequential" else "throughput")] if key else []
+    key = {"sequential": "p50_ms", "idle": None, "catch-up": "catch_up_ms"}.get(load, "ops_per_s")
+    label = {"sequential": "p50", "catch-up": "catch-up time"}.get(load, "throughput")
+    measures = [(key, label)] if key else []
     measures.append(("cpu_ms", "CPU per second" if load == "idle" else "CPU per operation"))
     ratios = {m: [nb[m] / ob[m] if ob[m] else float("nan") for ob, nb in zip(out["old"], out["new"], strict=True)]
               for m, _ in measures}
@@ -105,12 +114,13 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m experiments.ab", description=__doc__.split("\n\n")[0])
     p.add_argument("--old", required=True, help="the revision to compare against (e.g. HEAD~1)")
     p.add_argument("--new", help="the revision measured (default: this working tree)")
-    p.add_argument("--load", choices=[*LOADS, "sequential", "idle"], default="mix")
+    p.add_argument("--load", choices=[*LOADS, "sequential", "idle", "catch-up"], default="mix")
     p.add_argument("--pairs", type=int, default=6)
     p.add_argument("--seconds", type=float, default=10.0, help="length of one block of mix, buy or idle")
     p.add_argument("--buys", type=int, default=200, help="buys in one block of sequential")
+    p.add_argument("--updates", type=int, default=10_000, help="commands a follower misses in one block of catch-up")
     a = p.parse_args(argv)
-    run(a.old, a.new, a.load, a.pairs, a.seconds, a.buys)
+    run(a.old, a.new, a.load, a.pairs, a.seconds, a.updates if a.load == "catch-up" else a.buys)
 
 
 if __name__ == "__main__":
