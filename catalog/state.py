@@ -16,7 +16,6 @@ from typing import Any
 
 from cluster.cachekeys import topic_key
 from replication.statemachine import SQLiteStateMachine
-from replication.storage import transaction
 
 #: Books inserted between two progress reports of a seed.
 SEED_STEP = 100_000
@@ -63,7 +62,7 @@ class CatalogState(SQLiteStateMachine):
     def seed(self, books: list[dict[str, Any]], progress: Callable[[int, int], None] | None = None) -> None:
         """Load the initial catalogue into a brand-new replica (identical on every replica), in one
         transaction; ``progress(done, total)`` after every 100,000 books."""
-        with self._write_lock, transaction(self._conn()) as conn:
+        with self._write_lock, self._writing() as conn:
             if conn.execute("SELECT COUNT(*) FROM books").fetchone()[0] == 0 and self.applied_index() == 0:
                 for start in range(0, len(books), SEED_STEP):
                     conn.executemany(
@@ -180,7 +179,9 @@ class CatalogState(SQLiteStateMachine):
                 "UPDATE books SET stock = stock + ?, cost_cents = ?, version = ? WHERE item_number = ?",
                 (delta, cost, index, item),
             )
-            result = {"ok": True, "book": book_dict(self._row(conn, item))}
+            # The row as just written, without reading it back (one statement fewer per update).
+            result = {"ok": True, "book": {**book_dict(row), "stock": row["stock"] + delta, "cost": cost / 100,
+                                           "version": index}}
         if key:
             self._remember(conn, cmd, result)
         return result

@@ -6,9 +6,12 @@ records ``applied_index``, so a replica killed at any moment restarts exactly at
 
 The state digest is a multiset hash kept up to date by SQLite triggers: the sum modulo 2**256 of
 SHA-256 of every row of the digested tables. An insert adds its row's hash, a delete subtracts it,
-an update does both, in the same transaction as the command. Reading it is O(1), maintaining it
-O(1) per changed row, and it travels inside snapshots. ``full_digest()`` recomputes it from the
-rows, as verification (``pygmy verify``).
+an update does both. The triggers add to the open write transaction's running change (a Python
+integer, ``_DigestChange``), which is folded into the digest row once, just before that transaction
+commits: in the same transaction as the commands, at one write of the digest row per transaction
+instead of two per changed row (a replica catching up applies thousands of commands in one). Reading
+it is O(1), maintaining it O(1) per changed row, and it travels inside snapshots. ``full_digest()``
+recomputes it from the rows, as verification (``pygmy verify``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import hashlib
 import sqlite3
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +40,32 @@ def row_hash(table: str, values: tuple[Any, ...]) -> int:
 
 
 def _mix(current: str, sign: int, table: str, *values: Any) -> str:
-    """SQL ``pygmy_digest_mix(digest, +1|-1, table, col...)``: add or remove one row's hash."""
+    """SQL ``pygmy_digest_mix(digest, +1|-1, table, col...)``: add or remove one row's hash. What the
+    triggers of databases written before ``_DigestChange`` call (until opened here: replaced)."""
     return format((int(current, 16) + sign * row_hash(table, values)) % _MODULUS, "064x")
+
+
+class _CommandFailed(Exception):
+    """A command of a batch applied without savepoints failed: the batch is taken again with them."""
+
+
+class _DigestChange:
+    """The digest change of the write transaction open on one connection, which the triggers add
+    to (SQL ``pygmy_digest_note(table, k, values...)``: the first ``k`` values are a row removed,
+    the rest a row added). A digested table written outside ``SQLiteStateMachine._writing`` fails
+    the statement rather than leave the digest behind the rows."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.open = False
+
+    def note(self, table: str, removed: int, *values: Any) -> None:
+        if not self.open:
+            raise RuntimeError(f"{table} written outside a digest-keeping transaction")
+        if removed:
+            self.total -= row_hash(table, values[:removed])
+        if len(values) > removed:
+            self.total += row_hash(table, values[removed:])
 
 
 def _show(value: str) -> str:
@@ -146,7 +175,7 @@ class SQLiteStateMachine(StateMachine):
                 conn.execute(stmt)
             conn.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('applied_index', 0)")
             conn.commit()
-            with transaction(conn):
+            with self._writing() as conn:
                 self.migrate(conn)
             self._install_digest(conn)
 
@@ -161,9 +190,9 @@ class SQLiteStateMachine(StateMachine):
         with transaction(conn):
             conn.execute(DIGEST_SCHEMA)
             fresh = conn.execute("INSERT OR IGNORE INTO digest(id, value) VALUES (0, ?)", (_ZERO,)).rowcount
-            existing = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='trigger'")}
+            existing = {r[0]: r[1] for r in conn.execute("SELECT name, sql FROM sqlite_master WHERE type='trigger'")}
             wanted = dict(self._triggers(conn))
-            if fresh or set(wanted) != existing:
+            if fresh or wanted != existing:
                 for name in existing:
                     conn.execute(f"DROP TRIGGER {name}")
                 for sql in wanted.values():
@@ -176,15 +205,14 @@ class SQLiteStateMachine(StateMachine):
             cols = [r[1] for r in conn.execute(f"PRAGMA table_info({table})")]
             new = ", ".join(f"NEW.{c}" for c in cols)
             old = ", ".join(f"OLD.{c}" for c in cols)
-            mix = "UPDATE digest SET value = {} WHERE id = 0;"
-            add, sub = f"pygmy_digest_mix(value, 1, '{table}', {new})", f"pygmy_digest_mix(value, -1, '{table}', {old})"
+            note = "SELECT pygmy_digest_note('" + table + "', {}, {});"
             out += [
                 (f"digest_{table}_insert", f"CREATE TRIGGER digest_{table}_insert AFTER INSERT ON {table} "
-                                           f"BEGIN {mix.format(add)} END"),
+                                           f"BEGIN {note.format(0, new)} END"),
                 (f"digest_{table}_delete", f"CREATE TRIGGER digest_{table}_delete AFTER DELETE ON {table} "
-                                           f"BEGIN {mix.format(sub)} END"),
+                                           f"BEGIN {note.format(len(cols), old)} END"),
                 (f"digest_{table}_update", f"CREATE TRIGGER digest_{table}_update AFTER UPDATE ON {table} "
-                                           f"BEGIN {mix.format(sub)} {mix.format(add)} END"),
+                                           f"BEGIN {note.format(len(cols), old + ', ' + new)} END"),
             ]
         return out
 
@@ -210,7 +238,9 @@ class SQLiteStateMachine(StateMachine):
             # INSERT OR REPLACE deletes the row it replaces: the delete trigger must see that too.
             conn.execute("PRAGMA recursive_triggers=ON")
             conn.create_function("pygmy_digest_mix", -1, _mix, deterministic=True)
-            self._local.conn = conn
+            change = _DigestChange()
+            conn.create_function("pygmy_digest_note", -1, change.note)  # not deterministic: it adds up
+            self._local.conn, self._local.change = conn, change
             with self._opened_lock:
                 # Threads come and go with connections (a frame connection has one): those that ended
                 # are closed here, not kept open until stop, nor left to a later garbage collection.
@@ -218,6 +248,24 @@ class SQLiteStateMachine(StateMachine):
                     self._opened.pop(thread).close()
                 self._opened[threading.current_thread()] = conn
         return conn
+
+    @contextmanager
+    def _writing(self) -> Iterator[sqlite3.Connection]:
+        """A write transaction on this thread's connection (under the write lock, taken by the
+        caller) whose rows' digest change is folded into the digest row just before it commits."""
+        conn = self._conn()
+        change: _DigestChange = self._local.change
+        change.total, change.open = 0, True
+        try:
+            with transaction(conn):
+                yield conn
+                if change.total % _MODULUS:
+                    kept = conn.execute("SELECT value FROM digest WHERE id=0").fetchone()
+                    if kept is not None:  # none yet: a database being created (its digest is summed)
+                        value = format((int(kept[0], 16) + change.total) % _MODULUS, "064x")
+                        conn.execute("UPDATE digest SET value=? WHERE id=0", (value,))
+        finally:
+            change.total, change.open = 0, False
 
     def read(self, sql: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
         return self._conn().execute(sql, params).fetchall()
@@ -238,7 +286,7 @@ class SQLiteStateMachine(StateMachine):
         return int(row[0])
 
     def apply(self, index: int, command: dict[str, Any] | None) -> Any:
-        with self._write_lock, transaction(self._conn()) as conn:
+        with self._write_lock, self._writing() as conn:
             current = conn.execute("SELECT value FROM meta WHERE key='applied_index'").fetchone()[0]
             if index <= current:
                 return None  # already applied before a crash: the log replays it, the state must not
@@ -255,25 +303,42 @@ class SQLiteStateMachine(StateMachine):
 
     def apply_many(self, entries: list[tuple[int, dict[str, Any] | None]]) -> list[tuple[Any, Exception | None]]:
         """Every entry in ONE transaction (one commit for a whole batch: a replica catching up on
-        10,000 commands, or a round under load, pays the commit once), each command in a savepoint
-        of its own, so a command's failure undoes that command alone, as it would applied alone."""
+        10,000 commands, or a round under load, pays the commit once). A command that fails is
+        undone alone, as it would be applied alone: the batch is then taken again from the start
+        with a savepoint around each command. Commands are deterministic, so the second pass gives
+        the others the same results; failures are rare (a malformed command), and two statements
+        per command for savepoints nobody needs are not."""
+        try:
+            return self._apply_batch(entries, undo_each=False)
+        except _CommandFailed:
+            return self._apply_batch(entries, undo_each=True)
+
+    def _apply_batch(self, entries: list[tuple[int, dict[str, Any] | None]],
+                     undo_each: bool) -> list[tuple[Any, Exception | None]]:
         out: list[tuple[Any, Exception | None]] = []
-        with self._write_lock, transaction(self._conn()) as conn:
+        with self._write_lock, self._writing() as conn:
+            change: _DigestChange = self._local.change
             current = last = conn.execute("SELECT value FROM meta WHERE key='applied_index'").fetchone()[0]
             for index, command in entries:
                 if index <= current or command is None:
                     out.append((None, None))  # replayed after a crash, or a no-op
                     last = max(last, index)
                     continue
-                conn.execute("SAVEPOINT command")
+                if undo_each:
+                    conn.execute("SAVEPOINT command")
+                before = change.total
                 try:
                     out.append((self._run(conn, index, command), None))
                 except Exception as exc:
                     if is_storage_fault(exc):
                         raise
+                    if not undo_each:
+                        raise _CommandFailed from exc  # the whole transaction rolls back
                     conn.execute("ROLLBACK TO command")
+                    change.total = before  # the rows undone, their hashes with them
                     out.append((None, exc))
-                conn.execute("RELEASE command")
+                if undo_each:
+                    conn.execute("RELEASE command")
                 last = index
             if last > current:
                 conn.execute("UPDATE meta SET value=? WHERE key='applied_index'", (last,))
@@ -305,8 +370,7 @@ class SQLiteStateMachine(StateMachine):
                 src.backup(self._conn())
             finally:
                 src.close()
-            conn = self._conn()
-            with transaction(conn):  # a snapshot from an older version: brought up to this schema
+            with self._writing() as conn:  # a snapshot from an older version: brought up to this schema
                 conn.execute("UPDATE meta SET value=? WHERE key='applied_index'", (index,))
                 self.migrate(conn)
         self._install_digest(conn)

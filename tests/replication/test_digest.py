@@ -193,3 +193,41 @@ def test_a_connection_is_closed_once_its_thread_has_ended(tmp_path: Path) -> Non
     assert len(sm._opened) == 2  # this thread's (the constructor's) and the last thread's
     sm.close_all()
     assert sm._opened == {} and not works(opened[2])
+
+
+def test_a_digested_table_written_outside_a_digest_keeping_transaction_is_refused(tmp_path: Path) -> None:
+    """The triggers add to the open write transaction's digest change, folded in before it commits;
+    a write that no such transaction would fold in fails instead of leaving the digest behind."""
+    state = fresh("catalog", tmp_path)
+    before = agrees(state)
+    with pytest.raises(sqlite3.OperationalError):
+        state._conn().execute("UPDATE books SET stock = stock + 1 WHERE item_number = 1")
+    assert agrees(state) == before and state.book(1)["stock"] == DEFAULT_BOOKS[0]["stock"]
+
+
+def test_a_database_whose_triggers_rewrote_the_digest_row_gets_the_new_ones(tmp_path: Path) -> None:
+    """A database written before the digest change was folded once per transaction: its triggers
+    rewrote the digest row on every changed row (``pygmy_digest_mix``). Opened here, they still work
+    until they are replaced, and the digest it carries is kept."""
+    state = fresh("catalog", tmp_path)
+    state.apply(1, {"op": "update", "item": 3, "stock_delta": 7, "key": "u"})
+    conn = state._conn()
+    for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type='trigger'").fetchall():
+        conn.execute(f"DROP TRIGGER {name}")
+    for table in state.digest_tables:  # the triggers as the earlier version wrote them
+        cols = [r[1] for r in conn.execute(f"PRAGMA table_info({table})")]
+        new, old = (", ".join(f"{side}.{c}" for c in cols) for side in ("NEW", "OLD"))
+        mix = "UPDATE digest SET value = pygmy_digest_mix(value, {}, '" + table + "', {}) WHERE id = 0;"
+        conn.execute(f"CREATE TRIGGER digest_{table}_insert AFTER INSERT ON {table} BEGIN {mix.format(1, new)} END")
+        conn.execute(f"CREATE TRIGGER digest_{table}_delete AFTER DELETE ON {table} BEGIN {mix.format(-1, old)} END")
+        conn.execute(f"CREATE TRIGGER digest_{table}_update AFTER UPDATE ON {table} "
+                     f"BEGIN {mix.format(-1, old)} {mix.format(1, new)} END")
+    state.apply(2, {"op": "decrement", "item": 1, "quantity": 2, "key": "d"})  # through the old triggers
+    expected = agrees(state)
+    state.close()
+    reopened = CatalogState(state.path)
+    triggers = [sql for (sql,) in reopened.read("SELECT sql FROM sqlite_master WHERE type='trigger'")]
+    assert triggers and all("pygmy_digest_note" in sql for sql in triggers)
+    assert agrees(reopened) == expected
+    reopened.apply(3, {"op": "update", "item": 1, "stock_delta": 1, "key": "v"})
+    agrees(reopened)
