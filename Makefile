@@ -23,7 +23,7 @@ run: install
 # per process, a few hundred processes per run). Python still reads .pyc files it did not write.
 test: install
 	$(BIN)/ruff check .
-	$(BIN)/python -m compileall -q -j 0 catalog client cluster experiments frontend order replication > /dev/null
+	$(BIN)/python -m compileall -q -j 0 catalog client cluster experiments frontend order replication
 	$(BIN)/pytest -q
 
 lint: install

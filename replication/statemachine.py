@@ -255,17 +255,19 @@ class SQLiteStateMachine(StateMachine):
         caller) whose rows' digest change is folded into the digest row just before it commits."""
         conn = self._conn()
         change: _DigestChange = self._local.change
-        change.total, change.open = 0, True
-        try:
-            with transaction(conn):
+        if change.open:
+            raise RuntimeError("a digest-keeping transaction is already open on this thread")
+        with transaction(conn):
+            change.total, change.open = 0, True
+            try:
                 yield conn
                 if change.total % _MODULUS:
                     kept = conn.execute("SELECT value FROM digest WHERE id=0").fetchone()
                     if kept is not None:  # none yet: a database being created (its digest is summed)
                         value = format((int(kept[0], 16) + change.total) % _MODULUS, "064x")
                         conn.execute("UPDATE digest SET value=? WHERE id=0", (value,))
-        finally:
-            change.total, change.open = 0, False
+            finally:
+                change.total, change.open = 0, False
 
     def read(self, sql: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
         return self._conn().execute(sql, params).fetchall()
@@ -308,15 +310,16 @@ class SQLiteStateMachine(StateMachine):
         with a savepoint around each command. Commands are deterministic, so the second pass gives
         the others the same results; failures are rare (a malformed command), and two statements
         per command for savepoints nobody needs are not."""
-        try:
-            return self._apply_batch(entries, undo_each=False)
-        except _CommandFailed:
-            return self._apply_batch(entries, undo_each=True)
+        with self._write_lock:  # both passes: nothing may be applied in between
+            try:
+                return self._apply_batch(entries, undo_each=False)
+            except _CommandFailed:
+                return self._apply_batch(entries, undo_each=True)
 
     def _apply_batch(self, entries: list[tuple[int, dict[str, Any] | None]],
                      undo_each: bool) -> list[tuple[Any, Exception | None]]:
         out: list[tuple[Any, Exception | None]] = []
-        with self._write_lock, self._writing() as conn:
+        with self._writing() as conn:
             change: _DigestChange = self._local.change
             current = last = conn.execute("SELECT value FROM meta WHERE key='applied_index'").fetchone()[0]
             for index, command in entries:
@@ -346,7 +349,10 @@ class SQLiteStateMachine(StateMachine):
 
     @abstractmethod
     def execute(self, conn: sqlite3.Connection, index: int, command: dict[str, Any]) -> Any:
-        """Run one command inside the open transaction; must be deterministic."""
+        """Run one command inside the open transaction; must be deterministic. It must not catch a
+        failed statement and go on: SQLite undoes that statement's rows, but not the hashes its
+        triggers already added to the transaction's digest change (let it raise: the command is
+        then undone whole, its part of the change with it)."""
 
     def pin(self) -> Pin:
         conn = sqlite3.connect(self.path, timeout=10, isolation_level=None, check_same_thread=False)

@@ -4,6 +4,7 @@ command sequences, snapshots, restarts and commands that fail half-way, on both 
 from __future__ import annotations
 
 import itertools
+import json
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -231,3 +232,30 @@ def test_a_database_whose_triggers_rewrote_the_digest_row_gets_the_new_ones(tmp_
     assert agrees(reopened) == expected
     reopened.apply(3, {"op": "update", "item": 1, "stock_delta": 1, "key": "v"})
     agrees(reopened)
+
+
+def test_a_batch_without_failures_takes_no_savepoints_and_nesting_is_refused(tmp_path: Path) -> None:
+    """The savepoint per command is taken only on the second pass of a batch whose command failed
+    (``test_a_batch_undoes_a_failing_command_alone...``); a batch that applies cleanly runs none. A
+    digest-keeping transaction opened inside another is a bug, refused before it touches the first."""
+    state = fresh("catalog", tmp_path)
+    statements: list[str] = []
+    state._conn().set_trace_callback(statements.append)
+    state.apply_many([(i, {"op": "update", "item": 1 + i % 3, "stock_delta": 1, "key": f"k{i}"}) for i in range(1, 6)])
+    state._conn().set_trace_callback(None)
+    assert statements and not [s for s in statements if "SAVEPOINT" in s.upper()]
+    with state._writing() as conn:
+        conn.execute("UPDATE books SET stock = stock + 1 WHERE item_number = 2")
+        with pytest.raises(RuntimeError, match="already open"), state._writing():
+            pass
+    agrees(state)
+
+
+def test_an_update_answers_exactly_what_reading_its_book_back_gives(tmp_path: Path) -> None:
+    """An update's answer is built from the row read before it, not read back; it is stored under
+    its key (and digested), so its text must be what reading the book back would have given."""
+    state = fresh("catalog", tmp_path)
+    for i, cmd in enumerate([{"stock_delta": 3}, {"cost": 12.34}, {"stock_delta": -1, "cost": 0.1},
+                             {"stock_delta": 0}, {"cost": 99999.99, "stock_delta": 7}], start=1):
+        result = state.apply(i, {"op": "update", "item": 2, "key": f"u{i}", **cmd})
+        assert json.dumps(result) == json.dumps({"ok": True, "book": state.book(2)})
