@@ -13,7 +13,7 @@ from typing import Any
 from experiments import baseline
 from experiments import harness as h
 
-MIX = {"search": 0.4, "lookup": 0.4, "buy": 0.2}
+MIX = h.MIX_40_40_20
 #: The study's end-to-end seconds (search + lookup + buy) per client count, cache on (S1) and off (S2).
 STUDY = {10: (0.50, 0.50), 20: (0.74, 0.93), 50: (2.03, 2.88), 100: (7.14, 8.54)}
 FRACTIONS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5)

@@ -268,6 +268,9 @@ class Job:
     threads: int = 1  # closed-loop clients in this process, each with its own connection
 
 
+#: The 40/40/20 search/lookup/buy mix of the original study and of issue #10, one definition for every
+#: experiment that runs it.
+MIX_40_40_20 = {"search": 0.4, "lookup": 0.4, "buy": 0.2}
 OPS = ("search", "lookup", "buy", "update")
 #: End of the current run in seconds after start_at, settable while it runs (forked children inherit it).
 _STOP: Any = None

@@ -24,7 +24,7 @@ from cluster.local import LocalCluster
 from experiments import harness as h
 from experiments.writepath import BOOKS, STOCK, TOPICS, cache_counters, cluster_cpu_s, warm
 
-LOADS = {"buy": {"buy": 1.0}, "mix": {"search": 0.4, "lookup": 0.4, "buy": 0.2}, "idle": None}
+LOADS = {"buy": {"buy": 1.0}, "mix": h.MIX_40_40_20, "idle": None}
 
 
 def workers(c: LocalCluster) -> dict[str, list[int]]:

@@ -149,7 +149,7 @@ def run(settings: h.Settings) -> dict[str, Any]:
         sold = before - total_stock(c, BOOKS)
         out["buyers"]["stock_sold"] = sold
         out["buyers"]["lost_or_doubled"] = sold - out["buyers"]["buys"] if out["buyers"]["errors"] == 0 else None
-        mix = {"search": 0.4, "lookup": 0.4, "buy": 0.2}
+        mix = h.MIX_40_40_20
         out["mix"] = measured_load(c, mix, duration, procs, threads)  # caches as the buyers and the stock count left them
         warm(c)
         out["mix_warm"] = measured_load(c, mix, duration, procs, threads)
