@@ -261,11 +261,10 @@ class SQLiteStateMachine(StateMachine):
             change.total, change.open = 0, True
             try:
                 yield conn
-                if change.total % _MODULUS:
-                    kept = conn.execute("SELECT value FROM digest WHERE id=0").fetchone()
-                    if kept is not None:  # none yet: a database being created (its digest is summed)
-                        value = format((int(kept[0], 16) + change.total) % _MODULUS, "064x")
-                        conn.execute("UPDATE digest SET value=? WHERE id=0", (value,))
+                if change.total % _MODULUS:  # (no trigger has fired before the digest row exists)
+                    kept = conn.execute("SELECT value FROM digest WHERE id=0").fetchone()[0]
+                    value = format((int(kept, 16) + change.total) % _MODULUS, "064x")
+                    conn.execute("UPDATE digest SET value=? WHERE id=0", (value,))
             finally:
                 change.total, change.open = 0, False
 
