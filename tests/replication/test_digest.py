@@ -144,8 +144,8 @@ def test_a_database_from_before_the_triggers_gets_its_digest_on_open(tmp_path: P
 
 
 def test_a_batch_undoes_a_failing_command_alone_and_skips_what_it_already_applied(tmp_path: Path) -> None:
-    """``apply_many``: one transaction, a savepoint per command. A command that fails half-way is
-    undone alone (its error returned, as a lone ``apply`` would raise it); the others stand; the
+    """``apply_many``: one transaction; once a command fails, the batch is taken again with a
+    savepoint per command. A command that fails half-way is undone alone (its error returned, as a lone ``apply`` would raise it); the others stand; the
     applied index covers the batch; entries already applied (a replay after a crash) are skipped."""
     state, alone = Breaking(tmp_path / "s.db"), Breaking(tmp_path / "t.db")
     for s in (state, alone):
