@@ -134,7 +134,8 @@ def run(settings: h.Settings) -> dict[str, Any]:
         lines.append((f"catch-up, {p['k']:,} missed updates",
                       f"{p['caught_up_s'] * 1000:.0f} ms from `pygmy start`, "
                       f"{(p['caught_up_s'] - p['start_cmd_s']) * 1000:.0f} ms after it returned "
-                      f"({p['missed']:,} commands; goal for 10,000: < 1 s after it returned)"))
+                      f"({p['missed']:,} commands, {'by a snapshot' if p['by_snapshot'] else 'from the log'}; "
+                      f"goal for 10,000: < 1 s after it returned)"))
     width = max(len(k) for k, _ in lines)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in lines))
     h.save(settings, "bench", {"title": "Benchmark (make bench)", "description": "Medians and ratios to the same-run "

@@ -228,6 +228,12 @@ def replica_status(c: LocalCluster, name: str, timeout: float = 0.5) -> dict[str
         return None
 
 
+def snapshots_installed(c: LocalCluster, name: str) -> int:
+    """Snapshots the replica ``name`` has installed over all its runs (its log says so each time)."""
+    log = c.data_dir / "logs" / f"{name}.log"
+    return log.read_text(errors="replace").count("installed a snapshot") if log.exists() else 0
+
+
 def wait_caught_up(c: LocalCluster, tier: str, timeout: float = 60) -> None:
     """Until every replica of ``tier`` answers and has applied the leader's commit index."""
     deadline = time.monotonic() + timeout

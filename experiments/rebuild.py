@@ -53,11 +53,6 @@ def reset_peaks(c: LocalCluster, name: str) -> None:
             Path(f"/proc/{p.pid}/clear_refs").write_text("5")
 
 
-def snapshots_installed(c: LocalCluster, name: str) -> int:
-    log = c.data_dir / "logs" / f"{name}.log"
-    return log.read_text(errors="replace").count("installed a snapshot") if log.exists() else 0
-
-
 def caught_up(c: LocalCluster, leader: str, name: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -94,13 +89,13 @@ def run(settings: h.Settings) -> dict[str, Any]:
             h.wait_caught_up(c, "catalog", timeout=300)
             rebuilt = time.monotonic() - started
             deadline = time.monotonic() + 30  # the state is readable a moment before the install is logged
-            while not snapshots_installed(c, victim) and time.monotonic() < deadline:
+            while not h.snapshots_installed(c, victim) and time.monotonic() < deadline:
                 time.sleep(0.1)
             # Each replica's own status, read now: the frontend's /status may be a view from before
             # the install (it is up to a quarter of a second old, older while a refresh is on its way).
             digests = {(h.replica_status(c, n, timeout=2) or {}).get("state_digest") for n in (leader, *followers)}
             out = {"books": books, "writes_while_down": writes, "answered_s": answered, "rebuilt_s": rebuilt,
-                   "snapshots_installed": snapshots_installed(c, victim), "digests_equal": len(digests) == 1,
+                   "snapshots_installed": h.snapshots_installed(c, victim), "digests_equal": len(digests) == 1,
                    "victim_peak_mib": memory(c, victim, "VmHWM"), "victim_rss_mib": memory(c, victim, "VmRSS"),
                    "steady_follower_rss_mib": steady, "leader_rss_before_mib": leader_before,
                    "leader_peak_mib": memory(c, leader, "VmHWM")}

@@ -93,6 +93,14 @@ class ReplicationConfig(CoreConfig):
     tick_ms: float = 10.0
     #: Applied entries kept in the log for lagging followers; older ones are compacted away.
     keep_entries: int = 10_000
+    #: ... but no more than replaying costs less than copying the state: a follower further behind
+    #: gets a snapshot, which costs the state's size, not the entries it missed. One applied command
+    #: costs about as much as sending and installing this many bytes of state (docs/performance.md,
+    #: "Twentieth session"); 0: keep ``keep_entries`` whatever the state's size.
+    replay_bytes_per_entry: int = 2048
+    #: Never fewer than this many, however small the state (a follower a moment behind, after a
+    #: pause or a brief partition, catches up from the log, not by a snapshot).
+    min_keep_entries: int = 1_000
     #: Compact only once this many more entries accumulated (amortises the DELETE).
     compact_slack: int = 2_000
     #: And by size: applied entries are compacted away once the log holds more than
@@ -349,6 +357,8 @@ class ReplicaNode:
         self.sm = state_machine
         self.secret = secret
         self.config = config or ReplicationConfig()
+        #: Entries kept by count at the last look (``keep_entries()``); the first look decides.
+        self._keep = min(self.config.min_keep_entries, self.config.keep_entries)
         self.data_dir = Path(data_dir)
         self.store = LogStore(self.data_dir / "raft.db")
         #: Snapshots: received ones land in ``snapshots/in``, copies for peers in ``snapshots/out``;
@@ -980,12 +990,26 @@ class ReplicaNode:
             self._applied = index
             self._apply_cond.notify_all()
 
+    def keep_entries(self) -> int:
+        """Applied entries worth keeping for lagging followers, from the state's size now (one
+        ``PRAGMA`` per call): ``keep_entries`` at most, ``min_keep_entries`` at least."""
+        cfg = self.config
+        size = self.sm.size_bytes() if cfg.replay_bytes_per_entry > 0 else None
+        if size is None:
+            return cfg.keep_entries
+        return max(min(cfg.min_keep_entries, cfg.keep_entries),
+                   min(cfg.keep_entries, size // cfg.replay_bytes_per_entry))
+
     def _maybe_compact(self) -> None:
-        """Compact applied entries by count and by size, whichever asks for more."""
+        """Compact applied entries by count and by size, whichever asks for more. The count kept
+        follows the state's size, read again only when the log has grown past the last count kept
+        plus the slack (the state's size changes slowly; a read per turn would not be free)."""
         cfg, core = self.config, self.core
         upto = 0
-        if core.applied - core.snap_index > cfg.keep_entries + cfg.compact_slack:
-            upto = core.applied - cfg.keep_entries
+        if core.applied - core.snap_index > self._keep + cfg.compact_slack:
+            self._keep = self.keep_entries()
+            if core.applied - core.snap_index > self._keep + cfg.compact_slack:
+                upto = core.applied - self._keep
         if self.store.log_bytes > cfg.keep_bytes + cfg.compact_slack_bytes:
             upto = max(upto, self.store.index_keeping(cfg.keep_bytes))
         if min(upto, core.applied) > core.snap_index:

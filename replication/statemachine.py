@@ -135,6 +135,11 @@ class StateMachine(ABC):
     def restore(self, index: int, source: Path) -> None:
         """Replace the whole state with the snapshot in file ``source``, taken at ``index``."""
 
+    def size_bytes(self) -> int | None:
+        """What a snapshot of the state costs to send, in bytes (None: not known). The log keeps
+        no more entries than replaying costs less than that (``ReplicationConfig.replay_bytes_per_entry``)."""
+        return None
+
     @abstractmethod
     def digest(self) -> str:
         """Hash of the business state; equal applied indexes give equal digests."""
@@ -352,6 +357,11 @@ class SQLiteStateMachine(StateMachine):
         failed statement and go on: SQLite undoes that statement's rows, but not the hashes its
         triggers already added to the transaction's digest change (let it raise: the command is
         then undone whole, its part of the change with it)."""
+
+    def size_bytes(self) -> int:
+        """The database's pages, free ones included: what SQLite's backup copies into a snapshot."""
+        conn = self._conn()
+        return int(conn.execute("PRAGMA page_count").fetchone()[0]) * int(conn.execute("PRAGMA page_size").fetchone()[0])
 
     def pin(self) -> Pin:
         conn = sqlite3.connect(self.path, timeout=10, isolation_level=None, check_same_thread=False)

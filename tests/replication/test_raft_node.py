@@ -158,6 +158,36 @@ def test_the_log_is_compacted_by_size_as_well_as_by_count(tmp_path: Path) -> Non
         h.close()
 
 
+@pytest.mark.parametrize("replay_bytes_per_entry", [10**9, 0])
+def test_a_small_state_keeps_few_entries_and_a_follower_far_behind_gets_a_snapshot(
+        tmp_path: Path, replay_bytes_per_entry: int) -> None:
+    """A state that costs less to copy than its log costs to replay: the log keeps only
+    ``min_keep_entries`` (a replay cost huge against the state's size), and a follower that missed
+    more gets the state, not the entries. With the rule off (0) the count budget alone decides,
+    which 120 commands do not reach: the follower catches up from the log."""
+    config = ReplicationConfig(keep_entries=10_000, compact_slack=20, min_keep_entries=30,
+                               replay_bytes_per_entry=replay_bytes_per_entry)
+    h = Harness(tmp_path, config=config)
+    try:
+        leader = h.leader()
+        away = next(n for n in h.nodes if n != leader.name)
+        h.stop(away)
+        for i in range(120):
+            leader.propose({"k": f"k{i % 5}", "add": 1}, timeout=2)
+        for node in h.nodes.values():
+            kept = node.core.last_index - node.core.snap_index
+            assert (kept <= 30 + 20) if replay_bytes_per_entry else (kept >= 120), kept
+        back = h.start(away)
+        h.converge(timeout=10)
+        deadline = time.monotonic() + 5
+        while back.snapshots_installed == 0 and replay_bytes_per_entry and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert back.snapshots_installed == (1 if replay_bytes_per_entry else 0)
+        assert back.sm.read("SELECT SUM(v) FROM kv")[0][0] == 120
+    finally:
+        h.close()
+
+
 def test_replicate_failover_catch_up_and_snapshot(cluster: Harness) -> None:
     leader = cluster.leader()
     for i in range(30):
