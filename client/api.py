@@ -16,11 +16,7 @@ from urllib.parse import quote
 import requests
 from requests.adapters import HTTPAdapter
 
-from client.retry import RetryBudget, backoff, retry_after
-
-#: What is left of a request's time, in whole milliseconds; services read it (cluster/admission.py)
-#: and pass it on to every tier they call.
-DEADLINE_HEADER = "X-Request-Timeout-Ms"
+from client.retry import DEADLINE_HEADER, RetryBudget, backoff, retry_after
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 

@@ -13,6 +13,11 @@ import threading
 import time
 from collections.abc import Callable
 
+#: What is left of a request's time, in whole milliseconds; services read it (cluster/admission.py)
+#: and pass it on to every tier they call. Here, not in ``client.api``, so that services import
+#: the header without Requests.
+DEADLINE_HEADER = "X-Request-Timeout-Ms"
+
 #: Retries may add this share of the requests made, beyond the reserve.
 RATIO = 0.1
 #: Retries always available per second, so that a lone caller still rides out a failover.

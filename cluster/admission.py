@@ -28,7 +28,7 @@ from urllib.parse import unquote_to_bytes
 from prometheus_client import Counter
 from werkzeug.wsgi import ClosingIterator
 
-from client.api import DEADLINE_HEADER
+from client.retry import DEADLINE_HEADER
 
 _DEADLINE_ENVIRON = "HTTP_" + DEADLINE_HEADER.upper().replace("-", "_")
 #: The longest budget a caller may give (ten minutes): bigger values are refused as malformed.

@@ -12,8 +12,6 @@ import os
 import sys
 from typing import Any
 
-from client import cli as client_cli
-from cluster import launcher
 from cluster.config import MIN_KEY_WINDOW, ClusterConfig, parse_name
 
 
@@ -142,7 +140,9 @@ def verify(config: ClusterConfig) -> int:
     return 1 if bad else 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(serving: bool = False) -> argparse.ArgumentParser:
+    """Every command; ``serving``: without the client's commands, whose module imports Requests,
+    which a service process never uses (about a tenth of its start-up's CPU, in every process)."""
     parser = argparse.ArgumentParser(prog="pygmy", description="Pygmy, a replicated online bookstore")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("up", help="start the whole cluster locally, in the foreground")
@@ -160,12 +160,27 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="every replica's state digest against a full recompute, and replicas "
                                       "of a tier against each other (exit 1 on a mismatch)")
     p.add_argument("--data-dir", default=os.environ.get("PYGMY_DATA_DIR", "data"))
-    client_cli.add_commands(sub)
+    if not serving:
+        from client import cli as client_cli
+
+        client_cli.add_commands(sub)
     return parser
 
 
+class _NoLauncher(Exception):
+    """Stands for ``launcher.LaunchError`` in a service process, which never imports the launcher."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    serving = argv[:1] == ["serve"]
+    args = build_parser(serving).parse_args(argv)
+    if serving:
+        launch_error: type[Exception] = _NoLauncher
+    else:
+        from cluster import launcher
+
+        launch_error = launcher.LaunchError
     try:
         if args.command == "up":
             return launcher.up(resolve(args, use_cluster_file=False), reset_state=args.reset)
@@ -193,8 +208,10 @@ def main(argv: list[str] | None = None) -> int:
             config = ClusterConfig.load(args.data_dir)
             config.data_dir = args.data_dir
             return verify(config)
+        from client import cli as client_cli
+
         return client_cli.run(args)
-    except (launcher.LaunchError, RuntimeError, ValueError) as exc:
+    except (launch_error, RuntimeError, ValueError) as exc:
         print(f"pygmy {args.command}: {exc}", file=sys.stderr)
         return 1
 

@@ -34,14 +34,14 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-import requests
+import urllib3
 from flask import Blueprint, Response, jsonify, request
 from prometheus_client import Histogram
 
+from cluster import codec
 from cluster.web import secret_refusal
 from replication.core import CANDIDATE, SNAPSHOT, CoreConfig, Entry, Message, RaftCore, Ready
 from replication.log_store import LogStore
-from replication.router import pooled_session
 from replication.snapshots import Incoming, stream_frames
 from replication.statemachine import Pin, StateMachine
 from replication.storage import describe, is_storage_fault
@@ -277,7 +277,9 @@ class _ReadIndexBatcher:
 
     def __init__(self, node: ReplicaNode) -> None:
         self.node = node
-        self.session = pooled_session(pool=4)
+        #: urllib3, not Requests: nothing of a session is wanted here, and a service process that
+        #: never imports Requests starts faster (``cluster.cli``).
+        self.http = urllib3.PoolManager(num_pools=8, maxsize=4, block=False, retries=False)
         self._cond = threading.Condition()
         self._started = 0  # rounds started
         self._done = 0  # rounds finished
@@ -321,12 +323,13 @@ class _ReadIndexBatcher:
             except ReadIndexUnavailable as exc:
                 return 0, str(exc)
         try:
-            r = self.session.get(url + "/raft/read_index", headers={"Authorization": f"Bearer {self.node.secret}"},
-                                 timeout=(self.node.config.connect_timeout, min(timeout, 1.0)))
-            if r.status_code != 200:
-                return 0, f"{name} gave no read index: HTTP {r.status_code}"
-            return int(r.json()["index"]), None
-        except (requests.RequestException, ValueError, KeyError, TypeError) as exc:
+            r = self.http.request("GET", url + "/raft/read_index", headers={"Authorization": f"Bearer {self.node.secret}"},
+                                  timeout=urllib3.Timeout(connect=self.node.config.connect_timeout,
+                                                          read=min(timeout, 1.0)), redirect=False)
+            if r.status != 200:
+                return 0, f"{name} gave no read index: HTTP {r.status}"
+            return int(codec.loads(r.data)["index"]), None
+        except (urllib3.exceptions.HTTPError, ValueError, KeyError, TypeError) as exc:
             return 0, f"{name} gave no read index: {type(exc).__name__}"
 
 
@@ -494,7 +497,7 @@ class ReplicaNode:
                 s.thread.join(timeout=10)
             self._notify.put(None)
             self._notify_thread.join(timeout=10)
-        self._read_index.session.close()
+        self._read_index.http.clear()
         # A turn another thread began before the stop ends first (one stuck in a disk write is not
         # waited for longer than the loop thread was); none begins after: they check _stopping.
         locked = self._core_lock.acquire(timeout=10)

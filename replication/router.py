@@ -17,9 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
 
-import requests
 import urllib3
-from requests.adapters import HTTPAdapter
 
 from client.retry import RetryBudget, backoff
 from cluster import codec
@@ -104,17 +102,6 @@ class Reply:
     body: dict[str, Any]
     replica: str
     leader: str | None = None  # the answering replica's ``LEADER_HEADER``
-
-
-def pooled_session(pool: int = 64) -> requests.Session:
-    s = requests.Session()
-    # Internal traffic never goes through proxies or .netrc; skipping their lookup saves a file
-    # check and environment scan on every request.
-    s.trust_env = False
-    adapter = HTTPAdapter(pool_connections=8, pool_maxsize=pool, max_retries=0)
-    s.mount("http://", adapter)
-    s.mount("https://", adapter)
-    return s
 
 
 class _LeaderSeeker:

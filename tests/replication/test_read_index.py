@@ -53,4 +53,4 @@ def test_a_read_arriving_during_a_round_waits_for_the_next_one() -> None:
         t.join(5)
     assert got == {"first": 5, "second": 7, "third": 7}, "a late read must not use an answer older than itself"
     assert node.calls == 2, "the late reads share one round"
-    batcher.session.close()
+    batcher.http.clear()
