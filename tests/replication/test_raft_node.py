@@ -127,6 +127,26 @@ def cluster(tmp_path):
         h.close()
 
 
+def miss_commands(h: Harness, n: int, **extra: Any) -> str:
+    """Stop a follower, then commit ``n`` commands without it; its name."""
+    leader = h.leader()
+    away = next(name for name in h.nodes if name != leader.name)
+    h.stop(away)
+    for i in range(n):
+        leader.propose({"k": f"k{i % 5}", "add": 1, **extra}, timeout=2)
+    return away
+
+
+def installed_snapshots(node: ReplicaNode, expect_one: bool = True) -> int:
+    """``node.snapshots_installed``, waited for (up to 5 s) when one is expected. Status reads the
+    state machine, restored a few statements before the count goes up: replicas can agree a moment
+    before the count says so (one make test saw 0)."""
+    deadline = time.monotonic() + 5
+    while expect_one and node.snapshots_installed == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return node.snapshots_installed
+
+
 def test_the_log_is_compacted_by_size_as_well_as_by_count(tmp_path: Path) -> None:
     """Big commands, a count budget never reached: the size budget alone keeps the log small, on disk
     and in memory, on every replica; a follower that missed more than it keeps gets a snapshot."""
@@ -134,11 +154,7 @@ def test_the_log_is_compacted_by_size_as_well_as_by_count(tmp_path: Path) -> Non
     config = ReplicationConfig(keep_entries=10_000, compact_slack=2_000, keep_bytes=20_000, compact_slack_bytes=10_000)
     h = Harness(tmp_path, config=config)
     try:
-        leader = h.leader()
-        away = next(n for n in h.nodes if n != leader.name)
-        h.stop(away)
-        for i in range(120):
-            leader.propose({"k": f"k{i % 5}", "add": 1, "pad": big}, timeout=2)
+        away = miss_commands(h, 120, pad=big)
         for node in h.nodes.values():
             store = node.store
             on_disk = store._conn.execute("SELECT COALESCE(SUM(LENGTH(command)), 0) FROM raft_log").fetchone()[0]
@@ -148,12 +164,7 @@ def test_the_log_is_compacted_by_size_as_well_as_by_count(tmp_path: Path) -> Non
             assert len(node.core._log) == node.core.last_index - node.core.snap_index
         back = h.start(away)
         h.converge(timeout=10)
-        # Status reads the state machine, restored a few statements before the count goes up: the
-        # replicas can agree a moment before ``snapshots_installed`` says so (one make test saw 0).
-        deadline = time.monotonic() + 5
-        while back.snapshots_installed == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert back.snapshots_installed == 1
+        assert installed_snapshots(back) == 1
     finally:
         h.close()
 
@@ -169,20 +180,13 @@ def test_a_small_state_keeps_few_entries_and_a_follower_far_behind_gets_a_snapsh
                                replay_bytes_per_entry=replay_bytes_per_entry)
     h = Harness(tmp_path, config=config)
     try:
-        leader = h.leader()
-        away = next(n for n in h.nodes if n != leader.name)
-        h.stop(away)
-        for i in range(120):
-            leader.propose({"k": f"k{i % 5}", "add": 1}, timeout=2)
+        away = miss_commands(h, 120)
         for node in h.nodes.values():
             kept = node.core.last_index - node.core.snap_index
             assert (kept <= 30 + 20) if replay_bytes_per_entry else (kept >= 120), kept
         back = h.start(away)
         h.converge(timeout=10)
-        deadline = time.monotonic() + 5
-        while back.snapshots_installed == 0 and replay_bytes_per_entry and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert back.snapshots_installed == (1 if replay_bytes_per_entry else 0)
+        assert installed_snapshots(back, expect_one=bool(replay_bytes_per_entry)) == (1 if replay_bytes_per_entry else 0)
         assert back.sm.read("SELECT SUM(v) FROM kv")[0][0] == 120
     finally:
         h.close()
