@@ -171,9 +171,8 @@ class CoreConfig:
     """Timing (in ticks) and flow-control knobs of the core."""
 
     heartbeat_ticks: int = 5
-    #: Heartbeats while every follower has every entry (an idle cluster): less often, still inside
-    #: half the shortest election timeout, and leaving the leader lease a busy heartbeat interval
-    #: for the acknowledgement (None: ``min(min election / 2, lease - heartbeat)``, 150 ms by default).
+    #: Heartbeats while every follower has every entry (an idle cluster): less often, still well
+    #: inside every election timeout and the leader lease (None: ``min(2 x heartbeat, min election / 3)``).
     idle_heartbeat_ticks: int | None = None
     election_ticks_min: int = 30
     election_ticks_max: int = 60
@@ -191,8 +190,7 @@ class CoreConfig:
     def effective_idle_heartbeat_ticks(self) -> int:
         if self.idle_heartbeat_ticks is not None:
             return self.idle_heartbeat_ticks
-        return max(self.heartbeat_ticks, min(self.election_ticks_min // 2,
-                                             self.effective_lease_ticks() - self.heartbeat_ticks))
+        return max(self.heartbeat_ticks, min(2 * self.heartbeat_ticks, self.election_ticks_min // 3))
 
     def effective_lease_ticks(self) -> int:
         if self.lease_ticks is not None:
@@ -487,7 +485,7 @@ class RaftCore:
 
     def _heartbeat_interval(self) -> int:
         """Every ``heartbeat_ticks`` while entries are on their way; less often once every follower
-        has all of them: an idle cluster then spends a third as much on heartbeats. Followers' election
+        has all of them: an idle cluster then spends half as much on heartbeats. Followers' election
         timers and the leader lease are reset by any message, so either interval keeps them."""
         last = self.last_index
         if self.commit == last and all(pr.match == last for pr in self._prs.values()):

@@ -821,14 +821,14 @@ def _heartbeat_ticks(core: RaftCore, rounds: int, has: int = 1) -> list[int]:
 
 def test_an_idle_leader_heartbeats_less_often_and_a_busy_one_at_the_full_rate() -> None:
     cfg = CoreConfig(heartbeat_ticks=5, election_ticks_min=30, election_ticks_max=60)
-    assert cfg.effective_idle_heartbeat_ticks() == 15 and cfg.effective_lease_ticks() == 20
+    assert cfg.effective_idle_heartbeat_ticks() == 10 and cfg.effective_lease_ticks() == 20
     core = leader(config=cfg)
     core.ready()
     for p in "bc":
         ack(core, p, 1)
     core.ready()
     idle = _heartbeat_ticks(core, 4)
-    assert {b - a for a, b in zip(idle, idle[1:], strict=False)} == {15}
+    assert {b - a for a, b in zip(idle, idle[1:], strict=False)} == {10}
     assert core.is_leader() and core.lease_remaining() > 0  # an idle lease never lapses between rounds
     core.propose({"x": 1})  # b and c never acknowledge it: in flight
     core.ready()
