@@ -167,20 +167,12 @@ def build_parser(serving: bool = False) -> argparse.ArgumentParser:
     return parser
 
 
-class _NoLauncher(Exception):
-    """Stands for ``launcher.LaunchError`` in a service process, which never imports the launcher."""
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     serving = argv[:1] == ["serve"]
     args = build_parser(serving).parse_args(argv)
-    if serving:
-        launch_error: type[Exception] = _NoLauncher
-    else:
+    if not serving:  # a service process never needs the launcher (nor the Requests it imports)
         from cluster import launcher
-
-        launch_error = launcher.LaunchError
     try:
         if args.command == "up":
             return launcher.up(resolve(args, use_cluster_file=False), reset_state=args.reset)
@@ -211,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         from client import cli as client_cli
 
         return client_cli.run(args)
-    except (launch_error, RuntimeError, ValueError) as exc:
+    except (RuntimeError, ValueError) as exc:  # launcher.LaunchError is a RuntimeError
         print(f"pygmy {args.command}: {exc}", file=sys.stderr)
         return 1
 

@@ -37,8 +37,8 @@ START_TIMEOUT = 30.0
 STOP_TIMEOUT = 10.0
 
 
-class LaunchError(Exception):
-    pass
+class LaunchError(RuntimeError):
+    """A service would not start, or a command on one failed: ``pygmy`` says why and exits 1."""
 
 
 PROC = Path("/proc")

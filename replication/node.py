@@ -360,8 +360,8 @@ class ReplicaNode:
         self.sm = state_machine
         self.secret = secret
         self.config = config or ReplicationConfig()
-        #: Entries kept by count at the last look (``keep_entries()``); the first look decides.
-        self._keep = min(self.config.min_keep_entries, self.config.keep_entries)
+        #: Entries kept by count at the last look (``keep_entries()``); 0: not looked yet.
+        self._keep = 0
         self.data_dir = Path(data_dir)
         self.store = LogStore(self.data_dir / "raft.db")
         #: Snapshots: received ones land in ``snapshots/in``, copies for peers in ``snapshots/out``;
