@@ -171,8 +171,11 @@ class CoreConfig:
     """Timing (in ticks) and flow-control knobs of the core."""
 
     heartbeat_ticks: int = 5
-    #: Heartbeats while every follower has every entry (an idle cluster): less often, still well
-    #: inside every election timeout and the leader lease (None: ``min(2 x heartbeat, min election / 3)``).
+    #: While every follower has every entry (an idle cluster), each follower hears from the leader
+    #: this often, still inside every election timeout (None: two thirds of the shortest, at least
+    #: ``heartbeat_ticks``). The leader sends those heartbeats one follower at a time, evenly
+    #: spread, so the answers of a majority (its lease) are never more than about half this old
+    #: (docs/replication.md): an idle cluster sends, and wakes for, a quarter as many as when busy.
     idle_heartbeat_ticks: int | None = None
     election_ticks_min: int = 30
     election_ticks_max: int = 60
@@ -190,7 +193,7 @@ class CoreConfig:
     def effective_idle_heartbeat_ticks(self) -> int:
         if self.idle_heartbeat_ticks is not None:
             return self.idle_heartbeat_ticks
-        return max(self.heartbeat_ticks, min(2 * self.heartbeat_ticks, self.election_ticks_min // 3))
+        return max(self.heartbeat_ticks, 2 * self.election_ticks_min // 3)
 
     def effective_lease_ticks(self) -> int:
         if self.lease_ticks is not None:
@@ -245,6 +248,9 @@ class Progress:
     last_heard: int = -(10**9)
     #: Tick when ``match`` last advanced; a stalled pipeline (lost append) falls back to probing.
     last_progress: int = 0
+    #: Tick when the leader last sent this follower anything: an idle leader heartbeats the one
+    #: it has been quiet to longest.
+    last_sent: int = 0
 
 
 class RaftCore:
@@ -477,19 +483,24 @@ class RaftCore:
         if self.role == LEADER:
             if any(pr.state == SNAPSHOTTING for pr in self._prs.values()):
                 return 1  # a snapshot's resend timer counts every tick
-            n = min(self._heartbeat_interval() - self._heartbeat_elapsed,
+            n = min(self._heartbeat_interval(self._idle()) - self._heartbeat_elapsed,
                     self.cfg.election_ticks_min - self._election_elapsed)
         else:
             n = self._timeout - self._election_elapsed
         return max(1, n)
 
-    def _heartbeat_interval(self) -> int:
-        """Every ``heartbeat_ticks`` while entries are on their way; less often once every follower
-        has all of them: an idle cluster then spends half as much on heartbeats. Followers' election
-        timers and the leader lease are reset by any message, so either interval keeps them."""
+    def _idle(self) -> bool:
+        """Every follower has every entry and all of them are committed: nothing is on its way."""
         last = self.last_index
-        if self.commit == last and all(pr.match == last for pr in self._prs.values()):
-            return self.cfg.effective_idle_heartbeat_ticks()
+        return self.commit == last and all(pr.match == last for pr in self._prs.values())
+
+    def _heartbeat_interval(self, idle: bool) -> int:
+        """Ticks between heartbeat rounds: every ``heartbeat_ticks`` to every follower while entries
+        are on their way; once none are (``idle``), a round is one follower (``_tick_leader``) and
+        they come ``idle_heartbeat_ticks / followers`` apart. Followers' election timers and the
+        leader lease are reset by any message, so either rate keeps them."""
+        if idle and self._prs:
+            return max(1, self.cfg.effective_idle_heartbeat_ticks() // len(self._prs))
         return self.cfg.heartbeat_ticks
 
     def _tick_leader(self) -> None:
@@ -509,9 +520,13 @@ class RaftCore:
                 pr.snapshot_elapsed += 1
                 if pr.snapshot_elapsed >= self.cfg.snapshot_timeout_ticks:
                     self._to_probe(pr, pr.match + 1)
-        if self._heartbeat_elapsed >= self._heartbeat_interval():
+        idle = self._idle()
+        if self._heartbeat_elapsed >= self._heartbeat_interval(idle):
             self._heartbeat_elapsed = 0
-            for p, pr in self._prs.items():
+            targets = self._prs.items()
+            if idle:  # the follower we have been quiet to longest (the first named, on a tie)
+                targets = [min(self._prs.items(), key=lambda item: item[1].last_sent)]
+            for p, pr in targets:
                 self._send(
                     Message(
                         HEARTBEAT,
@@ -805,6 +820,9 @@ class RaftCore:
         )
 
     def _send(self, m: Message) -> None:
+        pr = self._prs.get(m.dst)  # only a leader has any
+        if pr is not None:
+            pr.last_sent = self.now
         self._msgs.append(m)
 
     # -- output ----------------------------------------------------------------------------------

@@ -804,36 +804,48 @@ def test_entries_truncation_and_commits_are_handed_over_once() -> None:
     assert (rd.truncate_from, rd.entries, rd.committed_entries) == (None, [], [Entry(3, 2)])
 
 
-def _heartbeat_ticks(core: RaftCore, rounds: int, has: int = 1) -> list[int]:
-    """The ticks at which ``rounds`` heartbeat rounds went out (each answered at once by followers
-    whose logs end at ``has``)."""
-    at = []
-    while len(at) < rounds:
+def _heartbeats(core: RaftCore, count: int, has: int = 1) -> list[tuple[int, str]]:
+    """(tick, follower) of the next ``count`` heartbeats, each answered at once by a follower whose
+    log ends at ``has``; the leader's lease must hold at every tick meanwhile."""
+    out: list[tuple[int, str]] = []
+    while len(out) < count:
         core.tick()
-        beats = [m for m in core.ready().messages if m.type == HEARTBEAT]
-        if beats:
-            at.append(core.now)
-            for m in beats:
+        assert core.lease_remaining() > 0, f"the lease lapsed at tick {core.now}"
+        for m in core.ready().messages:
+            if m.type == HEARTBEAT:
+                out.append((core.now, m.dst))
                 core.step(Message(HEARTBEAT_RESP, m.dst, "a", core.term, index=has, conflict_index=has + 1,
                                   ctx=m.ctx))
-    return at
+    return out
 
 
-def test_an_idle_leader_heartbeats_less_often_and_a_busy_one_at_the_full_rate() -> None:
+def _gaps(ticks: list[int]) -> set[int]:
+    return {b - a for a, b in zip(ticks, ticks[1:], strict=False)}
+
+
+@pytest.mark.parametrize("peers", ["abc", "abcde"])
+def test_an_idle_leader_heartbeats_one_follower_at_a_time_and_a_busy_one_all_at_the_full_rate(peers: str) -> None:
+    """Idle: each follower hears every 20 ticks (inside the shortest election timeout, 30), one
+    follower at a time, evenly spread, so the lease (20 ticks, from a majority's answers) never
+    lapses between them. Busy: every follower every 5 ticks."""
     cfg = CoreConfig(heartbeat_ticks=5, election_ticks_min=30, election_ticks_max=60)
-    assert cfg.effective_idle_heartbeat_ticks() == 10 and cfg.effective_lease_ticks() == 20
-    core = leader(config=cfg)
+    assert cfg.effective_idle_heartbeat_ticks() == 20 and cfg.effective_lease_ticks() == 20
+    followers = peers[1:]
+    core = leader(peers, config=cfg)
     core.ready()
-    for p in "bc":
+    for p in followers:
         ack(core, p, 1)
     core.ready()
-    idle = _heartbeat_ticks(core, 4)
-    assert {b - a for a, b in zip(idle, idle[1:], strict=False)} == {10}
-    assert core.is_leader() and core.lease_remaining() > 0  # an idle lease never lapses between rounds
-    core.propose({"x": 1})  # b and c never acknowledge it: in flight
+    idle = _heartbeats(core, 6 * len(followers))
+    assert _gaps([t for t, _ in idle]) == {20 // len(followers)}  # one at a time, evenly spread
+    for p in followers:
+        assert _gaps([t for t, dst in idle if dst == p]) == {20}
+    core.propose({"x": 1})  # no follower ever acknowledges it: in flight
     core.ready()
-    busy = _heartbeat_ticks(core, 4)
-    assert {b - a for a, b in zip(busy, busy[1:], strict=False)} == {5}
+    busy = _heartbeats(core, 4 * len(followers))
+    for p in followers:
+        assert _gaps([t for t, dst in busy if dst == p]) == {5}
+    assert len({t for t, _ in busy}) == 4  # all followers in each round
 
 
 def test_only_a_leader_keeping_its_term_and_vote_may_send_before_persisting() -> None:
