@@ -204,6 +204,7 @@ class ChannelRouter(_LeaderSeeker):
                               for n, url in peers.items()}
         self._look_lock = threading.Lock()
         self._looked: tuple[float, str | None] = (float("-inf"), None)
+        self._asked: dict[str, float] = {}  # replica -> when a look last asked it about itself
 
     def call(self, payload: dict[str, Any], deadline: float, carry_deadline: bool = False) -> Reply:
         """``payload`` to the leader, following redirects and failing over, until ``deadline``.
@@ -240,27 +241,41 @@ class ChannelRouter(_LeaderSeeker):
         """The replica that leads instead of ``name``, which has not begun to answer: one that says
         it is leader, in a term newer than any ``name`` still answers /status with as leader (a
         stopped one answers nothing, and is marked silent). None: keep waiting, ``name`` may just
-        be slow. Only the other replicas are asked until one claims to lead, so a busy leader is
-        not asked for its status while it is busy. One look per STALL_CHECK per router, shared by
-        every caller waiting meanwhile."""
+        be slow. One look per STALL_CHECK per router, shared by every caller waiting meanwhile.
+
+        ``name`` itself is asked at most once per SILENT_FOR while nobody claims to lead (a leader
+        that is merely busy gets one status request a second from a waiting router), and not
+        again when a claim comes while it is marked silent: a stopped leader is found out while
+        its successor's election is still on, so the look that finds the successor goes there at
+        once instead of waiting out LOOK_TIMEOUT on ``name`` (about 100 ms of every failover of a
+        stopped leader, docs/performance.md, "Twenty-first session")."""
         with self._look_lock:
+            now = time.monotonic()
             at, found = self._looked
-            if time.monotonic() - at < STALL_CHECK:
+            if now - at < STALL_CHECK:
                 return found if found != name else None
             found = None
             claims = [(int(st.get("term", 0)), other) for other in self.names if other != name
                       if (st := self._status(other)) and st.get("role") == "leader"]
             if claims:
                 term, other = max(claims)
-                mine = self._status(name)
-                if mine is None:
-                    self.sightings.mark(name)
+                mine = None if self.sightings.silent(name) else self._ask(name, now)
                 if not (mine and mine.get("role") == "leader" and int(mine.get("term", 0)) >= term):
                     found = other
                     log.info("%s: %s is not answering and %s leads in term %d: asking it instead",
                              self.tier, name, other, term)
+            elif not self.sightings.silent(name) and now - self._asked.get(name, float("-inf")) >= SILENT_FOR:
+                self._ask(name, now)
             self._looked = (time.monotonic(), found)
             return found
+
+    def _ask(self, name: str, now: float) -> dict[str, Any] | None:
+        """``name``'s status during a look, marked silent if it gives none."""
+        self._asked[name] = now
+        st = self._status(name)
+        if st is None:
+            self.sightings.mark(name)
+        return st
 
     def close(self) -> None:
         for client in self._clients.values():

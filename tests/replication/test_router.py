@@ -214,3 +214,52 @@ def test_a_replica_that_could_not_serve_a_read_does_not_move_the_leader(tier: An
     replicas["r1"].leader = replicas["r3"].leader = "r1"
     router.read("/books/1", time.monotonic() + 2, prefer_leader=True)
     assert router.leader_hint == "r1"
+
+
+class ScriptedStatus:
+    """Stands in for ``ChannelRouter._status``: what each replica answers now (None: silent), and
+    who was asked."""
+
+    def __init__(self, answers: dict[str, dict[str, Any] | None]) -> None:
+        self.answers, self.asked = answers, []
+
+    def __call__(self, name: str) -> dict[str, Any] | None:
+        self.asked.append(name)
+        return self.answers[name]
+
+
+@pytest.fixture()
+def looks(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[router_module.ChannelRouter, ScriptedStatus]]:
+    """A frame router to three replicas nobody serves, its looks at /status scripted, one look per call."""
+    monkeypatch.setattr(router_module, "STALL_CHECK", 0.0)
+    router = router_module.ChannelRouter("t", {n: f"http://127.0.0.1:{9 + i}" for i, n in enumerate(("r1", "r2", "r3"))},
+                                         "secret", "test", "raft")
+    status = ScriptedStatus({"r1": None, "r2": {"role": "follower", "term": 4}, "r3": {"role": "follower", "term": 4}})
+    monkeypatch.setattr(router, "_status", status)
+    yield router, status
+    router.close()
+
+
+def test_a_stopped_leader_is_found_out_before_its_successor_is_elected(looks: Any) -> None:
+    """The first look asks the stalled leader itself, finds it silent, so the look that finds a new
+    leader goes there at once rather than waiting out a status timeout on the stopped one."""
+    router, status = looks
+    assert router._leader_elsewhere("r1") is None  # an election is on: nobody leads yet
+    assert status.asked.count("r1") == 1 and router.sightings.silent("r1")
+    status.asked.clear()
+    status.answers["r2"] = {"role": "leader", "term": 5}
+    assert router._leader_elsewhere("r1") == "r2"
+    assert "r1" not in status.asked
+
+
+def test_a_busy_leader_is_asked_about_itself_once_a_second_and_keeps_the_requests(looks: Any) -> None:
+    """A leader that answers /status but not the request (busy) is asked at most once per SILENT_FOR
+    while nobody else claims to lead; a claim from an older term does not take its requests away."""
+    router, status = looks
+    status.answers["r1"] = {"role": "leader", "term": 5}
+    for _ in range(5):
+        assert router._leader_elsewhere("r1") is None
+    assert status.asked.count("r1") == 1 and not router.sightings.silent("r1")
+    status.answers["r2"] = {"role": "leader", "term": 4}  # a deposed leader that has not heard yet
+    assert router._leader_elsewhere("r1") is None
+    assert status.asked.count("r1") == 2
