@@ -524,7 +524,7 @@ class RaftCore:
         if self._heartbeat_elapsed >= self._heartbeat_interval(idle):
             self._heartbeat_elapsed = 0
             targets = self._prs.items()
-            if idle:  # the follower we have been quiet to longest (the first named, on a tie)
+            if idle and self._prs:  # the follower we have been quiet to longest (the first named, on a tie)
                 targets = [min(self._prs.items(), key=lambda item: item[1].last_sent)]
             for p, pr in targets:
                 self._send(

@@ -848,6 +848,17 @@ def test_an_idle_leader_heartbeats_one_follower_at_a_time_and_a_busy_one_all_at_
     assert len({t for t, _ in busy}) == 4  # all followers in each round
 
 
+def test_a_leader_without_followers_ticks_idle_and_busy() -> None:
+    """One replica per tier: nobody to heartbeat, whether idle or not."""
+    core = leader("a")
+    for _ in range(100):
+        core.tick()
+    core.propose({"x": 1})
+    for _ in range(100):
+        core.tick()
+    assert core.is_leader() and not [m for m in core.ready().messages if m.type == HEARTBEAT]
+
+
 def test_only_a_leader_keeping_its_term_and_vote_may_send_before_persisting() -> None:
     """``Ready.send_first``: a leader's appends may go out before its own write; a vote, a term
     change, a follower's acknowledgement never may."""
