@@ -464,8 +464,25 @@ class RaftCore:
         return self.leader is not None and self._election_elapsed < self.cfg.election_ticks_min
 
     # -- inputs ----------------------------------------------------------------------------------
-    def tick(self) -> None:
-        """Advance logical time by one tick."""
+    def tick(self, n: int = 1) -> None:
+        """Advance logical time by ``n`` ticks, exactly as ``n`` single ticks would. The ticks before
+        the next timer falls due (``ticks_until_timer``) only count, so they are counted at once: a
+        driver that slept through many ticks pays for the timers that fell due, not for each tick."""
+        while n > 0:
+            counted = min(n, self.ticks_until_timer()) - 1 if n > 1 else 0
+            if counted > 0:
+                self.now += counted
+                self._election_elapsed += counted
+                if self.role == LEADER:
+                    self._quiet = 0
+                    self._heartbeat_elapsed += counted
+                else:
+                    self._quiet += counted
+                n -= counted
+            self._tick()
+            n -= 1
+
+    def _tick(self) -> None:
         self.now += 1
         if self.role == LEADER:
             self._quiet = 0

@@ -8,7 +8,12 @@ there, so they are pinned here one message at a time.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from raft_sim import make_leader
 
 from replication.core import (
@@ -881,3 +886,39 @@ def test_only_a_leader_keeping_its_term_and_vote_may_send_before_persisting() ->
                           entries=[Entry(1, 1, None)]))
     rd = follower.ready()
     assert rd.entries and rd.messages and not rd.send_first
+
+
+def _state(core: RaftCore) -> dict[str, Any]:
+    """Everything a core holds, its random generator's state included."""
+    out = {k: v for k, v in vars(core).items() if k != "_rng"}
+    out["_rng"] = core._rng.getstate()
+    out["_prs"] = {p: dataclasses.asdict(pr) for p, pr in core._prs.items()}
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(st.integers(1, 90), st.sampled_from(["ack", "propose", "heartbeat"])), max_size=40),
+       st.booleans())
+def test_many_ticks_at_once_are_the_same_as_one_at_a_time(ops: list[Any], as_leader: bool) -> None:
+    """``tick(n)`` (the node's, after a sleep) against ``n`` calls of ``tick()``, with the same inputs
+    between them, on a leader (heartbeats, quorum checks, idle and busy) and on a follower (elections)."""
+    cores = [RaftCore("a", list("abc"), config=CFG, rng=7) for _ in range(2)]
+    if as_leader:
+        cores = [make_leader(c) for c in cores]
+    for op in ops:
+        for k, core in enumerate(cores):
+            if isinstance(op, int):
+                if k == 0:
+                    core.tick(op)
+                else:
+                    for _ in range(op):
+                        core.tick()
+            elif op == "propose":
+                core.propose({"x": 1})
+            elif op == "ack" and core.is_leader():
+                for p in "bc":
+                    ack(core, p, core.last_index)
+            elif op == "heartbeat" and not core.is_leader():
+                core.step(Message(HEARTBEAT, "b", "a", max(core.term, 1), commit=0))
+        assert [m.to_dict() for m in cores[0].ready().messages] == [m.to_dict() for m in cores[1].ready().messages]
+        assert _state(cores[0]) == _state(cores[1])
