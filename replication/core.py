@@ -176,6 +176,8 @@ class CoreConfig:
     #: ``heartbeat_ticks``). The leader sends those heartbeats one follower at a time, evenly
     #: spread, so the answers of a majority (its lease) are never more than about half this old
     #: (docs/replication.md): an idle cluster sends, and wakes for, a quarter as many as when busy.
+    #: A follower that has not answered what it was last sent is heartbeated every round instead,
+    #: so that with followers down the rest still answer as often for the lease.
     idle_heartbeat_ticks: int | None = None
     election_ticks_min: int = 30
     election_ticks_max: int = 60
@@ -540,9 +542,14 @@ class RaftCore:
         idle = self._idle()
         if self._heartbeat_elapsed >= self._heartbeat_interval(idle):
             self._heartbeat_elapsed = 0
-            targets = self._prs.items()
-            if idle and self._prs:  # the follower we have been quiet to longest (the first named, on a tie)
-                targets = [min(self._prs.items(), key=lambda item: item[1].last_sent)]
+            targets = list(self._prs.items())
+            if idle and targets:
+                # Every follower that has not answered what we last sent it (it may be down: then
+                # the others must answer often enough for the lease on their own), and of those
+                # that have, the one we have been quiet to longest (the first named, on a tie).
+                answered = [t for t in targets if t[1].last_heard >= t[1].last_sent]
+                rotation = min(answered, key=lambda t: t[1].last_sent)[0] if answered else None
+                targets = [t for t in targets if t[0] == rotation or t[1].last_heard < t[1].last_sent]
             for p, pr in targets:
                 self._send(
                     Message(
