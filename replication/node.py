@@ -856,7 +856,7 @@ class ReplicaNode:
         self._next_tick = time.monotonic() + self.config.tick_ms / 1000.0
 
     def _tick_until(self, until: float) -> None:
-        """Tick the core once for every tick due by ``until`` (monotonic). Far behind (a stall
+        """Advance the core by every tick due by ``until`` (monotonic), in one call. Far behind (a stall
         longer than two election timeouts), the rest are dropped rather than stormed: fewer ticks
         than time passed only make every timer later, never earlier."""
         tick_s = self.config.tick_ms / 1000.0

@@ -272,7 +272,7 @@ def test_peer_transport_requires_the_secret_and_a_member(cluster: Harness) -> No
 
 
 def test_a_follower_counts_no_tick_that_fell_due_before_it_heard_its_leader(cluster: Harness) -> None:
-    """An idle follower sleeps between heartbeats (100 ms apart) and catches up on the ticks it slept
+    """An idle follower sleeps between heartbeats (200 ms apart) and catches up on the ticks it slept
     through when one arrives. Counted after the heartbeat, those ticks would make it think it had
     heard nothing for 90 ms more than it had: it would vote that much sooner, while the leader's
     lease still holds, and tell a successor its old lease ended sooner than it did (``vote_quiet_s``).
@@ -281,7 +281,7 @@ def test_a_follower_counts_no_tick_that_fell_due_before_it_heard_its_leader(clus
     leader = cluster.leader()
     follower = next(n for n in cluster.nodes.values() if n is not leader)
     core, tick_s = follower.core, follower.config.tick_ms / 1000.0
-    heard, ahead = [time.monotonic()], [0.0]
+    heard, ahead, turns = [time.monotonic()], [0.0], [0]
     real_step, real_tick = core.step, core.tick
 
     def step(m: Any) -> None:
@@ -289,8 +289,9 @@ def test_a_follower_counts_no_tick_that_fell_due_before_it_heard_its_leader(clus
         if m.src == leader.name and m.type in ("heartbeat", "append"):
             heard[0] = time.monotonic()
 
-    def tick() -> None:
-        real_tick()
+    def tick(n: int = 1) -> None:
+        real_tick(n)
+        turns[0] += 1
         ahead[0] = max(ahead[0], core._quiet * tick_s - (time.monotonic() - heard[0]))
 
     core.step, core.tick = step, tick  # type: ignore[method-assign]
@@ -298,6 +299,9 @@ def test_a_follower_counts_no_tick_that_fell_due_before_it_heard_its_leader(clus
         time.sleep(1.0)
     finally:
         core.step, core.tick = real_step, real_tick  # type: ignore[method-assign]
+    # The patched core is the one that ran (a failed turn would have reloaded another): at least a
+    # turn per heartbeat heard.
+    assert follower.core is core and follower.faults == 0 and turns[0] >= 4
     assert core.role == "follower"
     assert ahead[0] <= 2 * tick_s, f"counted {ahead[0] * 1000:.0f} ms that had not passed since it heard"
 
