@@ -7,9 +7,10 @@ That is what lets the tests drive thousands of random schedules through it in-pr
 
     core.tick() / core.step(msg) / core.propose(cmd)
     rd = core.ready()
-    persist rd.snapshot, rd.truncate_from, rd.entries, rd.hard_state   # durably, BEFORE sending
-    send rd.messages                      # (or before persisting, when rd.send_first says so)
-    apply rd.committed_entries
+    for step in rd.steps():   # persist BEFORE send, except on a leader (rd.send_first)
+        PERSIST: write rd.snapshot, rd.truncate_from, rd.entries, rd.hard_state durably
+        SEND:    send rd.messages
+        APPLY:   apply rd.committed_entries
     core.advance(rd)
 
 Features: PreVote, CheckQuorum (with a leader lease for local reads), a no-op entry on election,
@@ -43,6 +44,11 @@ MESSAGE_TYPES = frozenset(
     {VOTE, VOTE_RESP, PRE_VOTE, PRE_VOTE_RESP, APPEND, APPEND_RESP, HEARTBEAT, HEARTBEAT_RESP, SNAPSHOT}
 )
 _FROM_LEADER = frozenset({APPEND, HEARTBEAT, SNAPSHOT})
+
+# The driver's steps for one Ready, in the order ``Ready.steps`` gives.
+PERSIST = "persist"
+SEND = "send"
+APPLY = "apply"
 
 # Progress states of a follower as seen by the leader (etcd's names).
 PROBE = "probe"  # one append in flight until we learn where the follower's log matches ours
@@ -205,15 +211,15 @@ class CoreConfig:
 
 @dataclass
 class Ready:
-    """Everything the driver must do after a batch of inputs, in this order:
-    install ``snapshot``, persist (``truncate_from``, ``entries``, ``hard_state``) durably, send
-    ``messages``, apply ``committed_entries``, then call ``advance``.
+    """Everything the driver must do after a batch of inputs, in the order ``steps()`` gives:
+    persist (install ``snapshot``, then ``truncate_from``, ``entries``, ``hard_state``) durably,
+    send ``messages``, apply ``committed_entries``; then call ``advance``.
 
-    ``send_first``: the driver may send before persisting (then persist, then apply). True only on a
-    leader whose Ready changes no term or vote: its messages are appends and heartbeats, and a leader
-    may replicate entries it has not yet written itself, since it counts its own copy toward no
-    commit before they are (its acknowledgements are stepped only after this Ready is done). Raft
-    thesis 10.2.1; it overlaps the leader's disk write with the followers'."""
+    ``send_first``: the driver may send before persisting. True only on a leader whose Ready changes
+    no term or vote: its messages are appends and heartbeats, and a leader may replicate entries it
+    has not yet written itself, since it counts its own copy toward no commit before they are (its
+    acknowledgements are stepped only after this Ready is done). Raft thesis 10.2.1; it overlaps the
+    leader's disk write with the followers'."""
 
     hard_state: HardState | None = None
     snapshot: Snapshot | None = None
@@ -232,6 +238,23 @@ class Ready:
             or self.messages
             or self.truncate_from is not None
         )
+
+    def steps(self) -> tuple[str, str, str]:
+        """The order of ``PERSIST``, ``SEND`` and ``APPLY`` for this Ready: the one decision both
+        drivers (``ReplicaNode`` and the test simulator) take from here.
+
+        - persist, send, apply, unless ``send_first``: a vote, or a follower's acknowledgement of
+          appended entries, promises only what is already on its disk;
+        - send, persist, apply: a leader's appends (``send_first`` with entries): its disk write
+          overlaps the followers';
+        - persist, apply, send: a leader's Ready without entries (``send_first``): what goes out
+          tells the followers the new commit index; their applying can wait for ours, and the
+          proposers waiting for ours should not wait for those sends."""
+        if not self.send_first:
+            return (PERSIST, SEND, APPLY)
+        if self.entries:
+            return (SEND, PERSIST, APPLY)
+        return (PERSIST, APPLY, SEND)
 
 
 @dataclass(slots=True)

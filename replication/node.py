@@ -40,7 +40,7 @@ from prometheus_client import Histogram
 
 from cluster import codec
 from cluster.web import secret_refusal
-from replication.core import CANDIDATE, SNAPSHOT, CoreConfig, Entry, Message, RaftCore, Ready
+from replication.core import CANDIDATE, PERSIST, SEND, SNAPSHOT, CoreConfig, Entry, Message, RaftCore, Ready
 from replication.log_store import LogStore
 from replication.snapshots import Incoming, stream_frames
 from replication.statemachine import Pin, StateMachine
@@ -902,21 +902,16 @@ class ReplicaNode:
             self._stepped_snapshots = []
         if not rd.is_empty():
             self._commit_seen = self.core.commit
-            if rd.send_first and rd.entries:  # a leader's appends: its disk write overlaps the followers'
-                self._send(rd.messages)
-                self._persist(rd)
-                self._apply(rd.committed_entries)
-            elif rd.send_first:
-                # A leader's Ready without entries: what goes out tells the followers the new
-                # commit index. Their applying can wait for ours; the proposers waiting for ours
-                # should not wait for those sends.
-                self._persist(rd)
-                self._apply(rd.committed_entries)
-                self._send(rd.messages)
-            else:
-                self._persist(rd)  # a follower acknowledges only what is on its disk
-                self._send(rd.messages)
-                self._apply(rd.committed_entries)
+            # A follower acknowledges only what is on its disk; a leader's appends go out before
+            # its own write, and its commit news after its apply (Ready.steps, which the
+            # simulator in tests/replication follows too).
+            for step in rd.steps():
+                if step == PERSIST:
+                    self._persist(rd)
+                elif step == SEND:
+                    self._send(rd.messages)
+                else:  # APPLY
+                    self._apply(rd.committed_entries)
             self.core.advance(rd)
             self._maybe_compact()
         self._refresh_view(tick_wall)

@@ -17,7 +17,20 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from replication.core import SNAPSHOT, VOTE, VOTE_RESP, CoreConfig, Entry, HardState, Message, RaftCore, Ready
+from replication.core import (
+    APPLY,
+    PERSIST,
+    SEND,
+    SNAPSHOT,
+    VOTE,
+    VOTE_RESP,
+    CoreConfig,
+    Entry,
+    HardState,
+    Message,
+    RaftCore,
+    Ready,
+)
 
 SIM_CONFIG = CoreConfig(
     heartbeat_ticks=2,
@@ -30,8 +43,9 @@ SIM_CONFIG = CoreConfig(
 
 
 #: Where a crash armed with ``Cluster.arm_crash`` lands in the handling of one ``Ready``: just
-#: before that step, after the steps that precede it (persist and send swap places when
-#: ``send_before_persist``). Steps not done are lost with the node's memory.
+#: before that step, after the steps that precede it in ``Ready.steps()`` (the order the real node
+#: takes; send, persist, apply when ``send_before_persist``). Steps not done are lost with the
+#: node's memory.
 CRASH_POINTS = ("before_persist", "before_send", "before_apply")
 
 
@@ -177,24 +191,23 @@ class Cluster:
             self.check()
 
     def process(self, node: SimNode) -> None:
-        """Handle one Ready as the real driver does: persist, send, apply (send first where the core
-        allows it, ``rd.send_first``; always if ``send_before_persist``), then ``advance``; an armed
-        crash stops it part-way."""
+        """Handle one Ready as the real driver does: its steps in the order ``rd.steps()`` gives
+        (the same call ``ReplicaNode._process_ready`` makes; send, persist, apply if
+        ``send_before_persist``), then ``advance``; an armed crash stops it part-way."""
         rd = node.core.ready()
         point = self.armed.get(node.name) if persists(rd) else None
-        first = self.send_before_persist or rd.send_first
-        steps = ("send", "persist") if first else ("persist", "send")
-        for step in (*steps, "apply"):
+        steps = (SEND, PERSIST, APPLY) if self.send_before_persist else rd.steps()
+        for step in steps:
             if point == f"before_{step}":
                 del self.armed[node.name]
                 self.ready_crashes[point] += 1
-                if rd.send_first and step == "persist" and rd.entries:
+                if rd.send_first and step == PERSIST and rd.entries:
                     self.ready_crashes["leader_sent_unpersisted"] += 1
                 node.crash()
                 return
-            if step == "persist":
+            if step == PERSIST:
                 self.persist(node, rd)
-            elif step == "send":
+            elif step == SEND:
                 self.send(node, rd.messages)
             else:
                 for e in rd.committed_entries:
