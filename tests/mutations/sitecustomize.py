@@ -17,6 +17,11 @@ Without the variables below it does nothing.
   ``no-lease-wait`` (a new catalog leader trusts its voters' quiet without bound, so it writes at
   once instead of waiting out the cache leases its predecessor may have granted: a frontend still
   under the old leader's lease serves values the new leader has already changed).
+  Two frontend mutations break "only 503s while failing over" (docs/api.md), for the fault tests
+  (tests/system/test_faults.py) to catch: ``crash-mid-buy`` (every frontend worker SIGKILLs itself
+  after it has its 20th buy's outcome and before it answers) and ``hang-failover-buys`` (a buy that
+  waited over 0.3 s for its batch, as one does across an order leader's failover, is answered
+  only 11 s later, past the tests' 10 s client timeout).
 - ``PYGMY_TEST_PUSH_DELAY=<seconds>``: every frontend worker takes that long to handle a push, as
   over a slow link. A correct build only writes more slowly; a build that lets a write become
   readable before its hold arrives shows old values for that long, so a short run catches it.
@@ -94,8 +99,60 @@ def _mutate(name: str) -> None:
             return view.get("role") == "follower" and view.get("leader") is not None
 
         ReplicaNode.can_serve_reads = can_serve_reads
+    elif name in FRONTEND_MUTATIONS:
+        _frontend_mutation(name)
     else:
         raise SystemExit(f"unknown PYGMY_MUTATION {name!r}")
+
+
+#: ``PYGMY_MUTATION`` names of broken frontends (what a client may see during a failover).
+FRONTEND_MUTATIONS = ("crash-mid-buy", "hang-failover-buys")
+
+
+def _frontend_mutation(name: str) -> None:
+    """Break how a frontend worker answers its buys, through the Combiner that carries them
+    (as ``_hold_decrements``: importing frontend.app here would import prometheus_client too early)."""
+    import signal
+    import threading
+
+    from replication.batching import Combiner
+
+    init = Combiner.__init__
+    outcomes = [0]
+
+    def misbehave(started: float) -> None:
+        """Called with a buy's outcome in hand, before it is answered."""
+        if name == "crash-mid-buy":
+            outcomes[0] += 1
+            if outcomes[0] == 20:
+                os.kill(os.getpid(), signal.SIGKILL)  # this worker, mid-request: Gunicorn starts another
+        elif time.monotonic() - started > 0.3:
+            time.sleep(11.0)
+
+    def broken_init(self, send, *args, **kw):  # type: ignore[no-untyped-def]
+        init(self, send, *args, **kw)
+        if getattr(send, "__name__", "") != "send_buys":  # the frontend's buys only
+            return
+        call, submit = self.call, self.submit
+
+        def broken_call(item, wait):  # type: ignore[no-untyped-def]  # the Flask route
+            started = time.monotonic()
+            try:
+                return call(item, wait)
+            finally:
+                misbehave(started)
+
+        def broken_submit(item, wait, callback):  # type: ignore[no-untyped-def]  # the event loop
+            started = time.monotonic()
+
+            def told(result):  # type: ignore[no-untyped-def]
+                threading.Thread(target=lambda: (misbehave(started), callback(result)), daemon=True).start()
+
+            submit(item, wait, told)
+
+        self.call, self.submit = broken_call, broken_submit
+
+    Combiner.__init__ = broken_init
 
 
 def _push_fault(flag: str | None, service: str, delay: float) -> None:

@@ -16,7 +16,14 @@ from pathlib import Path
 
 import pytest
 from harness import Cluster, free_port_base
-from test_faults import Load, check_invariants, leader, run_faulty_load, wait_acked
+from test_faults import (
+    Load,
+    assert_only_failover_errors,
+    check_invariants,
+    leader,
+    run_faulty_load,
+    wait_acked,
+)
 
 from experiments import nemesis
 from experiments.nemesis import fill
@@ -80,7 +87,7 @@ def test_full_disks_on_leaders_and_followers_degrade_and_recover(tmpfs_cluster: 
         read = "/books/1" if tier == "catalog" else "/orders/1"
         assert c.replica_get(name, read).status_code == 503, "a full replica must serve no reads"
         if role == "leader":
-            wait_for(lambda: leader(c, tier, timeout=1) != name, 5, f"a new {tier} leader")
+            wait_for(lambda: leader(c, tier, timeout=1) != name, 30, f"a new {tier} leader")
         replaced = time.monotonic()
         acked = len(load.acked)
         wait_for(lambda: failed() and len(load.acked) >= acked + 5, 15, f"writes go on with {name} full")
@@ -93,7 +100,7 @@ def test_full_disks_on_leaders_and_followers_degrade_and_recover(tmpfs_cluster: 
         freed = time.monotonic()
         wait_for(lambda: status(name)["error"] is None and status(name)["role"] in ("leader", "follower")
                  and status(name)["applied_index"] >= status(leader(c, tier))["applied_index"] - 5,
-                 15, f"{name} recovers by itself")
+                 30, f"{name} recovers by itself")
         # Figures for the record (pytest -s shows them); no test asserts a timing.
         print(f"{tier} {role} {name}: full noticed {noticed - filled:.2f} s after the fill; "
               f"{'new leader' if role == 'leader' else 'checked'} {replaced - noticed:.2f} s later; "
@@ -103,11 +110,15 @@ def test_full_disks_on_leaders_and_followers_degrade_and_recover(tmpfs_cluster: 
         wait_acked(load)  # load before the first fault
         for tier in ("catalog", "order"):
             for role in ("leader", "follower"):
-                phase(tier, role)
+                with load.fault(f"{tier} {role}'s disk full"):  # from the fill until it has recovered
+                    phase(tier, role)
+                    wait_acked(load)
+        wait_acked(load)  # and after
 
     run_faulty_load(c, faults, load)
-    assert len(load.acked) > 50 and load.reads > 50, (len(load.acked), load.reads)
-    assert load.read_errors == [], load.read_errors[:5]  # lookups never fail
+    # Lookups never fail; a buy may be refused with 503 and Retry-After while a full leader is
+    # replaced, nothing else (no timeout, no cut connection, no other error).
+    assert_only_failover_errors(load, buys=50, reads=50)
     check_invariants(c, load)  # nothing acknowledged lost, no oversell, equal digests
     for name in NAMES:
         assert os.path.ismount(c.data_dir / name)

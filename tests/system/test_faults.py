@@ -7,6 +7,7 @@ replica, orders on every order replica, and the replicas' state digests.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -14,6 +15,7 @@ import threading
 import time
 import uuid
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,12 +31,50 @@ BOOKS = range(1, 8)
 
 
 @dataclass
+class Failure:
+    """A request that got an error (or no answer), and when it was sent and given up."""
+
+    invoked: float
+    completed: float
+    url: str
+    error: PygmyError
+
+    def __str__(self) -> str:
+        return f"{self.error} (Retry-After {self.error.retry_after})"
+
+
+@dataclass
+class Window:
+    """A fault, from just before the test began it until it was over (the tier had a leader again
+    and buys were acknowledged after it). ``down``: the frontend the test itself stopped meanwhile."""
+
+    what: str
+    begin: float
+    end: float = float("inf")
+    down: str | None = None
+
+    def overlaps(self, f: Failure) -> bool:
+        return f.invoked <= self.end and f.completed >= self.begin
+
+
+@dataclass
 class Load:
     acked: dict[str, dict] = field(default_factory=dict)  # idempotency key -> the order we were given
     answers: dict[str, set[int]] = field(default_factory=lambda: defaultdict(set))
-    buy_errors: list[str] = field(default_factory=list)
-    read_errors: list[str] = field(default_factory=list)
+    buy_errors: list[Failure] = field(default_factory=list)
+    read_errors: list[Failure] = field(default_factory=list)
     reads: int = 0
+    windows: list[Window] = field(default_factory=list)
+
+    @contextlib.contextmanager
+    def fault(self, what: str, down: str | None = None) -> Iterator[Window]:
+        """Mark a fault's window: enter before it begins, leave once it is over."""
+        w = Window(what, time.monotonic(), down=down)
+        self.windows.append(w)
+        try:
+            yield w
+        finally:
+            w.end = time.monotonic()
 
 
 def leader(c: Cluster, tier: str, timeout: float = 10) -> str:
@@ -112,10 +152,11 @@ def run_faulty_load(c: Cluster, faults: callable, load: Load | None = None, buye
         """Retry the SAME key until we get an answer (a fault may cut any attempt, retries included)."""
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
+            sent = time.monotonic()
             try:
                 return client.buy(item, qty, key=key)
             except PygmyError as e:
-                load.buy_errors.append(str(e))
+                load.buy_errors.append(Failure(sent, time.monotonic(), client.url, e))
                 if e.status in (400, 404, 409, 422):
                     raise
                 time.sleep(0.05)
@@ -137,6 +178,7 @@ def run_faulty_load(c: Cluster, faults: callable, load: Load | None = None, buye
         rng = random.Random(seed)
         with PygmyClient(c.url, timeout=10) as client:
             while not stop.is_set():
+                sent = time.monotonic()
                 try:
                     if rng.random() < 0.8:
                         client.lookup(rng.choice(BOOKS))
@@ -144,7 +186,7 @@ def run_faulty_load(c: Cluster, faults: callable, load: Load | None = None, buye
                         client.search(rng.choice(["distributed systems", "graduate school"]))
                     load.reads += 1
                 except PygmyError as e:
-                    load.read_errors.append(str(e))
+                    load.read_errors.append(Failure(sent, time.monotonic(), client.url, e))
 
     threads = [threading.Thread(target=buyer, args=(i,)) for i in range(buyers)]
     threads += [threading.Thread(target=reader, args=(100 + i,)) for i in range(2)]
@@ -159,12 +201,36 @@ def run_faulty_load(c: Cluster, faults: callable, load: Load | None = None, buye
     return load
 
 
-def assert_buys_only_delayed(load: Load) -> None:
-    """5. During a failover a buy may be refused with 503 (retry with the same key) or time out, and
-    nothing else: no 4xx, no 5xx other than 503. Every buy was answered in the end (the buyer threads
-    raise otherwise, and a thread's exception fails the test)."""
-    unexpected = [e for e in load.buy_errors if not e.startswith(("503", "cannot reach"))]
-    assert unexpected == [], unexpected[:5]
+def excused(f: Failure, load: Load, refusals: bool) -> bool:
+    """Whether the contract (docs/api.md) lets a client see ``f``: a connection error (never a
+    timeout) to a frontend the test itself had stopped, while it was stopped; or a 503 with
+    ``Retry-After`` ("a failover is under way: retry") while a fault was on, where ``refusals`` or
+    the frontend was stopped.
+    What a correct build never shows: no answer within the client's 10 s (a buy hanging past its
+    5 s deadline), a connection cut by a worker that died, any other status, a 503 outside a fault."""
+    e = f.error
+    for w in load.windows:
+        if not w.overlaps(f):
+            continue
+        if (refusals or w.down) and e.status == 503 and e.retry_after is not None:
+            return True
+        if w.down == f.url and e.status == 0 and e.message.startswith(f"cannot reach {w.down}: ") \
+                and "Timeout" not in e.message:
+            return True
+    return False
+
+
+def assert_only_failover_errors(load: Load, buys: int = 20, reads: int = 50) -> None:
+    """5. During a failover a buy may be refused with 503 and Retry-After (retry with the same key),
+    and nothing else: no 4xx, no other 5xx, no timeout, no cut connection; a lookup or search does not
+    fail at all (guarantee 5), unless the test stopped the frontend itself. Every buy was answered
+    in the end (the buyer threads raise otherwise, and a thread's exception fails the test). And
+    enough of both were done for that to mean something."""
+    assert load.windows and all(w.end < float("inf") for w in load.windows), load.windows
+    bad_buys = [f"buy {f}" for f in load.buy_errors if not excused(f, load, refusals=True)]
+    bad_reads = [f"read {f}" for f in load.read_errors if not excused(f, load, refusals=False)]
+    assert bad_buys + bad_reads == [], (bad_buys[:5], bad_reads[:5], [w.what for w in load.windows])
+    assert len(load.acked) >= buys and load.reads >= reads, (len(load.acked), load.reads)
 
 
 def check_invariants(c: Cluster, load: Load) -> None:
@@ -230,26 +296,28 @@ def test_leader_and_follower_kills_under_load(cluster3: Cluster) -> None:
         wait_acked(load, 20)
         for tier in ("catalog", "order"):
             victim = leader(c, tier)
-            c.kill(victim)  # SIGKILL the leader
-            new_leader(c, tier, victim, timeout=3.0)
-            wait_acked(load)  # buys go on at the new leader while the old one is down
-            c.restart(victim)
-            wait_acked(load)
+            with load.fault(f"{tier} leader {victim} killed"):
+                c.kill(victim)  # SIGKILL the leader
+                new_leader(c, tier, victim)
+                wait_acked(load)  # buys go on at the new leader while the old one is down
+            with load.fault(f"{victim} restarted"):
+                c.restart(victim)
+                wait_acked(load)
         for tier in ("catalog", "order"):
             lead = leader(c, tier)
             follower = next(f"{tier}-{k}" for k in (1, 2, 3) if f"{tier}-{k}" != lead)
-            c.kill(follower)
-            down = time.monotonic()
-            wait_acked(load, 20)  # entries the follower misses, to catch up on when restarted
-            # ... and at least a second of them however fast the machine (batched buys can be few entries)
-            time.sleep(max(0.0, 1.0 - (time.monotonic() - down)))
-            c.restart(follower)
+            with load.fault(f"{tier} follower {follower} killed and restarted"):
+                c.kill(follower)
+                down = time.monotonic()
+                wait_acked(load, 20)  # entries the follower misses, to catch up on when restarted
+                # ... and at least a second of them however fast the machine (batched buys can be few entries)
+                time.sleep(max(0.0, 1.0 - (time.monotonic() - down)))
+                c.restart(follower)
+                wait_acked(load)
         wait_acked(load)
 
     run_faulty_load(c, faults, load)
-    assert load.read_errors == [], load.read_errors[:5]  # 5. lookups and searches never fail
-    assert len(load.acked) > 20 and load.reads > 50
-    assert_buys_only_delayed(load)
+    assert_only_failover_errors(load)  # 5. lookups and searches never fail; buys only 503 meanwhile
     check_invariants(c, load)
 
 
@@ -262,27 +330,29 @@ def test_paused_leader_and_whole_cluster_crash(cluster3: Cluster) -> None:
         wait_acked(load)  # load before the fault
         for tier in ("catalog", "order"):
             victim = leader(c, tier)
-            os.killpg(group(c, victim), signal.SIGSTOP)  # a leader that stops answering for 2 s
-            try:
-                time.sleep(2.0)
-            finally:
-                os.killpg(group(c, victim), signal.SIGCONT)
-            wait_acked(load)
-        seen.update(read_errors=len(load.read_errors), acked=len(load.acked))
+            with load.fault(f"{tier} leader {victim} paused"):
+                os.killpg(group(c, victim), signal.SIGSTOP)  # a leader that stops answering for 2 s
+                try:
+                    time.sleep(2.0)
+                finally:
+                    os.killpg(group(c, victim), signal.SIGCONT)
+                wait_acked(load)
+        seen.update(read_errors=len(load.read_errors), acked=len(load.acked), reads=load.reads)
         # 7. Durability under load: SIGKILL everything at once while buys are in flight, start again
-        # on the same data dir; buyers keep retrying their keys across the outage.
-        c.crash()
-        c.start(reset=False)
-        deadline = time.monotonic() + 30
-        while len(load.acked) < seen["acked"] + 10:
-            assert time.monotonic() < deadline, "no buys acknowledged after the restart"
-            time.sleep(0.1)
+        # on the same data dir; buyers keep retrying their keys across the outage. The frontend is
+        # stopped too: while it is, its clients may find nothing to connect to.
+        with load.fault("whole cluster crashed and started again", down=c.url):
+            c.crash()
+            c.start(reset=False)
+            deadline = time.monotonic() + 30
+            while len(load.acked) < seen["acked"] + 10:
+                assert time.monotonic() < deadline, "no buys acknowledged after the restart"
+                time.sleep(0.1)
 
     run_faulty_load(c, faults, load)
     assert load.read_errors[:seen["read_errors"]] == [], load.read_errors[:5]  # none while leaders paused
-    assert seen["acked"] > 20 and load.reads > 50, (seen, load.reads)
-    unexpected = [e for e in load.buy_errors if not e.startswith(("503", "cannot reach"))]
-    assert unexpected == [], unexpected[:5]
+    assert_only_failover_errors(load)
+    assert seen["acked"] > 20 and seen["reads"] >= 50, seen  # before the crash too
     check_invariants(c, load)  # every buy acknowledged before, across or after the crash is there once
 
 
@@ -331,22 +401,24 @@ def test_a_leader_killed_between_sending_entries_and_writing_them(tmp_path: Path
             for tier in ("catalog", "order"):
                 victim = leader(c, tier)
                 acked = len(load.acked)
-                flag.write_text(tier)
-                deadline = time.monotonic() + 20
-                while flag.exists():
-                    assert time.monotonic() < deadline, f"no {tier} leader reached the instant of {hook}"
-                    time.sleep(0.02)
-                wait_dead(c, victim, deadline)
-                crashed.append(victim)
-                new_leader(c, tier, victim)
-                c.restart(victim)
-                while len(load.acked) < acked + 10:
-                    assert time.monotonic() < deadline + 20, "no buys acknowledged after the crash"
-                    time.sleep(0.1)
+                with load.fault(f"{tier} leader {victim} killed by {hook}"):
+                    flag.write_text(tier)
+                    deadline = time.monotonic() + 20
+                    while flag.exists():
+                        assert time.monotonic() < deadline, f"no {tier} leader reached the instant of {hook}"
+                        time.sleep(0.02)
+                    wait_dead(c, victim, deadline)
+                    crashed.append(victim)
+                    new_leader(c, tier, victim)
+                    c.restart(victim)
+                    while len(load.acked) < acked + 10:
+                        assert time.monotonic() < deadline + 20, "no buys acknowledged after the crash"
+                        time.sleep(0.1)
+            wait_acked(load)  # and after it
 
         run_faulty_load(c, faults, load)
         assert [n.split("-")[0] for n in crashed] == ["catalog", "order"], crashed
-        assert_buys_only_delayed(load)
+        assert_only_failover_errors(load)
         check_invariants(c, load)
     finally:
         c.stop()
@@ -368,20 +440,22 @@ def test_a_leader_killed_with_a_batch_committed_and_unanswered(tmp_path: Path, t
         def faults() -> None:
             wait_acked(load)  # load before the fault
             victim = leader(c, tier)
-            flag.write_text(tier)
-            deadline = time.monotonic() + 30
-            while flag.exists():
-                assert time.monotonic() < deadline, f"no {tier} batch of two or more buys was committed"
-                time.sleep(0.02)
-            acked = len(load.acked)
-            new_leader(c, tier, victim)
-            c.restart(victim)
-            while len(load.acked) < acked + 10:
-                assert time.monotonic() < deadline + 20, "no buys acknowledged after the crash"
-                time.sleep(0.1)
+            with load.fault(f"{tier} leader {victim} killed with a batch unanswered"):
+                flag.write_text(tier)
+                deadline = time.monotonic() + 30
+                while flag.exists():
+                    assert time.monotonic() < deadline, f"no {tier} batch of two or more buys was committed"
+                    time.sleep(0.02)
+                acked = len(load.acked)
+                new_leader(c, tier, victim)
+                c.restart(victim)
+                while len(load.acked) < acked + 10:
+                    assert time.monotonic() < deadline + 20, "no buys acknowledged after the crash"
+                    time.sleep(0.1)
+            wait_acked(load)  # and after it
 
         run_faulty_load(c, faults, load, buyers=8)
-        assert_buys_only_delayed(load)
+        assert_only_failover_errors(load)
         check_invariants(c, load)
     finally:
         c.stop()
@@ -408,44 +482,80 @@ def test_snapshot_streams_cut_by_a_kill_at_either_end(tmp_path: Path) -> None:
         def faults() -> None:
             wait_acked(load)  # load before the fault
             for side in ("receiver", "sender"):
-                lead = leader(c, "catalog")
-                victim = next(f"catalog-{k}" for k in (1, 2, 3) if f"catalog-{k}" != lead)
-                before = installed(victim)
-                c.kill(victim)
-                with c.client() as client:  # past what the leader keeps: only a snapshot brings it back
-                    for i in range(60):
-                        client.update(1 + i % 7, cost=float(10 + i))
-                flag.write_text(f"catalog {side}")
-                try:
-                    c.restart(victim)
-                except AssertionError:
-                    if flag.exists():
-                        raise
-                    # The receiver died of the hook before its start-up was over: as meant.
-                deadline = time.monotonic() + 30
-                while flag.exists():
-                    assert time.monotonic() < deadline, f"no snapshot stream reached its {side}'s third chunk"
-                    time.sleep(0.02)
-                gone = victim if side == "receiver" else lead
-                wait_dead(c, gone, deadline)
-                killed.append(f"{side}:{gone}")
-                if side == "sender":
-                    new_leader(c, "catalog", lead)
-                c.restart(gone)
-                while installed(victim) <= before:
-                    assert time.monotonic() < deadline + 30, f"{victim} was never sent its state again"
-                    time.sleep(0.1)
-                acked = len(load.acked)
-                while len(load.acked) < acked + 10:
-                    assert time.monotonic() < deadline + 30, "no buys acknowledged after the crash"
-                    time.sleep(0.1)
+                with load.fault(f"a snapshot stream cut at its {side}"):
+                    snapshot_cut(side)
+            wait_acked(load)  # and after it
+
+        def snapshot_cut(side: str) -> None:
+            lead = leader(c, "catalog")
+            victim = next(f"catalog-{k}" for k in (1, 2, 3) if f"catalog-{k}" != lead)
+            before = installed(victim)
+            c.kill(victim)
+            with c.client() as client:  # past what the leader keeps: only a snapshot brings it back
+                for i in range(60):
+                    client.update(1 + i % 7, cost=float(10 + i))
+            flag.write_text(f"catalog {side}")
+            try:
+                c.restart(victim)
+            except AssertionError:
+                if flag.exists():
+                    raise
+                # The receiver died of the hook before its start-up was over: as meant.
+            deadline = time.monotonic() + 30
+            while flag.exists():
+                assert time.monotonic() < deadline, f"no snapshot stream reached its {side}'s third chunk"
+                time.sleep(0.02)
+            gone = victim if side == "receiver" else lead
+            wait_dead(c, gone, deadline)
+            killed.append(f"{side}:{gone}")
+            if side == "sender":
+                new_leader(c, "catalog", lead)
+            c.restart(gone)
+            while installed(victim) <= before:
+                assert time.monotonic() < deadline + 30, f"{victim} was never sent its state again"
+                time.sleep(0.1)
+            acked = len(load.acked)
+            while len(load.acked) < acked + 10:
+                assert time.monotonic() < deadline + 30, "no buys acknowledged after the crash"
+                time.sleep(0.1)
 
         run_faulty_load(c, faults, load, buyers=2)  # fewer orders to check on every replica afterwards
         assert [k.split(":")[0] for k in killed] == ["receiver", "sender"], killed
-        assert_buys_only_delayed(load)
+        assert_only_failover_errors(load)
         check_invariants(c, load)
         for k in (1, 2, 3):  # nothing half-received or half-sent is left behind
             assert list((c.data_dir / f"catalog-{k}" / "snapshots" / "in").iterdir()) == []
             assert list((c.data_dir / f"catalog-{k}" / "snapshots" / "out").iterdir()) == []
     finally:
         c.stop()
+
+
+@pytest.mark.parametrize("mutation", ["crash-mid-buy", "hang-failover-buys"])
+def test_the_failover_check_catches_a_broken_frontend(tmp_path: Path, mutation: str) -> None:
+    """``assert_only_failover_errors`` must not take a failure for a delay. A frontend worker that
+    dies mid-request, its clients' connections cut, or a buy that met an order leader's failover and
+    is answered only after its client gave up (test-only mutations, tests/mutations/sitecustomize.py)
+    is caught; the check before #40, which let every "cannot reach" pass, passed both."""
+    c = Cluster(tmp_path / "d", free_port_base(), [], cluster_env(PYGMY_MUTATION=mutation)).start(reset=True)
+    load = Load()
+    try:
+        def faults() -> None:
+            wait_acked(load)
+            victim = leader(c, "order")
+            with load.fault(f"order leader {victim} killed"):
+                c.kill(victim)
+                new_leader(c, "order", victim)
+                wait_acked(load)
+            deadline = time.monotonic() + 30
+            while not [f for f in load.buy_errors if f.error.status == 0]:
+                assert time.monotonic() < deadline, f"{mutation} never failed a buy"
+                time.sleep(0.1)
+
+        run_faulty_load(c, faults, load)
+    finally:
+        c.stop()
+    old_check = [f for f in load.buy_errors if not str(f.error).startswith(("503", "cannot reach"))]
+    assert old_check == [], old_check[:5]  # what the old check let pass
+    with pytest.raises(AssertionError) as caught:
+        assert_only_failover_errors(load, buys=10, reads=10)
+    assert ("Timeout" if mutation == "hang-failover-buys" else "cannot reach") in str(caught.value), caught.value
