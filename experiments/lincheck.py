@@ -147,6 +147,16 @@ class CheckResult:
     html: dict[int, Path] = field(default_factory=dict)
     output: str = ""
 
+    @property
+    def illegal(self) -> list[int]:
+        """The books Porcupine proved not linearizable: a definite verdict, unlike a timeout."""
+        return sorted(item for item, verdict in self.items.items() if verdict == "illegal")
+
+    @property
+    def unknown(self) -> list[int]:
+        """The books whose check timed out: neither proved linearizable nor proved not."""
+        return sorted(item for item, verdict in self.items.items() if verdict == "unknown")
+
 
 def check(history_path: Path, html_dir: Path | None = None, timeout: float = 60) -> CheckResult:
     """Check a saved history; raises ValueError if the checker rejects the file as malformed."""

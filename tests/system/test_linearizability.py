@@ -8,6 +8,7 @@ counter). The same load against a deliberately broken build (a test-only mutatio
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -74,12 +75,50 @@ def test_every_book_is_linearizable_with_no_fault(make_cluster, tmp_path: Path) 
     assert v.ok, v.summary() + "\n" + v.result.output
 
 
+def assert_caught(v: Verdict, what: str) -> None:
+    """A broken build counts as caught only when Porcupine proved some book not linearizable: a
+    check that timed out (unknown) proves nothing either way, so it does not count."""
+    assert v.result.illegal, f"{what}: no book proved not linearizable ({v.result.items}): {v.summary()}"
+    assert all(v.result.html[item].exists() for item in v.result.illegal), v.result.html
+
+
+def undecidable(tmp_path: Path, unknowns: int) -> lincheck.CheckResult:
+    """A history of one book with ``unknowns`` updates of unknown outcome (each adds a different
+    power of two, so every subset of them is another stock) and a lookup that no subset explains
+    (stock -1), checked with a 1 s limit: to prove it illegal Porcupine must try every subset."""
+    ops = [{"client": k, "kind": "update", "item": 1, "invoke": k, "complete": None,
+            "input": {"stock_delta": 2 ** k}, "output": None} for k in range(unknowns)]
+    ops.append({"client": unknowns, "kind": "lookup", "item": 1, "invoke": unknowns, "complete": unknowns + 1,
+                "input": {}, "output": {"cost": 100, "stock": -1}})
+    path = tmp_path / f"undecidable-{unknowns}.json"
+    path.write_text(json.dumps({"initial": {"1": {"cost": 100, "stock": 0}}, "ops": ops}))
+    return lincheck.check(path, html_dir=tmp_path / f"undecidable-{unknowns}-html", timeout=1)
+
+
+def test_a_check_that_timed_out_does_not_count_as_a_caught_build(tmp_path: Path) -> None:
+    """Before #40 a broken build counted as caught whenever the check was not ok, a timeout
+    (Porcupine's "unknown") included: a build could pass its mutation test with nothing proved.
+    ``assert_caught`` takes only a proof (illegal)."""
+    def verdict(result: lincheck.CheckResult) -> Verdict:
+        return Verdict(result.ok, {}, {}, result, tmp_path, [])
+
+    proved = undecidable(tmp_path, 3)  # 8 subsets: decided at once
+    assert proved.illegal == [1]
+    assert_caught(verdict(proved), "3 unknown updates")
+    undecided = undecidable(tmp_path, 40)  # 2**40 subsets: not within the limit
+    assert undecided.unknown == [1] and undecided.illegal == [] and not undecided.ok, undecided.output
+    with pytest.raises(AssertionError, match="no book proved not linearizable"):
+        assert_caught(verdict(undecided), "40 unknown updates")
+
+
 def caught_within(c: Cluster, tmp_path: Path, rounds: int, seconds: float = 8) -> Verdict:
-    """Run rounds of focused load until the checker finds a violation (or give up after ``rounds``)."""
+    """Run rounds of focused load until the checker proves a violation (or give up after ``rounds``).
+    Each round's history is checked alone, so a round whose check could not decide is followed
+    by another, not counted."""
     v = None
     for n in range(rounds):
         v = run_and_check(urls(c), c.admin_token(), seconds, tmp_path / f"history-{n}.json", **FOCUSED)
-        if not v.result.ok:
+        if v.result.illegal:
             break
     assert v is not None
     return v
@@ -91,8 +130,7 @@ def test_the_checker_catches_a_broken_build(make_cluster, tmp_path: Path, mutati
     # pushes take 50 ms, as over a slow link, so a write readable before its hold arrives is seen.
     c = make_cluster("--read-from", "any", PYGMY_MUTATION=mutation, PYGMY_TEST_PUSH_DELAY=PUSH_DELAY)
     v = caught_within(c, tmp_path, rounds=5)
-    assert not v.result.ok, f"{mutation}: not caught in 40 s of load: {v.summary()}"
-    assert all(path.exists() for path in v.result.html.values()) and v.result.html
+    assert_caught(v, f"{mutation}: not caught in 40 s of load")
 
 
 def fault_windows(windows: int, begin: Callable[[], Callable[[], None]], hold: float, gap: float,
@@ -145,7 +183,7 @@ def test_lost_pushes_to_one_frontend_hide_no_write(make_cluster, tmp_path: Path,
         assert_enough_work(v, reads=150, updates=20, buys=10)
         assert v.ok, v.summary() + "\n" + v.result.output
     else:
-        assert not v.result.ok, f"{mutation}: stale reads under lost pushes not caught: {v.summary()}"
+        assert_caught(v, f"{mutation}: stale reads under lost pushes not caught")
 
 
 #: Cache leases of 1 s: longer than a failover takes to let a write through (about 0.5 s: an
@@ -210,4 +248,4 @@ def test_a_new_catalog_leader_writes_only_once_old_cache_leases_are_over(make_cl
         assert_enough_work(v, reads=150, updates=20, buys=5)
         assert v.ok, v.summary() + "\n" + v.result.output
     else:
-        assert not v.result.ok, f"{mutation}: stale reads across catalog failovers not caught: {v.summary()}"
+        assert_caught(v, f"{mutation}: stale reads across catalog failovers not caught")
