@@ -22,6 +22,10 @@ Without the variables below it does nothing.
   after it has its 20th buy's outcome and before it answers) and ``hang-failover-buys`` (a buy that
   waited over 0.3 s for its batch, as one does across an order leader's failover, is answered
   only 11 s later, past the tests' 10 s client timeout).
+  ``decrements-not-held`` (the catalog applies a batch of buys' decrements without holding their
+  books in the frontends' caches: a cached lookup may show the stock from before an acknowledged
+  buy until the book's next update; caught by tests/frontend/test_stale_reads.py's history check,
+  not by the check it replaced, which compared reads with acknowledged updates only).
 - ``PYGMY_TEST_PUSH_DELAY=<seconds>``: every frontend worker takes that long to handle a push, as
   over a slow link. A correct build only writes more slowly; a build that lets a write become
   readable before its hold arrives shows old values for that long, so a short run catches it.
@@ -101,6 +105,8 @@ def _mutate(name: str) -> None:
         ReplicaNode.can_serve_reads = can_serve_reads
     elif name in FRONTEND_MUTATIONS:
         _frontend_mutation(name)
+    elif name == "decrements-not-held":
+        _decrements_not_held()
     else:
         raise SystemExit(f"unknown PYGMY_MUTATION {name!r}")
 
@@ -153,6 +159,22 @@ def _frontend_mutation(name: str) -> None:
         self.call, self.submit = broken_call, broken_submit
 
     Combiner.__init__ = broken_init
+
+
+def _decrements_not_held() -> None:
+    import sys
+    from contextlib import nullcontext
+
+    import catalog.invalidation as inv
+
+    holding = inv.Invalidator.holding
+
+    def maybe_holding(self, keys):  # type: ignore[no-untyped-def]
+        if sys._getframe(1).f_code.co_name == "run_decrements":  # catalog.app: the buys' decrements
+            return nullcontext(inv.Write())  # applied with no hold and no release: caches keep the old stock
+        return holding(self, keys)
+
+    inv.Invalidator.holding = maybe_holding
 
 
 def _push_fault(flag: str | None, service: str, delay: float) -> None:
