@@ -2,7 +2,7 @@
 
 Two frontends x two Gunicorn workers. Writers raise the cost of books and add stock (admin updates),
 buyers buy them, and readers on fresh connections (spread over every worker and both frontends) look
-them up, while the leader of the catalog or of the order tier is SIGKILLed and started again. Every
+them up, while the leader of the catalog or of the order tier is SIGKILLed. Every
 operation goes into a history (``experiments.lincheck.History``: invoke and complete times, outcome)
 that Porcupine checks per book (cost register and stock counter), as in
 tests/system/test_linearizability.py: reads are ordered against each other and against buys, not
@@ -136,10 +136,8 @@ def test_no_stale_read_across_a_leader_kill(two_frontends: Cluster, tmp_path: Pa
             while leader(c, tier) in (None, old):  # a condition, not a fixed sleep
                 assert time.monotonic() < deadline, f"no new {tier} leader within 15 s"
                 time.sleep(0.05)
-            wait_ops(load, "buy", 10)  # load on the new leader
+            wait_ops(load, "buy", 10)  # load on the new leader, the old one still down
             wait_ops(load, "update", 10)
-            c.restart(old)
-            wait_ops(load, "buy", 10)  # and with the old one back
             wait_ops(load, "lookup", 100)
             window["end"] = time.monotonic()
         except BaseException as exc:
@@ -167,7 +165,7 @@ def test_no_stale_read_across_a_leader_kill(two_frontends: Cluster, tmp_path: Pa
     unexcused = [f for f in load.failures if not excused(f)]
     assert unexcused == [], unexcused[:5]
     assert counts.get("lookup/ok", 0) >= 200 and counts.get("update/ok", 0) >= 20 \
-        and counts.get("buy/ok", 0) >= 30, counts
+        and counts.get("buy/ok", 0) >= 20, counts
     assert load.cache.get("hit", 0) > 0, f"no cache hit: this run could not catch a stale cache ({load.cache})"
 
 
