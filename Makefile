@@ -21,10 +21,14 @@ run: install
 # Bytecode compiled once up front: with PYTHONDONTWRITEBYTECODE set (as in some environments) every
 # service process the tests start would otherwise compile the project's modules again (~0.2 s of CPU
 # per process, a few hundred processes per run). Python still reads .pyc files it did not write.
+# Workers: pytest-xdist runs the suite on 3 processes (most tests wait on clusters, not on the CPU);
+# WORKERS=0 runs it in one. scripts/check_prereqs.py names what is missing in the first seconds.
+WORKERS ?= 3
 test: install
 	$(BIN)/ruff check .
+	$(BIN)/python scripts/check_prereqs.py
 	$(BIN)/python -m compileall -q -j 0 catalog client cluster experiments frontend order replication
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(WORKERS)
 
 lint: install
 	$(BIN)/ruff check .

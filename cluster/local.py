@@ -72,6 +72,12 @@ class LocalCluster:
             self.env["PYTHONPATH"] = str(root)  # its packages, not this checkout's installed ones
         self.url = f"http://127.0.0.1:{port_base}"
         self.proc: subprocess.Popen[str] | None = None
+        #: Set (by the tests) to have ``stop`` first note every live replica's ``loop_faults``.
+        self.record_faults = False
+        #: ``{replica: loop_faults}`` as the replicas that answered said just before ``stop``.
+        self.loop_faults_at_stop: dict[str, dict[str, int]] = {}
+        self.stopped = False
+        self.checked = False  # the tests' fault check has looked at it (tests/harness.py)
         self._lines: queue.Queue[str] = queue.Queue()
         self.output: list[str] = []
 
@@ -103,6 +109,9 @@ class LocalCluster:
             self._lines.put(line)
 
     def stop(self, timeout: float = 30) -> None:
+        if self.record_faults and self.proc and self.proc.poll() is None:
+            self.loop_faults_at_stop = self.loop_faults()
+        self.stopped = True
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -176,6 +185,45 @@ class LocalCluster:
             except ValueError:
                 continue
         return out
+
+    def loop_faults(self, timeout: float = 1.0) -> dict[str, dict[str, int]]:
+        """``{replica: loop_faults}`` of every replica that answers ``/status`` now (a stopped or
+        killed one does not: its faults show in its log, see ``logged_tracebacks``)."""
+        out: dict[str, dict[str, int]] = {}
+        try:
+            config = self.cluster_config()
+        except (OSError, ValueError):
+            return out
+        for name in config.names():
+            if name.startswith("frontend-"):
+                continue
+            try:
+                reply = requests.get(config.peers(name.rsplit("-", 1)[0])[name] + "/status", timeout=timeout)
+                out[name] = reply.json()["loop_faults"]
+            except (requests.RequestException, ValueError, KeyError, TypeError):
+                continue
+        return out
+
+    def logged_tracebacks(self) -> list[str]:
+        """Every traceback in the services' logs, each as ``"<service>: <what was logged> | <the
+        exception>"``: a service that logs one hid an error from its clients (a replica's supervised
+        loop, a request that failed inside a worker, a thread that died). Log lines are JSON with the
+        traceback in ``exception`` (``cluster.logs``); what bypasses logging comes as plain text."""
+        found = []
+        for path in sorted((self.data_dir / "logs").glob("*.log")) if (self.data_dir / "logs").exists() else []:
+            lines = path.read_text(errors="replace").splitlines()
+            for i, line in enumerate(lines):
+                if line.startswith("{") and '"exception"' in line:
+                    with contextlib.suppress(ValueError, AttributeError):
+                        record = json.loads(line)
+                        last = str(record.get("exception", "")).strip().splitlines() or ["?"]
+                        found.append(f"{path.stem}: {record.get('message')} | {last[-1]}")
+                elif line.startswith("Traceback (most recent call last):"):
+                    j = i + 1
+                    while j < len(lines) and (lines[j].startswith((" ", "\t")) or not lines[j].strip()):
+                        j += 1
+                    found.append(f"{path.stem}: {lines[i - 1] if i else '?'} | {lines[j] if j < len(lines) else '?'}")
+        return found
 
     def logs_tail(self, name: str | None = None, lines: int = 30) -> str:
         logs = self.data_dir / "logs"

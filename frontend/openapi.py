@@ -64,6 +64,9 @@ _REPLICA = {
         "term": {"type": "integer"}, "leader": {"type": "string", "nullable": True},
         "commit_index": {"type": "integer"}, "applied_index": {"type": "integer"},
         "state_digest": {"type": "string"},
+        "loop_faults": {"type": "object", "additionalProperties": {"type": "integer"},
+                        "description": "faults survived since start, by kind: storage, error (a bug), sender"},
+        "last_loop_fault": {"type": "string", "nullable": True},
     },
 }
 _TIER = {

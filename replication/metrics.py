@@ -60,6 +60,13 @@ class ReplicaCollector(Collector):
                                       "Leader changes (failovers) this replica has seen", labels=["service"])
         changes.add_metric(svc, float(w.leader_changes))
         yield changes
+        faults = CounterMetricFamily("pygmy_replica_loop_faults",
+                                     "Faults the replica survived by kind: storage (a full or failing disk), "
+                                     "error (an exception in a turn of the event loop: a bug), sender (a "
+                                     "sender thread's unexpected error)", labels=["service", "kind"])
+        for kind, count in sorted(w.loop_faults.items()):
+            faults.add_metric([self.name, kind], float(count))
+        yield faults
         if w.catch_up_seconds is not None:
             yield gauge("pygmy_replica_catch_up_seconds",
                         "Seconds from process start until the replica left 'recovering'", w.catch_up_seconds)

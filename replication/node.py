@@ -195,7 +195,9 @@ class _Sender:
                     self._stream_snapshot(snaps[-1])  # the core's repeats of one request: one is enough
             except _Stopping:
                 break
-            except Exception:
+            except Exception as exc:
+                self.node.loop_faults["sender"] += 1
+                self.node.last_loop_fault = f"sender to {self.peer}: {type(exc).__name__}: {exc}"
                 log.exception("%s -> %s: sending failed; dropping the batch", self.node.name, self.peer)
         self.client.close()
 
@@ -401,7 +403,13 @@ class ReplicaNode:
         #: Why the node is not working (a storage fault it is retrying), or None. While set it is no
         #: leader, serves no reads, fails health checks and acknowledges nothing.
         self.fault: str | None = None
-        self.faults = 0
+        #: Faults the node survived, by kind: ``storage`` (a full or failing disk: expected under
+        #: such faults), ``error`` (any other exception in a turn: a bug, which the supervisor hides
+        #: from clients but ``/status``, ``/metrics`` and the tests' teardown check do not) and
+        #: ``sender`` (a sender thread's unexpected error). Never reset.
+        self.loop_faults: dict[str, int] = {"storage": 0, "error": 0, "sender": 0}
+        #: The last fault's description, kept after the node works again (``fault`` is cleared).
+        self.last_loop_fault: str | None = None
         self._fault_at = 0.0
         self._fault_backoff = _FAULT_BACKOFF_MIN
         self.snapshots_installed = 0
@@ -431,6 +439,11 @@ class ReplicaNode:
         self._refresh_view()
         self._read_index = _ReadIndexBatcher(self)
         self.blueprint = self._make_blueprint()
+
+    @property
+    def faults(self) -> int:
+        """Faults of the event loop, storage or other (each cost a reload from disk)."""
+        return self.loop_faults["storage"] + self.loop_faults["error"]
 
     def _load_core(self) -> RaftCore:
         """A core from what is on disk: at start, and again after a fault (an in-process restart)."""
@@ -644,6 +657,10 @@ class ReplicaNode:
             #: have been replaced by a leader of a newer term it has not heard of.
             "leader_lease": bool(view["role"] == "leader" and not fault and time.monotonic() < self._lease_until),
             "error": fault,
+            #: Faults survived since start, by kind, and the last one: nonzero ``error`` or
+            #: ``sender`` means a bug the supervisor kept from clients.
+            "loop_faults": dict(self.loop_faults),
+            "last_loop_fault": self.last_loop_fault,
             "commit_index": max(view["commit"], applied),
             "applied_index": applied,
             "state_digest": digest,
@@ -789,8 +806,10 @@ class ReplicaNode:
 
     def _enter_fault(self, exc: BaseException) -> None:
         first = self.fault is None
-        self.fault = describe(exc) if is_storage_fault(exc) else f"replication loop error: {type(exc).__name__}: {exc}"
-        self.faults += 1
+        storage = is_storage_fault(exc)
+        self.fault = describe(exc) if storage else f"replication loop error: {type(exc).__name__}: {exc}"
+        self.loop_faults["storage" if storage else "error"] += 1
+        self.last_loop_fault = self.fault
         self._fault_at = time.monotonic()
         if first:
             log.error("%s: %s; stepping down, serving nothing, retrying", self.name, self.fault, exc_info=exc)

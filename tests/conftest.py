@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -8,7 +9,72 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Cluster, start_cluster  # noqa: E402
+from harness import Cluster, hidden_faults, start_cluster, stop_checked  # noqa: E402
+
+from cluster.local import LocalCluster  # noqa: E402
+from replication.node import ReplicaNode  # noqa: E402
+
+# -- hidden faults fail the test that hid them -----------------------------------------------------
+# A replica's event loop survives any error in a turn (it reloads from disk), a sender thread
+# survives a failed batch, and a service logs a traceback and answers 500 or goes on. Clients may
+# never notice, so a test that looks only from outside would pass on a build whose turns keep
+# failing. Every cluster and every in-process node a test starts is therefore checked when the
+# test ends: no replica counted a loop fault and no service logged a traceback, except what the
+# test declares it injects with ``@pytest.mark.allow_faults(...)``.
+
+_clusters: list[LocalCluster] = []
+_nodes: list[ReplicaNode] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "allow_faults(*kinds, logs=()): the faults this test injects on purpose: loop fault kinds a "
+        "replica may count (storage, error, sender) and regular expressions for tracebacks its services "
+        "may log (matched against '<service>: <logging line> | <exception>')")
+    _start, _init = LocalCluster.start, ReplicaNode.__init__
+
+    def start(self: LocalCluster, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.record_faults = True
+        _clusters.append(self)
+        return _start(self, *args, **kwargs)
+
+    def init(self: ReplicaNode, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        _init(self, *args, **kwargs)
+        _nodes.append(self)
+
+    LocalCluster.start = start  # type: ignore[method-assign]
+    ReplicaNode.__init__ = init  # type: ignore[method-assign]
+
+
+def _allowed(item: pytest.Item) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    kinds: list[str] = []
+    logs: list[str] = []
+    for mark in item.iter_markers("allow_faults"):
+        kinds += mark.args
+        logs += mark.kwargs.get("logs", ())
+    return tuple(kinds), tuple(logs)
+
+
+@pytest.fixture(autouse=True)
+def _no_hidden_faults(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Torn down after every other fixture of the test: every cluster stopped by then and every node
+    started meanwhile is checked (a cluster still running, e.g. the session's, when it stops)."""
+    nodes_before = len(_nodes)
+    yield
+    kinds, logs = _allowed(request.node)
+    problems: list[str] = []
+    for c in [c for c in _clusters if c.stopped]:
+        _clusters.remove(c)
+        if not c.checked:
+            problems += hidden_faults(c, kinds, logs)
+    for node in _nodes[nodes_before:]:
+        problems += [f"in-process {node.name}: {n} loop fault(s) of kind {k!r} (last: {node.last_loop_fault})"
+                     for k, n in sorted(node.loop_faults.items()) if n and k not in kinds]
+    del _nodes[nodes_before:]
+    if problems:
+        pytest.fail("faults hidden from clients (declare injected ones with @pytest.mark.allow_faults):\n"
+                    + "\n".join(problems[:20]), pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -16,7 +82,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """One default cluster (3 replicas per tier, 2 frontend workers) shared by read-mostly tests."""
     c = start_cluster(tmp_path_factory.mktemp("shared"))
     yield c
-    c.stop()
+    stop_checked(c)
 
 
 @pytest.fixture
@@ -25,3 +91,20 @@ def fresh_cluster(tmp_path: Path) -> Iterator[Cluster]:
     c = start_cluster(tmp_path)
     yield c
     c.stop()
+
+
+# -- no silent skips where every test must run -----------------------------------------------------
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Under ``PYGMY_NO_SKIP=1`` (``.ci/run``) a skipped test fails the run: CI installs what every
+    test needs, so a skip there means a test silently stopped running. Locally a skip prints why
+    (``-ra``) and the run passes."""
+    if os.environ.get("PYGMY_NO_SKIP") != "1" or hasattr(session.config, "workerinput"):
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = reporter.stats.get("skipped", []) if reporter is not None else []
+    if skipped:
+        reporter.write_line(f"PYGMY_NO_SKIP=1: {len(skipped)} test(s) skipped; every test must run here:", red=True)
+        for rep in skipped:
+            reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+            reporter.write_line(f"  {rep.nodeid}: {reason}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

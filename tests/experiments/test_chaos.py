@@ -15,7 +15,9 @@ from harness import cluster_env
 
 from experiments import chaos, chaos_check, nemesis
 
-pytestmark = pytest.mark.skipif(bool(nemesis.missing_tools()), reason=f"needs {nemesis.missing_tools()}")
+pytestmark = [pytest.mark.skipif(bool(nemesis.missing_tools()), reason=f"needs {nemesis.missing_tools()}"),
+              # The nemesis fills disks: replicas count storage faults and log them, nothing else.
+              pytest.mark.allow_faults("storage", logs=[r"disk full: database or disk is full"])]
 
 
 

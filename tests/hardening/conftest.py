@@ -7,11 +7,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import Cluster, start_cluster
+from harness import Cluster, start_cluster, stop_checked
 
 
 @pytest.fixture(scope="package")
 def hard_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     c = start_cluster(Path(tmp_path_factory.mktemp("hardening")))
     yield c
-    c.stop()
+    stop_checked(c)

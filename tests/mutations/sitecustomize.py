@@ -54,6 +54,10 @@ Without the variables below it does nothing.
   (a Ready with no new entries: apply first, then send) deletes the file and SIGKILLs its own process
   group between the apply and the send: its proposers may have been answered, no follower knows
   the entries are committed.
+- ``PYGMY_TEST_TURN_FAULT=<tier>``: every replica of that tier raises an error in every fiftieth
+  turn of its event loop (a bug its supervisor survives: it reloads from
+  disk and goes on, so clients see at most a slow answer). The tests' teardown check must catch it
+  (``tests/system/test_hidden_faults.py``).
 - ``PYGMY_TEST_DROP_CONFIRMS=<file>``: while the file exists, an order leader answers buys but never
   records their confirm (as if it died right after answering): the crash instant between a buy's
   answer and its confirm, held open for as long as a test needs.
@@ -217,6 +221,22 @@ def _cache_lease(seconds: float) -> None:
     inv.Invalidator.__init__ = with_lease
 
 
+def _turn_fault(tier: str) -> None:
+    from replication.node import ReplicaNode
+
+    process = ReplicaNode._process_ready
+    turns = [0]
+
+    def faulty(self, tick_wall):  # type: ignore[no-untyped-def]
+        if self.name.startswith(tier + "-"):
+            turns[0] += 1
+            if turns[0] % 50 == 0:
+                raise RuntimeError("test fault: a bug in a turn")
+        process(self, tick_wall)
+
+    ReplicaNode._process_ready = faulty
+
+
 def _drop_confirms(flag: str) -> None:
     import order.app as order_app
 
@@ -345,6 +365,8 @@ if os.environ.get("PYGMY_TEST_RENEW_FAULT"):
     _renew_fault(os.environ["PYGMY_TEST_RENEW_FAULT"], os.environ.get("PYGMY_TEST_RENEW_FAULT_SERVICE", "frontend-1"))
 if os.environ.get("PYGMY_TEST_CACHE_LEASE"):
     _cache_lease(float(os.environ["PYGMY_TEST_CACHE_LEASE"]))
+if os.environ.get("PYGMY_TEST_TURN_FAULT"):
+    _turn_fault(os.environ["PYGMY_TEST_TURN_FAULT"])
 if os.environ.get("PYGMY_TEST_DROP_CONFIRMS"):
     _drop_confirms(os.environ["PYGMY_TEST_DROP_CONFIRMS"])
 if os.environ.get("PYGMY_TEST_HOLD_DECREMENTS"):

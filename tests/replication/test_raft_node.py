@@ -374,6 +374,7 @@ def write_somewhere(cluster: Harness, k: str) -> None:
     raise AssertionError("no write got through")
 
 
+@pytest.mark.allow_faults("storage")
 def test_a_full_disk_on_the_leader_is_a_state_it_recovers_from(cluster: Harness) -> None:
     """The leader's log store fills: it steps down, reports it, serves nothing, and rejoins on its
     own once there is room again; no write acknowledged meanwhile is lost (#16)."""
@@ -397,6 +398,7 @@ def test_a_full_disk_on_the_leader_is_a_state_it_recovers_from(cluster: Harness)
     assert old.faults > 0 and conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
+@pytest.mark.allow_faults("error")
 def test_an_unexpected_error_in_the_loop_does_not_freeze_the_replica(cluster: Harness, monkeypatch) -> None:
     """Any exception in the event loop (here: injected) leads to an in-process restart, never a
     replica that answers with a frozen view."""
@@ -419,6 +421,7 @@ def test_an_unexpected_error_in_the_loop_does_not_freeze_the_replica(cluster: Ha
     cluster.converge(timeout=10)
 
 
+@pytest.mark.allow_faults("sender")
 def test_a_sender_survives_an_error(cluster: Harness) -> None:
     """A per-peer sender that hits an unexpected error drops that batch, not its thread (Raft resends)."""
     leader = cluster.leader()
@@ -494,6 +497,7 @@ def test_a_commit_is_carried_by_the_threads_that_bring_its_inputs(cluster: Harne
     assert off_loop("leader", "applied") >= 0.5, turns
 
 
+@pytest.mark.allow_faults("error")
 def test_a_turn_that_fails_on_the_loop_thread_is_marked_before_the_core_is_let_go(cluster: Harness,
                                                                                   monkeypatch) -> None:
     """A turn can fail halfway through a Ready: a leader's appends sent, its own write not done. No
@@ -539,3 +543,26 @@ def test_a_turn_that_fails_on_the_loop_thread_is_marked_before_the_core_is_let_g
     assert marked == [injected], "the core was let go unmarked: another thread could take a turn on it"
     wait_for(lambda: leader.faults > 0 and leader.fault is None, 10, "the replica reloaded and works again")
     cluster.converge(timeout=10)
+
+
+@pytest.mark.allow_faults("error")
+def test_a_fault_in_a_turn_is_counted_and_named(cluster: Harness) -> None:
+    """A node counts a fault of its loop in ``loop_faults`` and ``/status``: tests/conftest.py fails
+    any test whose nodes counted one it did not declare (this one declares it, and checks the count)."""
+    leader = cluster.leader()
+    process = ReplicaNode._process_ready
+    failed = threading.Event()
+
+    def failing(tick_wall: float) -> None:
+        if not failed.is_set():
+            failed.set()
+            raise RuntimeError("test fault: one turn")
+        process(leader, tick_wall)
+
+    leader._process_ready = failing  # type: ignore[method-assign]
+    deadline = time.monotonic() + 10
+    while not (leader.loop_faults["error"] == 1 and leader.fault is None) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    status = leader.status()
+    assert status["loop_faults"] == {"storage": 0, "error": 1, "sender": 0}
+    assert "RuntimeError: test fault: one turn" in status["last_loop_fault"] and leader.fault is None

@@ -44,6 +44,10 @@ def wait_for(cond: Callable[[], object], timeout: float, what: str) -> None:
     raise AssertionError(f"not within {timeout} s: {what}")
 
 
+#: Full disks are what these tests inject: replicas count storage faults and log them, nothing else.
+pytestmark = pytest.mark.allow_faults("storage", logs=[r"disk full: database or disk is full"])
+
+
 @pytest.fixture
 def tmpfs_cluster(tmp_path: Path) -> Iterator[Cluster]:
     data = tmp_path / "d"
