@@ -1,0 +1,50 @@
+"""The suite's own rules (tests/conftest.py), run on a tiny suite of their own in a subprocess: a
+skipped test fails the run where every test must run (``PYGMY_NO_SKIP=1``, as in CI), and only there,
+whether the skip comes from inside a test or from a whole module, on one process or on xdist workers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+
+SKIPS = """
+import pytest
+
+def test_runs():
+    pass
+
+def test_skips():
+    pytest.skip("needs a tool this machine lacks")
+"""
+MODULE_SKIP = """
+import pytest
+
+pytest.skip("needs a browser this machine lacks", allow_module_level=True)
+"""
+
+
+def run(tmp: Path, *args: str, no_skip: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider", "-p", "conftest",
+           "-c", os.devnull, "--rootdir", str(tmp), *args, str(tmp)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+           "PYGMY_NO_SKIP": no_skip}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp)
+
+
+@pytest.mark.parametrize("workers", [(), ("-n", "2")], ids=["one-process", "xdist"])
+def test_a_skip_fails_the_run_only_where_every_test_must_run(tmp_path: Path, workers: tuple[str, ...]) -> None:
+    (tmp_path / "test_skips.py").write_text(SKIPS)
+    (tmp_path / "test_module_skip.py").write_text(MODULE_SKIP)
+    loose = run(tmp_path, *workers, no_skip="")
+    assert loose.returncode == 0 and "1 passed, 2 skipped" in loose.stdout, loose.stdout + loose.stderr
+    assert "needs a tool this machine lacks" in loose.stdout  # locally a skip says what it needs
+    strict = run(tmp_path, *workers, no_skip="1")
+    assert strict.returncode == 1, strict.stdout + strict.stderr
+    assert "PYGMY_NO_SKIP=1: 2 test(s) skipped" in strict.stdout, strict.stdout
+    assert "needs a tool this machine lacks" in strict.stdout and "needs a browser" in strict.stdout
