@@ -54,6 +54,19 @@ Without the variables below it does nothing.
   (a Ready with no new entries: apply first, then send) deletes the file and SIGKILLs its own process
   group between the apply and the send: its proposers may have been answered, no follower knows
   the entries are committed.
+- ``PYGMY_TEST_CRASH_AT=<file>``: the real node's persist, send and apply (``Ready.steps``), a kill
+  at each, on followers as well as leaders. When the file says ``<tier> <role> <point>`` (role
+  ``leader`` or ``follower``), the first replica of that tier in that role to reach the point deletes
+  the file and SIGKILLs its own process group right there. The points, in a turn that handles new
+  log entries (or, for ``applied``, committed ones) holding a command: ``persisted`` (just after
+  they are written: a follower has not acknowledged them yet, a leader has sent them), ``sent``
+  (just after its messages left: a follower's acknowledgement, a leader's appends; they are sent on
+  the spot, under the lock, so they have surely left before the kill) and ``applied`` (just after
+  they are applied, before the turn's next step: a follower's end of the turn, a leader's news of
+  the commit not yet sent when the Ready had no new entries).
+- ``PYGMY_MUTATION=ack-before-persist``: a follower sends its acknowledgement of appended entries
+  before writing them (``Ready.steps`` gives send, persist, apply for its Ready): a follower killed
+  right after acknowledging loses entries its leader counted towards a commit.
 - ``PYGMY_TEST_TURN_FAULT=<tier>``: every replica of that tier raises an error in every fiftieth
   turn of its event loop (a bug its supervisor survives: it reloads from
   disk and goes on, so clients see at most a slow answer). The tests' teardown check must catch it
@@ -95,6 +108,8 @@ def _mutate(name: str) -> None:
         inv.Invalidator.subscribe = lambda self, sid, url: {**subscribe(self, sid, url), "holds": []}
     elif name == "no-lease-wait":
         ReplicaNode.vote_quiet_s = lambda self: 3600.0
+    elif name == "ack-before-persist":
+        _ack_before_persist()
     elif name == "stale-leader":
         os.environ["PYGMY_RAFT_CHECK_QUORUM"] = "0"  # a leader cut off from its peers never steps down
 
@@ -338,6 +353,85 @@ def _crash_applied_unannounced(flag: str) -> None:
     ReplicaNode._apply, ReplicaNode._send = applying, sending
 
 
+def _ack_before_persist() -> None:
+    from replication.core import APPEND_RESP, APPLY, PERSIST, SEND, Ready
+
+    steps = Ready.steps
+
+    def acking_first(rd):  # type: ignore[no-untyped-def]
+        if rd.entries and not rd.send_first and any(m.type == APPEND_RESP for m in rd.messages):
+            return (SEND, PERSIST, APPLY)  # a follower's acknowledgement of entries not yet written
+        return steps(rd)
+
+    Ready.steps = acking_first
+
+
+def _crash_at(flag: str) -> None:
+    """``PYGMY_TEST_CRASH_AT``: die at ``persisted``, ``sent`` or ``applied`` of a leader or a follower."""
+    import contextlib
+    import signal
+
+    from replication.core import APPEND_RESP, SNAPSHOT, RaftCore
+    from replication.node import ReplicaNode
+
+    ready, persist, send, apply = RaftCore.ready, ReplicaNode._persist, ReplicaNode._send, ReplicaNode._apply
+
+    def readying(self):  # type: ignore[no-untyped-def]
+        self._test_ready = rd = ready(self)  # the Ready the node's turn is handling
+        return rd
+
+    def claimed(node, point):  # type: ignore[no-untyped-def]
+        """True if the flag names ``node``'s tier, its role and ``point``, and this replica is the one
+        that deleted it (two followers reach a point at once: one dies, the other goes on)."""
+        try:
+            tier, _, wanted = open(flag).read().strip().partition(" ")  # noqa: SIM115
+            role = "leader" if node.core.is_leader() else node.core.role
+            if not (tier and node.name.startswith(tier + "-") and wanted == f"{role} {point}"):
+                return False
+            os.unlink(flag)
+        except OSError:
+            return False
+        return True
+
+    def die():  # type: ignore[no-untyped-def]
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    def writes(entries):  # type: ignore[no-untyped-def]
+        return any(e.command is not None for e in entries)
+
+    def persisting(self, rd):  # type: ignore[no-untyped-def]
+        persist(self, rd)
+        if writes(rd.entries) and claimed(self, "persisted"):
+            die()
+
+    def sending(self, messages):  # type: ignore[no-untyped-def]
+        rd = getattr(self.core, "_test_ready", None)
+        if rd is None or messages is not rd.messages or not writes(rd.entries) or not any(
+                m.entries or (m.type == APPEND_RESP and m.success) for m in messages) or not claimed(self, "sent"):
+            send(self, messages)
+            return
+        send(self, [m for m in messages if m.type == SNAPSHOT])
+        frames: dict[str, list] = {}
+        for m in messages:
+            if m.type != SNAPSHOT:
+                frames.setdefault(m.dst, []).append(m.to_dict())
+        for dst, frame in frames.items():  # on the spot: surely on the wire before the kill
+            sender = self._senders.get(dst)
+            if sender is not None:
+                with contextlib.suppress(OSError):
+                    sender.client.send({"messages": frame}, 1.0)
+        die()  # the flag is gone already: whoever hears of the messages' consequences finds it so
+
+    def applying(self, entries):  # type: ignore[no-untyped-def]
+        apply(self, entries)
+        rd = getattr(self.core, "_test_ready", None)
+        if rd is not None and entries is rd.committed_entries and writes(entries) and claimed(self, "applied"):
+            die()
+
+    RaftCore.ready = readying
+    ReplicaNode._persist, ReplicaNode._send, ReplicaNode._apply = persisting, sending, applying
+
+
 def _crash_mid_batch(flag: str) -> None:
     from replication.node import ReplicaNode
 
@@ -361,6 +455,8 @@ if os.environ.get("PYGMY_TEST_CRASH_APPLIED_UNANNOUNCED"):
     _crash_applied_unannounced(os.environ["PYGMY_TEST_CRASH_APPLIED_UNANNOUNCED"])
 if os.environ.get("PYGMY_TEST_CRASH_UNPERSISTED"):
     _crash_unpersisted(os.environ["PYGMY_TEST_CRASH_UNPERSISTED"])
+if os.environ.get("PYGMY_TEST_CRASH_AT"):
+    _crash_at(os.environ["PYGMY_TEST_CRASH_AT"])
 if os.environ.get("PYGMY_TEST_RENEW_FAULT"):
     _renew_fault(os.environ["PYGMY_TEST_RENEW_FAULT"], os.environ.get("PYGMY_TEST_RENEW_FAULT_SERVICE", "frontend-1"))
 if os.environ.get("PYGMY_TEST_CACHE_LEASE"):
