@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from cluster.config import MIN_KEY_WINDOW, ClusterConfig, parse_name
+from cluster.config import MIN_KEY_WINDOW, SERVE_ONLY_ENV, ClusterConfig, parse_name
 
 
 def _urls(value: str) -> list[str]:
@@ -85,13 +85,15 @@ def add_cluster_options(p: argparse.ArgumentParser, serve: bool = False) -> None
         p.add_argument("--advertise-host", help="host name other services use to reach this one")
 
 
-def resolve(args: argparse.Namespace, use_cluster_file: bool) -> ClusterConfig:
+def resolve(args: argparse.Namespace, use_cluster_file: bool, serve: bool = False) -> ClusterConfig:
     data_dir = args.data_dir or os.environ.get("PYGMY_DATA_DIR") or "data"
     base: dict[str, Any] = ClusterConfig().to_dict()
     cluster_file = ClusterConfig(data_dir=data_dir).cluster_file()
     if use_cluster_file and cluster_file.exists():
         base.update(json.loads(cluster_file.read_text()))
     for dest, (field_name, parse, env) in SETTINGS.items():
+        if env in SERVE_ONLY_ENV and not serve:
+            continue  # one service's own port or peers: `up` gives each service its own
         if os.environ.get(env):
             base[field_name] = parse(os.environ[env])
         given = getattr(args, dest, None)
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             from cluster.serve import serve
 
-            config = resolve(args, use_cluster_file=True)
+            config = resolve(args, use_cluster_file=True, serve=True)
             if args.id < 1 or args.id > config.replicas(args.tier):
                 raise SystemExit(f"pygmy: --id must be 1..{config.replicas(args.tier)} for {args.tier}")
             config.secret()  # fail early and clearly without one

@@ -31,7 +31,7 @@ import requests
 from catalog.books import load as load_books
 from catalog.state import build_seed
 from cluster import control
-from cluster.config import ClusterConfig, parse_name
+from cluster.config import SERVE_ONLY_ENV, ClusterConfig, parse_name
 
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 10.0
@@ -206,6 +206,7 @@ def spawn(config: ClusterConfig, name: str) -> subprocess.Popen[bytes]:
             [*prefix, sys.executable, "-m", "cluster.cli", "serve", tier, "--id", str(k), "--data-dir", str(config.root)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             cwd=str(Path(__file__).resolve().parent.parent),
+            env={k: v for k, v in os.environ.items() if k not in SERVE_ONLY_ENV},
         )
     config.pid_file(name).write_text(f"{proc.pid}\n")
     return proc

@@ -305,3 +305,19 @@ def test_the_catalogue_is_built_once_for_a_new_cluster_and_kept_once_it_began(tm
     assert [fresh.book(n)["title"] for n in (1, 7)] == [DEFAULT_BOOKS[0]["title"], DEFAULT_BOOKS[6]["title"]]
     assert fresh.book(8) is None and len(said) == 2, "nothing said for the built-in books"
     fresh.close()
+
+
+def test_up_ignores_the_settings_of_one_service(tmp_path: Path) -> None:
+    """``PYGMY_PORT`` and the peer URLs are ``serve``'s (the Dockerfile sets ``PYGMY_PORT``): ``up``
+    neither uses them nor passes them on, so each service still listens on its own port."""
+    port = free_port_base() + 7
+    env = {"PYGMY_PORT": str(port), "PYGMY_CATALOG_URLS": "http://127.0.0.1:1", "PYGMY_ADVERTISE_HOST": "nowhere"}
+    c = Cluster(tmp_path / "d", free_port_base(), [], env).start(reset=True)
+    try:
+        config = c.cluster_config()
+        assert len({config.listen_port(*launcher.parse_name(n)) for n in config.names()}) == len(config.names())
+        assert port not in {config.listen_port(*launcher.parse_name(n)) for n in config.names()}
+        client = c.client()
+        assert client.buy(1, 1)["item_number"] == 1 and client.lookup(1)["item_number"] == 1
+    finally:
+        c.stop()
