@@ -7,15 +7,21 @@ QUICK ?=
 
 .PHONY: install run test lint bench lincheck chaos experiments mutation compose-up compose-down compose-test clean
 
+# The services' own dependencies only: all that `make run` installs.
 $(BIN)/pygmy: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e .
+	touch $@
+
+# What the tests, benchmarks and experiments use as well (pyproject.toml's `dev` extra).
+$(VENV)/.dev: $(BIN)/pygmy
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 
-install: $(BIN)/pygmy
+install: $(VENV)/.dev
 
-run: install
+run: $(BIN)/pygmy
 	$(BIN)/pygmy up $(ARGS)
 
 # Bytecode compiled once up front: with PYTHONDONTWRITEBYTECODE set (as in some environments) every
