@@ -6,6 +6,7 @@ Decrements are idempotent by key and never take stock below zero; updates change
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 
+import catalog.state as state_mod
 from catalog.state import CatalogState, book_dict, build_seed, cents, error
 
 BOOKS = [
@@ -104,6 +106,13 @@ def test_book_at_gives_the_applied_index(state: CatalogState, log: Log) -> None:
     assert state.book_at(42) == (2, None)
 
 
+
+def test_books_reads_the_existing_books_of_a_list_by_item_number(state: CatalogState, log: Log) -> None:
+    log(decrement(1, 2, "k1"))
+    assert state.books([3, 1, 9]) == {1: book(1, 8, version=1), 3: book(3, 3)}
+    assert state.books([9]) == {} and state.books([]) == {}
+
+
 def test_sold_out_lists_books_with_no_stock_in_item_order(state: CatalogState, log: Log) -> None:
     assert state.sold_out() == [2, 4, 5]
     log(decrement(3, 3, "k"))
@@ -133,6 +142,39 @@ def test_search_pages_by_item_number_and_says_whether_more_follow(state: Catalog
     assert numbers(0, 3) == ([3, 4, 5], False)  # exactly a page: no empty page after it
     assert numbers(5, 2) == ([], False)
     assert numbers(3, None) == ([4, 5], False)
+
+
+def test_a_search_page_costs_its_own_size_not_the_topics(tmp_path: Path) -> None:
+    """One index range scan that stops one book past the page: the same page costs the same (in
+    SQLite virtual machine steps) on a topic of a page and one book as on a topic of 2,000 books."""
+    sizes = {"small": 3, "medium": 50, "large": 2000}
+    books, n = [], 0
+    for topic, size in sizes.items():
+        for _ in range(size):
+            n += 1
+            books.append({"item_number": n, "title": f"b{n}", "topic": topic, "stock": 1, "cost": 1.0})
+    s = CatalogState(tmp_path / "c.db")
+    s.seed(books)
+    steps = 0
+
+    def step() -> int:
+        nonlocal steps
+        steps += 1
+        return 0
+
+    def cost(topic: str) -> int:
+        nonlocal steps
+        s._conn().set_progress_handler(step, 1)
+        steps = 0
+        _, page, more = s.search_at(topic, 0, 2)
+        s._conn().set_progress_handler(None, 1)
+        assert len(page) == 2 and more
+        return steps
+
+    try:
+        assert cost("small") == cost("medium") == cost("large") > 0
+    finally:
+        s.close()
 
 
 # -- decrement --------------------------------------------------------------------------------------
@@ -384,3 +426,20 @@ def test_a_replica_started_from_the_built_catalogue_holds_what_seeding_it_would(
     assert copied.digest() == seeded.digest()
     copied.close()
     seeded.close()
+
+
+def test_build_seed_reports_progress_makes_its_directory_and_leaves_only_the_seed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(state_mod, "SEED_STEP", 2)  # the books go in steps of 2 instead of 100,000
+    dest = tmp_path / "data" / "seed" / "catalog.db"  # neither directory exists yet
+    reports: list[tuple[int, int]] = []
+    build_seed(BOOKS, dest, lambda done, total: reports.append((done, total)))
+    assert reports == [(2, 5), (4, 5), (5, 5)]
+    assert os.listdir(dest.parent) == ["catalog.db"]
+    # Built again where an interrupted build left its half-written file: that file is not kept.
+    (dest.parent / "catalog.db.building").write_bytes(b"half a database")
+    build_seed(BOOKS[:2], dest)
+    assert os.listdir(dest.parent) == ["catalog.db"]
+    built = CatalogState(dest)
+    assert [built.book(n) for n in (1, 2, 3)] == [book(1, 10), book(2, 0), None]
+    built.close()

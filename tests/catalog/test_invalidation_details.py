@@ -171,6 +171,19 @@ def test_a_release_is_pushed_with_its_index_to_live_workers_only(env: Env) -> No
     assert all(name.startswith("invalidate") for name in pushes.threads)
 
 
+
+def test_a_release_carries_the_values_read_after_the_write(env: Env) -> None:
+    """Caches that dropped the keys refresh them from these values instead of missing."""
+    _clock, _node, inv, pushes = env
+    inv.subscribe("w", "http://w")
+    values = {"book:1": {"item_number": 1, "stock": 4}}
+    with inv.holding(["book:1"]) as write:
+        write.index, write.values = 12, values
+    token = inv.hold(["book:2"])
+    inv.release(token, 13, {})  # nothing read: a plain release
+    settled(inv)
+    assert sorted(body["releases"][0][2:] for _, body in pushes.releases()) == [[12, values], [13]]
+
 def test_releasing_an_unknown_or_finished_token_does_nothing(env: Env) -> None:
     _clock, _node, inv, pushes = env
     inv.subscribe("w", "http://w")
@@ -417,3 +430,92 @@ def test_a_push_to_a_slow_or_absent_worker_fails(worker: str) -> None:
         assert inv._push(f"tcp://127.0.0.1:{port}", {"holds": []}) is False  # connection refused
     finally:
         inv.stop()
+
+
+def test_opening_a_channel_closes_those_of_workers_without_a_lease_only(
+        worker: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that still holds a lease keeps its connection (pushes reuse it, no new hello)."""
+    clock = FakeClock()
+    monkeypatch.setattr(inv_mod, "time", clock)
+    inv = Invalidator(FakeNode(), "s3cret")  # type: ignore[arg-type]
+    try:
+        inv.subscribe("live", worker)
+        gone = "tcp://127.0.0.1:9"  # never leased: its channel is dropped when another opens
+        assert inv._push(worker, {"holds": [[1, ["book:1"]]]}) is True
+        assert inv._push(gone, {"holds": [[1, ["book:1"]]]}) is False
+        live = inv._channels[worker]
+        assert inv._push("tcp://127.0.0.1:7", {"holds": [[2, ["book:2"]]]}) is False
+        assert inv._channels.get(worker) is live and gone not in inv._channels
+        assert inv._push(worker, {"holds": [[2, ["book:2"]]]}) is True
+        assert live.client.connects == 1
+    finally:
+        inv.stop()
+
+
+def test_a_frame_carries_the_holds_and_releases_of_every_push_in_it(worker: str) -> None:
+    channel = inv_mod._Channel(worker, "s3cret", "catalog-1")
+    size = "pygmy_invalidation_batch_size_sum"
+    before = REGISTRY.get_sample_value(size) or 0.0
+    try:
+        bodies = [{"holds": [[1, ["book:1"]]]}, {"releases": [[0, ["book:9"], 4]]},
+                  {"holds": [[2, ["book:2"]]], "releases": [[3, ["book:3"], 5, {"book:3": {"stock": 1}}]]}]
+        assert channel._send(bodies) == [True, True, True]
+    finally:
+        channel.close()
+    assert Worker.seen == [("catalog-1", {
+        "holds": [[1, ["book:1"]], [2, ["book:2"]]],
+        "releases": [[0, ["book:9"], 4], [3, ["book:3"], 5, {"book:3": {"stock": 1}}]]})]
+    assert REGISTRY.get_sample_value(size) == before + 4  # the batch histogram counts holds and releases
+
+
+def test_a_frame_that_fails_unexpectedly_fails_every_push_in_it_and_is_counted(
+        worker: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    channel = inv_mod._Channel(worker, "s3cret", "catalog-1")
+    failures = "pygmy_invalidation_push_failures_total"
+    before = REGISTRY.get_sample_value(failures) or 0.0
+    try:
+        assert channel._send([{"holds": [[1, ["book:1"]]]}]) == [True]
+        assert REGISTRY.get_sample_value(failures) == before  # an acknowledged frame is no failure
+
+        def broken(frame: Any, timeout: float) -> Any:
+            raise RuntimeError("bug in the transport")
+
+        monkeypatch.setattr(channel.client, "call", broken)
+        with caplog.at_level(logging.ERROR, logger="catalog.invalidation"):
+            results = channel._send([{"holds": [[2, ["book:2"]]]}, {"releases": [[2, ["book:2"], 3]]}])
+    finally:
+        channel.close()
+    assert results == [False, False] and all(r is False for r in results)
+    assert REGISTRY.get_sample_value(failures) == before + 1
+    (record,) = caplog.records
+    assert record.exc_info is not None and record.exc_info[0] is RuntimeError
+    assert "failed unexpectedly" in record.getMessage() and str(channel.client.address) in record.getMessage()
+
+
+def test_a_push_queued_behind_a_frame_that_never_returns_fails_in_time(
+        worker: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A push that waits behind a frame still in flight gives up after twice the push timeout (that
+    frame, then its own) and a little more, and counts as failed: the hold goes on to revoke."""
+    monkeypatch.setattr(inv_mod, "PUSH_TIMEOUT", 0.05)  # gives up after 2 * 0.05 + 0.1 s
+    channel = inv_mod._Channel(worker, "s3cret", "catalog-1")
+    in_flight, release = threading.Event(), threading.Event()
+
+    def stuck(frame: Any, timeout: float) -> Any:
+        in_flight.set()
+        release.wait(5)
+        return {"ok": True}
+
+    monkeypatch.setattr(channel.client, "call", stuck)
+    first: list[bool] = []
+    sender = threading.Thread(target=lambda: first.append(channel.push({"holds": [[1, ["book:1"]]]})))
+    try:
+        sender.start()
+        assert in_flight.wait(5)
+        began = time.monotonic()
+        assert channel.push({"holds": [[2, ["book:2"]]]}) is False
+        assert time.monotonic() - began < 0.9
+    finally:
+        release.set()
+        sender.join(5)
+        channel.close()
+    assert first == [True]  # the frame in flight was answered in the end

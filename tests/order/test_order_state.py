@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from order.state import CONFIRMED, FAILED, PENDING, OrderState, order_dict
+from order.state import CONFIRMED, FAILED, PENDING, OrderState, confirmed, order_dict
 
 AT = "2026-01-02T03:04:05.678+00:00"
 
@@ -97,6 +97,17 @@ def test_confirm_records_title_cost_and_total(state: OrderState, log: Log) -> No
     assert state.order(1) == confirmed
     assert state.pending() == []
 
+
+
+@pytest.mark.parametrize(("quantity", "cost"), [(1, 15.0), (3, 0.29), (4, 19.999), (7, 12.5)])
+def test_confirmed_predicts_what_the_confirm_makes_of_the_pending_order(
+        log: Log, quantity: int, cost: float) -> None:
+    """The order leader answers a buy with ``confirmed(pending, title, cost)`` before its confirm is
+    applied (order/app.py): the answer must be the order the confirm then records, rounding included."""
+    pending = log(intent("k", quantity=quantity))
+    predicted = confirmed(pending, "RPCs for Dummies", cost)
+    assert predicted == log(confirm("k", title="RPCs for Dummies", cost=cost))
+    assert predicted["status"] == CONFIRMED and predicted["total"] == round(round(cost * 100) * quantity / 100, 2)
 
 def test_cost_is_kept_in_whole_cents(state: OrderState, log: Log) -> None:
     log(intent("k", quantity=3))
