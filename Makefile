@@ -61,30 +61,19 @@ experiments: install
 	$(BIN)/python -m experiments.run_all $(if $(QUICK),--quick,)
 
 # Mutation testing with mutmut (configured in pyproject.toml): the five modules of issue #20 against
-# the fast in-process unit tests only. Not part of `make test`: about 6 min on 2 cores (docs/testing.md,
-# "Mutation score"). Always from scratch (mutmut keeps old verdicts otherwise). MUTANTS narrows the
-# run, e.g. MUTANTS='order.state.*'; on a shared machine run `nice -n 19 make mutation`.
+# the fast in-process unit tests only. Not part of `make test`: 6-45 min on 2 cores, depending on
+# what else runs (docs/testing.md, "Mutation score"). Always from scratch (mutmut keeps old verdicts
+# otherwise). A full run stores its results in docs/mutation/results.json (survivors by function and
+# mutated line, reasons from docs/mutation/reasons.toml) and rewrites the generated part of
+# docs/testing.md from them. MUTANTS narrows the run, e.g. MUTANTS='order.state.*', and only prints
+# the table and the survivors. On a shared machine run `nice -n 19 make mutation`.
 MUTANTS ?=
-define MUTATION_SCORE
-import json
-from pathlib import Path
-from mutmut.stats import status_by_exit_code as status
-print(f"{'module':28} {'mutants':>7} {'killed':>6} {'timeout':>7} {'survived':>8} {'excluded':>8} {'score':>6}")
-for meta in sorted(Path("mutants").rglob("*.py.meta")):
-    found = [status[c] for c in json.loads(meta.read_text())["exit_code_by_key"].values()]
-    detected = found.count("killed") + found.count("timeout")
-    excluded = sum(found.count(s) for s in ("no tests", "skipped", "not checked"))
-    scored = len(found) - excluded
-    score = f"{100 * detected / scored:.1f}%" if scored else "-"
-    print(f"{str(meta)[8:-8]:28} {len(found):7} {found.count('killed'):6} {found.count('timeout'):7} "
-          f"{len(found) - excluded - detected:8} {excluded:8} {score:>6}")
-endef
-export MUTATION_SCORE
 mutation: install
 	rm -rf mutants
-	$(BIN)/mutmut run --max-children 2 $(MUTANTS)
+	commit=$$(git rev-parse --short HEAD) && start=$$(date +%s) && $(BIN)/mutmut run --max-children 2 $(MUTANTS) \
+		&& echo $$(( $$(date +%s) - start )) > mutants/run-seconds && echo $$commit > mutants/run-commit
 	$(BIN)/mutmut results
-	@$(BIN)/python -c "$$MUTATION_SCORE"
+	$(if $(MUTANTS),$(BIN)/python scripts/mutation_report.py print,$(BIN)/python scripts/mutation_report.py collect && $(BIN)/python scripts/mutation_report.py docs)
 
 compose-up: install
 	bash scripts/compose.sh up
