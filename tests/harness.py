@@ -91,7 +91,10 @@ def read_answer(sock: socket.socket) -> bytes:
                                if line.lower().startswith(b"content-length:")), b"0"))
             if len(body) >= length:
                 return data
-        chunk = sock.recv(4096)
+        try:
+            chunk = sock.recv(4096)
+        except ConnectionResetError:  # closed by a process that was killed: no (more) answer
+            return data
         if not chunk:
             return data
         data += chunk
