@@ -367,17 +367,19 @@ class Worker:
     answer: Any = {"ok": True}
     delay = 0.0
     seen: list[tuple[str, Any]] = []
+    answered: list[Any] = []  # frames answered, once the delay is over
 
     @staticmethod
     def handle(peer: str, frame: Any) -> Any:
         Worker.seen.append((peer, frame))
         time.sleep(Worker.delay)
+        Worker.answered.append(frame)
         return Worker.answer
 
 
 @pytest.fixture
 def worker() -> Iterator[str]:
-    Worker.answer, Worker.delay, Worker.seen = {"ok": True}, 0.0, []
+    Worker.answer, Worker.delay, Worker.seen, Worker.answered = {"ok": True}, 0.0, [], []
     server = FrameServer("127.0.0.1", 0, "s3cret", {PUSH_CHANNEL: Channel(Worker.handle)}, name="fake-worker")
     server.start()
     yield f"tcp://127.0.0.1:{server.address[1]}"
@@ -425,9 +427,8 @@ def test_a_push_to_a_slow_or_absent_worker_fails(worker: str) -> None:
     inv = Invalidator(FakeNode(), "s3cret")  # type: ignore[arg-type]
     try:
         Worker.delay = inv_mod.PUSH_TIMEOUT + 0.5
-        began = time.monotonic()
         assert inv._push(worker, {"holds": []}) is False
-        assert time.monotonic() - began < inv_mod.PUSH_TIMEOUT + 0.4
+        assert Worker.seen and not Worker.answered  # given up on while the worker still worked on it
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -515,9 +516,8 @@ def test_a_push_queued_behind_a_frame_that_never_returns_fails_in_time(
     try:
         sender.start()
         assert in_flight.wait(5)
-        began = time.monotonic()
         assert channel.push({"holds": [[2, ["book:2"]]]}) is False
-        assert time.monotonic() - began < 0.9
+        assert not first  # given up on while the frame ahead of it was still in flight
     finally:
         release.set()
         sender.join(5)
