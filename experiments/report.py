@@ -189,8 +189,6 @@ HEADLINES: tuple[tuple[str, str, Callable[[Any], str], str], ...] = (
      "python -m experiments.writepath --quick"),
     ("longest gap between buys, catalog leader SIGKILLed", "bench", _window("catalog leader SIGKILL"),
      "python -m experiments.bench --quick"),
-    ("longest gap between buys, catalog leader SIGSTOPped 2 s", "bench", _window("catalog leader SIGSTOP 2 s"),
-     "python -m experiments.bench --quick"),
     ("catch-up of 10,000 missed updates", "bench", _catch_up(10_000), "python -m experiments.bench --quick"),
     ("1,000,000 books: `pygmy up --books` ready", "store_size", _ready(1_000_000),
      "python -m experiments.store_size --quick"),
