@@ -124,3 +124,17 @@ def test_the_commit_the_readme_names_is_in_the_history() -> None:
     out = subprocess.run(["git", "-C", str(ROOT), "merge-base", "--is-ancestor", named.group(1), "HEAD"],
                          capture_output=True, check=False)
     assert out.returncode == 0, f"{named.group(1)} is not a commit of this branch"
+
+
+def test_the_performance_page_quotes_the_generated_report() -> None:
+    """Every number of docs/performance.md's table of today's figures is one the report's `make bench`
+    sections print."""
+    page = (ROOT / "docs" / "performance.md").read_text()
+    table = page.split("## The figures today", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert rows, "docs/performance.md has a table of today's figures"
+    report_md = (ROOT / "experiments" / "REPORT.md").read_text()
+    generated = report_md[report_md.index("\n## Benchmark (make bench)"):]  # make bench's sections, the last
+    for row in rows:
+        for number in NUMBER.findall(row[1]):
+            assert re.search(rf"(?<![\d.]){re.escape(number)}(?![\d])", generated), (row[0], number)
