@@ -4,7 +4,7 @@
 (3+3 replicas, 1 frontend x 2 workers, 1,000 books), runs the load, records every Gunicorn worker
 with ``py-spy record --nonblocking --gil`` (only samples holding the GIL: Python CPU, not waits; collapsed stacks and an SVG flame graph per process) and
 prints, per service, the share of samples and the functions with the most samples (inclusive and
-own). ``docs/performance.md`` keeps these summaries, before and after each change.
+own): what a change to a hot path is measured with before and after (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ class ReplicationConfig(CoreConfig):
     #: ... but no more than replaying costs less than copying the state: a follower further behind
     #: gets a snapshot, which costs the state's size, not the entries it missed. One applied command
     #: costs about as much as sending and installing this many bytes of state (docs/performance.md,
-    #: "Twentieth session"); 0: keep ``keep_entries`` whatever the state's size.
+    #: "Catch-up: replaying or copying the state"); 0: keep ``keep_entries`` whatever the state's size.
     replay_bytes_per_entry: int = 2048
     #: Never fewer than this many, however small the state (a follower a moment behind, after a
     #: pause or a brief partition, catches up from the log, not by a snapshot).

@@ -248,7 +248,7 @@ class ChannelRouter(_LeaderSeeker):
         again when a claim comes while it is marked silent: a stopped leader is found out while
         its successor's election is still on, so the look that finds the successor goes there at
         once instead of waiting out LOOK_TIMEOUT on ``name`` (about 100 ms of every failover of a
-        stopped leader, docs/performance.md, "Twenty-first session")."""
+        stopped leader, docs/performance.md, "Failover windows")."""
         with self._look_lock:
             now = time.monotonic()
             at, found = self._looked
