@@ -5,7 +5,8 @@ Measures, on a cluster of 3+3 replicas with a 1,000-book catalogue:
 - the sequential durable buy's p50 against the bare Flask lookup's p50 (also in blocks alternating
   with it, ``baseline.paired_p50``);
 - 32 closed-loop buyers (4 client processes x 8 threads, a random book each time) against a bare
-  Flask POST endpoint under the frontend's Gunicorn settings driven by the same clients; then stock
+  Flask POST endpoint (``experiments/baseline.py``: the frontend's Gunicorn options, 2 workers, but
+  16 threads per worker to the frontend's 120) driven by the same clients; then stock
   is read back and every acknowledged buy must be exactly one decrement (0 lost, 0 doubled);
 - the 40/40/20 search/lookup/buy mix with the same 32 clients, twice: with the caches as the buyers
   and the stock count left them (the count's lookups, on one kept-alive connection, fill one
