@@ -106,8 +106,8 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         return jsonify(result["book"])
 
     def subscribe(worker: str, body: Any) -> dict[str, Any]:
-        """A frontend worker asks for its cache lease (``SUBSCRIBE_CHANNEL`` of the peer transport, ten
-        times a second per worker: a frame, not an HTTP request). Answers ``{"status", "body"}``."""
+        """A frontend worker asks for its cache lease (``SUBSCRIBE_CHANNEL`` of the peer transport, about
+        ten times a second per worker while its cache is read, five when idle: a frame, not an HTTP request). Answers ``{"status", "body"}``."""
         def answer(code: int, message: str, **extra: Any) -> dict[str, Any]:
             return {"status": code, "body": {"error": {"code": code, "message": message, **extra}}}
 

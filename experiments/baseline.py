@@ -181,8 +181,8 @@ def measure(settings: h.Settings, save: bool = True) -> dict[str, Any]:
             "description": "A bare Flask endpoint returning one static book under the frontend's Gunicorn options "
                            "with 2 workers x 16 gthreads (a frontend worker has 120 threads, its share of the "
                            "frontend's caps on requests in flight; see experiments/baseline.py), called with the same client library; and a one-row SQLite "
-                           "commit in WAL mode with synchronous=FULL. Every other table divides by these numbers "
-                           "from the same run.",
+                           "commit in WAL mode with synchronous=FULL. Each section of a report divides by the "
+                           "baseline measured at the start of its own run.",
             "baseline": result, "table": table, "plots": []})
     return result
 

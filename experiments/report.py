@@ -112,7 +112,10 @@ def _divisor(name: str, d: dict[str, Any], data: dict[str, dict[str, Any]]) -> s
 
 
 #: Sentences older result files carry that are no longer true of a report built from several runs.
-STALE = {"Every other table divides by these numbers from the same run.":
+STALE = {"A bare Flask endpoint returning one static book under the frontend's Gunicorn settings (2 workers x 16 "
+         "gthreads)": "A bare Flask endpoint returning one static book under the frontend's Gunicorn options with 2 "
+         "workers x 16 gthreads (a frontend worker has 120)",
+         "Every other table divides by these numbers from the same run.":
          "Each section divides by the baseline measured at the start of its own run (see \"Where each section "
          "comes from\"); this one is the newest, and only the sections of the same run divide by it."}
 
