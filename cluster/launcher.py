@@ -214,21 +214,22 @@ def spawn(config: ClusterConfig, name: str) -> subprocess.Popen[bytes]:
 
 def wait_healthy(config: ClusterConfig, names: list[str], stall: float = START_TIMEOUT,
                  progress: Callable[[str], None] | None = None) -> None:
-    """Until every service answers its health check, for as long as they make progress: a service
+    """Until every service answers its health check, for as long as each makes progress: a service
     still loading a large catalogue uses CPU; one that used none for ``stall`` seconds, or exited,
-    fails the start. ``progress`` hears of each service as it comes up."""
-    started = last = time.monotonic()
+    fails the start. Each service has its own stall clock, so one busy service does not hide
+    another that hangs. ``progress`` hears of each service as it comes up."""
+    started = time.monotonic()
     pending = list(names)
     used: dict[str, int] = {}
+    last = dict.fromkeys(names, started)  # when each last used CPU
     with requests.Session() as s:
         while pending:
             for name in list(pending):
                 try:
                     if s.get(service_url(config, name) + "/health", timeout=(0.5, 2)).status_code == 200:
                         pending.remove(name)
-                        last = time.monotonic()
                         if progress:
-                            progress(f"{name} up after {last - started:.1f} s")
+                            progress(f"{name} up after {time.monotonic() - started:.1f} s")
                         continue
                 except requests.RequestException:
                     pass
@@ -237,9 +238,10 @@ def wait_healthy(config: ClusterConfig, names: list[str], stall: float = START_T
                     raise LaunchError(f"{name} exited during start-up; see {config.log_dir() / (name + '.log')}")
                 ticks = sum(p.cpu_ticks for p in _group(pid))  # a service's master and workers
                 if ticks > used.get(name, -1):
-                    used[name], last = ticks, time.monotonic()
-            if pending and time.monotonic() - last > stall:
-                raise LaunchError(f"{', '.join(pending)} did not become healthy and did no work for "
+                    used[name], last[name] = ticks, time.monotonic()
+            stalled = [name for name in pending if time.monotonic() - last[name] > stall]
+            if stalled:
+                raise LaunchError(f"{', '.join(stalled)} did not become healthy and did no work for "
                                   f"{stall:.0f} s; see the logs in {config.log_dir()}")
             time.sleep(0.1)
 

@@ -280,6 +280,20 @@ def test_start_up_waits_while_a_service_works_and_fails_when_it_stalls(tmp_path:
     assert others[-1].poll() is not None
 
 
+def test_a_busy_service_does_not_hide_one_that_stalls(tmp_path: Path, others: list) -> None:
+    """Each service has its own stall clock: one that works for longer than the stall (here 4 s of
+    CPU) does not keep the start waiting on another that does nothing."""
+    config = ClusterConfig(data_dir=str(tmp_path / "d"), port_base=free_port_base())
+    config.run_dir().mkdir(parents=True)
+    config.log_dir().mkdir()
+    busy = other(others, sys.executable, "-c", "import time\nend = time.time() + 4\nwhile time.time() < end: pass")
+    config.pid_file("catalog-1").write_text(f"{busy}\n")
+    config.pid_file("catalog-2").write_text(f"{other(others)}\n")  # sleep 60: alive, idle
+    with pytest.raises(launcher.LaunchError, match="^catalog-2 did not become healthy and did no work for 1 s"):
+        launcher.wait_healthy(config, ["catalog-1", "catalog-2"], stall=1.0)
+    assert others[0].poll() is None, "failed while the busy one still worked (a shared clock waits it out)"
+
+
 def test_the_catalogue_is_built_once_for_a_new_cluster_and_kept_once_it_began(tmp_path: Path) -> None:
     config = ClusterConfig(data_dir=str(tmp_path / "d"))
     first = [{"item_number": n, "title": f"b{n}", "topic": "t", "stock": 5, "cost": 1.0} for n in range(1, 50)]
