@@ -174,16 +174,31 @@ def _mutmut_version() -> str:
     return version("mutmut")
 
 
+def equivalent(m: dict[str, Any]) -> int:
+    """Survivors whose reason says no input tells them from the original: no test can kill them."""
+    return sum(1 for s in m.get("survivors", []) if (s.get("reason") or "").startswith("Equivalent:"))
+
+
+def net_score(m: dict[str, Any]) -> float | None:
+    """Detected among the mutants a test could detect: equivalent survivors are left out, as
+    mutants mutmut cannot test are (each is still listed below with its reason)."""
+    scored = m["mutants"] - m["excluded"] - equivalent(m)
+    return round(100 * (m["killed"] + m["timeout"]) / scored, 1) if scored else None
+
+
 def table(modules: list[dict[str, Any]]) -> list[str]:
     rows = [
-        "| module | mutants | killed | timeout | survived | excluded | other | score |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|",
+        "| module | mutants | killed | timeout | survived | of them equivalent | excluded | other | score | "
+        "score without the equivalent |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for m in modules:
-        score = "-" if m["score"] is None else f"**{m['score']:.1f}%**"
+        score = "-" if m["score"] is None else f"{m['score']:.1f}%"
+        net = net_score(m)
         rows.append(
             f"| `{m['module']}` | {m['mutants']} | {m['killed']} | {m['timeout']} | {m['survived']} "
-            f"| {m['excluded']} | {m['other']} | {score} |"
+            f"| {equivalent(m)} | {m['excluded']} | {m['other']} | {score} | "
+            f"{'-' if net is None else f'**{net:.1f}%**'} |"
         )
     return rows
 
@@ -203,6 +218,12 @@ def render(results: dict[str, Any]) -> str:
         f"{results['mutmut']}{minutes}.",
         "",
         *table(results["modules"]),
+        "",
+        "*Score* = (killed + timeout) / (mutants - excluded); *score without the equivalent* leaves out",
+        "as well the survivors whose reason below begins \"Equivalent:\" (no input tells them from the",
+        "original, so no test can kill them). The goal, 90% or more per module, is on the second.",
+        "*Other* are mutants whose test process died (mutmut's \"segfault\", e.g. a SIGKILL when a",
+        "mutant's loop filled the memory): counted as not detected.",
         "",
         "Survivors, each as `function` (line): original → mutant, then why no test kills it. `line` is",
         "the line in the module at that commit.",
