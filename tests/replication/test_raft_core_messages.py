@@ -948,3 +948,34 @@ def test_many_ticks_at_once_are_the_same_as_one_at_a_time(ops: list[Any], as_lea
                 core.step(Message(HEARTBEAT, "b", "a", max(core.term, 1), commit=0))
         assert [m.to_dict() for m in cores[0].ready().messages] == [m.to_dict() for m in cores[1].ready().messages]
         assert _state(cores[0]) == _state(cores[1])
+
+
+def test_a_duplicate_vote_answer_keeps_the_least_quiet_of_that_voter() -> None:
+    """A voter's answer may be delivered twice, the later copy counting more quiet (asked again):
+    the least counts, or the new leader would wait out less of its predecessor's lease than it must."""
+    cfg = CoreConfig(heartbeat_ticks=2, election_ticks_min=10, election_ticks_max=10)
+    core = RaftCore("a", list("abcde"), hard_state=HardState(1, None, 1), entries=log(1), config=cfg, rng=1)
+    for _ in range(10):
+        core.tick()
+    for p in "bc":
+        core.step(Message("pre_vote_resp", p, "a", 2, success=True))
+    core.step(Message("vote_resp", "b", "a", 2, success=True, quiet=3))
+    core.step(Message("vote_resp", "b", "a", 2, success=True, quiet=40))  # the same vote, again
+    core.step(Message("vote_resp", "d", "a", 2, success=True, quiet=35))
+    assert core.is_leader() and core.election_quiet == 3
+
+
+def test_a_driver_that_sleeps_until_the_next_timer_resends_a_snapshot_in_time() -> None:
+    """A node sleeps ``ticks_until_timer()`` ticks and ticks them at once: with a snapshot in flight
+    that must be one tick at a time, or its resend falls due late (once every two timeouts)."""
+    core = snapshotting()
+    core.ready()
+    ticks = 0
+    while ticks < 3 * CFG.snapshot_timeout_ticks:
+        n = core.ticks_until_timer()
+        core.tick(n)
+        ticks += n
+        core.step(Message(HEARTBEAT_RESP, "b", "a", core.term, ctx=core.now))  # keeps the quorum
+        if SNAPSHOT in {m.type for m in core.ready().messages}:
+            break
+    assert ticks == CFG.snapshot_timeout_ticks
