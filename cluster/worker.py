@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import selectors
 import socket
 import threading
@@ -36,49 +35,62 @@ import time
 from functools import partial
 from typing import Any
 
+import httptools
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
 from cluster.admission import Admission, Board, Deferred
 
 #: The most of a request the event loop looks at: refusals are small requests (a buy is ~300 bytes).
 PEEK = 8192
-#: What Gunicorn's parser accepts without a word (RFC 9110 tokens for the method and header names,
-#: header values without control bytes): anything else is left to it, so that a request it would
-#: refuse with 400 is never answered here.
-_METHOD = re.compile(rb"[A-Z]{3,20}")
-_NAME = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+class _Head:
+    """What httptools' parser hands over of the first request in the bytes it is fed (its callback
+    protocol); what follows that request (a pipelined one) is read on a later turn, so its
+    callbacks are ignored. Raising to stop the parser would cost more than they do."""
+
+    __slots__ = ("headers", "named_twice", "target", "whole")
+
+    def __init__(self) -> None:
+        self.target = b""
+        self.headers: dict[bytes, bytes] = {}
+        self.named_twice = False
+        self.whole = False
+
+    def on_url(self, url: bytes) -> None:
+        if not self.whole:
+            self.target += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.whole:
+            return
+        name = name.lower()
+        if name in self.headers:
+            self.named_twice = True
+        self.headers[name] = value.strip(b" \t")
+
+    def on_message_complete(self) -> None:
+        self.whole = True
 
 
 def _request_head(data: bytes) -> tuple[bytes, bytes, dict[bytes, bytes], int] | None:
     """``(method, target, headers, length)`` of the first request in ``data`` if it has wholly
     arrived (its body too) and is plain, well-formed HTTP/1.1 with a ``Content-Length`` body or
-    none, each header named once; else None (Gunicorn's parser then judges it)."""
-    end = data.find(b"\r\n\r\n")
-    if end < 0:
-        return None
-    lines = data[:end].split(b"\r\n")
-    parts = lines[0].split(b" ")
-    if len(parts) != 3 or parts[2] != b"HTTP/1.1" or not _METHOD.fullmatch(parts[0]) or _BAD_VALUE.search(parts[1]):
-        return None
-    headers: dict[bytes, bytes] = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(b":")
-        if not sep or not _NAME.fullmatch(name) or _BAD_VALUE.search(value):
+    none, each header named once; else None (Gunicorn's parser then judges it).
+
+    Parsed by httptools (llhttp, strict): it refuses what Gunicorn refuses with 400 (control bytes,
+    bare line feeds, folded or malformed headers, bad methods, duplicate lengths), so a request the
+    event loop answers is one Gunicorn would have taken too."""
+    head = _Head()
+    parser = httptools.HttpRequestParser(head)
+    try:
+        parser.feed_data(data)
+    except httptools.HttpParserError:
+        if not head.whole:  # else only what follows the first request is malformed: a later turn's
             return None
-        name = name.lower()
-        if name in headers:
-            return None
-        headers[name] = value.strip(b" \t")
-    if b"transfer-encoding" in headers:
+    if (not head.whole or head.named_twice or parser.get_http_version() != "1.1"
+            or b"transfer-encoding" in head.headers):
         return None
-    raw = headers.get(b"content-length", b"0")
-    if not raw.isdigit():
-        return None
-    length = end + 4 + int(raw)
-    if length > len(data):
-        return None
-    return parts[0], parts[1], headers, length
+    length = data.find(b"\r\n\r\n") + 4 + int(head.headers.get(b"content-length", b"0"))
+    return parser.get_method(), head.target, head.headers, length
 
 
 def asks_to_close(headers: dict[bytes, bytes]) -> bool:

@@ -1,10 +1,14 @@
-"""What one refusal costs a Gunicorn worker: the event loop's (``cluster/worker.py``) against gthread's.
+"""What one refusal and one shortcut answer (a cache hit) cost a Gunicorn worker: the event loop's
+(``cluster/worker.py``) against gthread's, or against another checkout's event loop.
 
 A one-worker server (``create_base_app`` with a write cap of 1) has its only write place held by a
 request that waits for a file; then 8 clients on keep-alive connections send ``POST /buy`` as fast
 as they are answered, every answer a 503. The worker's CPU time over the number refused is the cost
-of a refusal, free of everything else a surge brings. ``python -m experiments.refusal [--rounds 2]``
-prints one line per worker class and round, alternating the classes.
+of a refusal, free of everything else a surge brings. ``GET /hit`` is answered by the app's
+shortcut (as the frontend answers a cached lookup), from the event loop with Pygmy's worker.
+``python -m experiments.refusal [--rounds 2]`` prints one line per worker class, kind and round,
+alternating the classes; ``--against DIR`` alternates instead between the worker of the checkout
+``DIR`` (e.g. ``git worktree add /tmp/before HEAD~1``) and this one's, both with this server.
 
 ``serve_gated`` is also what ``tests/cluster/test_worker.py`` runs its real-Gunicorn checks on.
 """
@@ -59,6 +63,9 @@ def create():
     def read():
         return jsonify({"read": True})
 
+    hit = (b'{"item_number": 1, "title": "a cached book", "stock": 5, "cost": 1.0}')
+    app.extensions["pygmy_edge"].shortcut = (
+        lambda environ: ("/hit", hit, []) if environ.get("PATH_INFO") == "/hit" else None)
     return app
 
 options = gunicorn_options(f"127.0.0.1:{port}", workers=1, threads=12, name="early-test")
@@ -69,15 +76,19 @@ run_gunicorn(create, options)
 """
 
 BUY = b"POST /buy HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+HIT = b"GET /hit HTTP/1.1\r\nHost: t\r\nAccept: application/json\r\n\r\n"
+#: What each kind of request sends and the status its answer must have.
+KINDS = {"refusal": (BUY, b"HTTP/1.1 503"), "hit": (HIT, b"HTTP/1.1 200")}
 
 
 @contextlib.contextmanager
-def serve_gated(gate_dir: Path, worker_class: str = "") -> Iterator[tuple[int, int, Path]]:
-    """The server above (default worker class: Pygmy's), its write place held while the block runs:
-    ``(port, worker pid, release file)``. Touching the release file frees the place; everything
-    started is stopped on the way out."""
+def serve_gated(gate_dir: Path, worker_class: str = "", root: Path = ROOT) -> Iterator[tuple[int, int, Path]]:
+    """The server above (default worker class: Pygmy's, that of the checkout ``root``), its write
+    place held while the block runs: ``(port, worker pid, release file)``. Touching the release file
+    frees the place; everything started is stopped on the way out."""
     port = free_port_base(1, 1)
-    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port), str(gate_dir), worker_class], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port), str(gate_dir), worker_class], cwd=root,
+                            env={**os.environ, "PYTHONPATH": str(root)},
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     release = gate_dir / "release"
@@ -106,21 +117,22 @@ def serve_gated(gate_dir: Path, worker_class: str = "") -> Iterator[tuple[int, i
         h.stop_group(proc)
 
 
-def _refused(args: tuple[int, float]) -> int:
-    """One client: refused buys on one keep-alive connection for ``seconds``; how many."""
-    port, seconds = args
+def _answered(args: tuple[int, float, str]) -> int:
+    """One client: requests of one kind on one keep-alive connection for ``seconds``; how many."""
+    port, seconds, kind = args
+    request, status = KINDS[kind]
     n, buf = 0, b""
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         end = time.monotonic() + seconds
         while time.monotonic() < end:
-            sock.sendall(BUY)
+            sock.sendall(request)
             while True:
                 head_end = buf.find(b"\r\n\r\n")
                 if head_end >= 0:
                     length = int(buf[:head_end].lower().split(b"content-length:")[1].split(b"\r\n")[0])
                     if len(buf) >= head_end + 4 + length:
-                        if not buf.startswith(b"HTTP/1.1 503"):
-                            raise RuntimeError(f"expected a refusal, got {buf[:40]!r}")
+                        if not buf.startswith(status):
+                            raise RuntimeError(f"expected {status!r}, got {buf[:40]!r}")
                         buf = buf[head_end + 4 + length:]
                         break
                 chunk = sock.recv(65536)
@@ -136,23 +148,31 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(worker_class: str, seconds: float = 5.0, clients: int = 8) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="pygmy-refusal-") as d, serve_gated(Path(d), worker_class) as (port, pid, _):
+def measure(worker_class: str, seconds: float = 5.0, clients: int = 8, kind: str = "refusal",
+            root: Path = ROOT) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="pygmy-refusal-") as d, \
+            serve_gated(Path(d), worker_class, root) as (port, pid, _):
         cpu0, t0 = _cpu_s(pid), time.monotonic()
         with Pool(min(clients, 4)) as pool:
-            n = sum(pool.map(_refused, [(port, seconds)] * clients))
+            n = sum(pool.map(_answered, [(port, seconds, kind)] * clients))
         wall, cpu = time.monotonic() - t0, _cpu_s(pid) - cpu0
-    return {"worker": worker_class or "pygmy", "refused_per_s": round(n / wall),
-            "worker_cpu_us_per_refusal": round(cpu / n * 1e6, 1), "worker_cores": round(cpu / wall, 2)}
+    return {"worker": worker_class or "pygmy", "root": str(root), "kind": kind, "answered_per_s": round(n / wall),
+            "worker_cpu_us_per_request": round(cpu / n * 1e6, 1), "worker_cores": round(cpu / wall, 2)}
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m experiments.refusal")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--against", type=Path, help="another checkout whose worker to alternate with this one's")
     a = p.parse_args(argv)
-    for _ in range(a.rounds):
-        for worker_class in ("gthread", ""):
-            print(json.dumps(measure(worker_class)), flush=True)
+    for r in range(a.rounds):
+        for kind in KINDS:
+            if a.against:  # in turns which goes first (ABBA), so that drift favours neither
+                for root in (a.against.resolve(), ROOT)[::1 if r % 2 == 0 else -1]:
+                    print(json.dumps(measure("", kind=kind, root=root)), flush=True)
+            else:
+                for worker_class in ("gthread", ""):
+                    print(json.dumps(measure(worker_class, kind=kind)), flush=True)
 
 
 if __name__ == "__main__":

@@ -122,6 +122,9 @@ def test_pipelined_partial_and_closing_requests_are_each_answered_once(full_writ
     (b"GET /lookup/\x001 HTTP/1.1\r\n\r\n", None),
     (b"POST /buy HTTP/1.1\r\nContent-Length: 0\r\nContent-Length: 5\r\n\r\nhello", None),
     (b"GET /lookup/1 HTTP/1.1\r\nX-Tab:\ta\tb \r\n\r\n", ("GET", "/lookup/1", 39)),
+    # Pipelined: the first request is whole; what follows is judged on its own turn.
+    (b"GET /a HTTP/1.1\r\nHost: t\r\n\r\nGET /b HTTP/1.1\r\nHost: u\r\n\r\n", ("GET", "/a", 28)),
+    (b"GET /a HTTP/1.1\r\n\r\nget /b HTTP/1.1\r\n\r\n", ("GET", "/a", 19)),
 ])
 def test_request_head(data: bytes, expected: tuple[str, str, int] | None) -> None:
     head = _request_head(data)
@@ -129,8 +132,9 @@ def test_request_head(data: bytes, expected: tuple[str, str, int] | None) -> Non
         assert head is None
     else:
         assert head is not None
-        method, target, _, length = head
+        method, target, headers, length = head
         assert (method.decode(), target.decode(), length) == expected
+        assert b"host" not in headers or headers[b"host"] == b"t"  # never a later request's
 
 
 @pytest.mark.parametrize(("value", "closing"), [
