@@ -40,12 +40,32 @@ def _port_free(port: int) -> bool:
     return True
 
 
+#: Where port bases are picked: below Linux's ephemeral range (32768 and up), see ``free_port_base``.
+PORT_RANGE = (20000, 32768)
+
+
+def _port_slice() -> tuple[int, int]:
+    """This process's share of ``PORT_RANGE``: all of it, or slice ``i`` of ``n`` when
+    ``PYGMY_PORT_SLICE=i/n`` says several processes pick port bases at once (the test suite's xdist
+    workers): a base that is free when checked may be taken before its services bind it, but never
+    by a process of another slice."""
+    low, high = PORT_RANGE
+    given = os.environ.get("PYGMY_PORT_SLICE", "")
+    index, _, count = given.partition("/")
+    if index.isdigit() and count.isdigit() and 0 <= int(index) < int(count):
+        width = (high - low) // int(count)
+        low += int(index) * width
+        high = low + width
+    return low, high
+
+
 def free_port_base(replicas: int = 5, frontends: int = 2) -> int:
     """A port base B whose frontend, catalog and order ports are all free right now. Below Linux's
     ephemeral range (32768 and up): a port there can be free when checked and then taken as the
     source port of some outgoing connection before the service binds it."""
+    low, high = _port_slice()
     for _ in range(200):
-        base = random.randrange(20000, 32768 - 300, 10)
+        base = random.randrange(low, high - 300, 10)
         ports = [base + i for i in range(frontends)]
         # Replicas: HTTP and the peer transport (replication.transport.RAFT_PORT_OFFSET above it).
         ports += [base + off + k for off in (100, 150, 200, 250) for k in range(1, replicas + 1)]

@@ -27,6 +27,9 @@ _nodes: list[ReplicaNode] = []
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    worker = getattr(config, "workerinput", None)  # an xdist worker: ports of its own (cluster/local.py)
+    if worker is not None:
+        os.environ["PYGMY_PORT_SLICE"] = f"{worker['workerid'].removeprefix('gw')}/{worker['workercount']}"
     config.addinivalue_line(
         "markers",
         "allow_faults(*kinds, logs=()): the faults this test injects on purpose: loop fault kinds a "
