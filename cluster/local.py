@@ -92,12 +92,6 @@ class LocalCluster:
             self.env["PYTHONPATH"] = str(root)  # its packages, not this checkout's installed ones
         self.url = f"http://127.0.0.1:{port_base}"
         self.proc: subprocess.Popen[str] | None = None
-        #: Set (by the tests) to have ``stop`` first note every live replica's ``loop_faults``.
-        self.record_faults = False
-        #: ``{replica: loop_faults}`` as the replicas that answered said just before ``stop``.
-        self.loop_faults_at_stop: dict[str, dict[str, int]] = {}
-        self.stopped = False
-        self.checked = False  # the tests' fault check has looked at it (tests/harness.py)
         self._lines: queue.Queue[str] = queue.Queue()
         self.output: list[str] = []
 
@@ -129,9 +123,6 @@ class LocalCluster:
             self._lines.put(line)
 
     def stop(self, timeout: float = 30) -> None:
-        if self.record_faults and self.proc and self.proc.poll() is None:
-            self.loop_faults_at_stop = self.loop_faults()
-        self.stopped = True
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -218,8 +209,7 @@ class LocalCluster:
             if name.startswith("frontend-"):
                 continue
             try:
-                reply = requests.get(config.peers(name.rsplit("-", 1)[0])[name] + "/status", timeout=timeout)
-                out[name] = reply.json()["loop_faults"]
+                out[name] = self.replica_get(name, "/status", timeout).json()["loop_faults"]
             except (requests.RequestException, ValueError, KeyError, TypeError):
                 continue
         return out

@@ -42,6 +42,8 @@ from cluster.admission import Admission, Board, Deferred
 
 #: The most of a request the event loop looks at: refusals are small requests (a buy is ~300 bytes).
 PEEK = 8192
+
+
 class _Head:
     """What httptools' parser hands over of the first request in the bytes it is fed (its callback
     protocol); what follows that request (a pipelined one) is read on a later turn, so its

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Cluster, hidden_faults, start_cluster, stop_checked  # noqa: E402
+from harness import CHECKED, FAULTS_AT_STOP, Cluster, hidden_faults, start_cluster, stop_checked  # noqa: E402
 
 from cluster.local import LocalCluster  # noqa: E402
 from replication.node import ReplicaNode  # noqa: E402
@@ -23,6 +23,7 @@ from replication.node import ReplicaNode  # noqa: E402
 # test declares it injects with ``@pytest.mark.allow_faults(...)``.
 
 _clusters: list[LocalCluster] = []
+_stopped: set[LocalCluster] = set()
 _nodes: list[ReplicaNode] = []
 
 
@@ -35,18 +36,24 @@ def pytest_configure(config: pytest.Config) -> None:
         "allow_faults(*kinds, logs=()): the faults this test injects on purpose: loop fault kinds a "
         "replica may count (storage, error, sender) and regular expressions for tracebacks its services "
         "may log (matched against '<service>: <logging line> | <exception>')")
-    _start, _init = LocalCluster.start, ReplicaNode.__init__
+    _start, _stop, _init = LocalCluster.start, LocalCluster.stop, ReplicaNode.__init__
 
     def start(self: LocalCluster, *args, **kwargs):  # type: ignore[no-untyped-def]
-        self.record_faults = True
         _clusters.append(self)
         return _start(self, *args, **kwargs)
+
+    def stop(self: LocalCluster, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        if self.proc is not None and self.proc.poll() is None:
+            FAULTS_AT_STOP[self] = self.loop_faults()
+        _stopped.add(self)
+        _stop(self, *args, **kwargs)
 
     def init(self: ReplicaNode, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         _init(self, *args, **kwargs)
         _nodes.append(self)
 
     LocalCluster.start = start  # type: ignore[method-assign]
+    LocalCluster.stop = stop  # type: ignore[method-assign]
     ReplicaNode.__init__ = init  # type: ignore[method-assign]
 
 
@@ -67,10 +74,11 @@ def _no_hidden_faults(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     kinds, logs = _allowed(request.node)
     problems: list[str] = []
-    for c in [c for c in _clusters if c.stopped]:
+    for c in [c for c in _clusters if c in _stopped]:
         _clusters.remove(c)
-        if not c.checked:
+        if c not in CHECKED:
             problems += hidden_faults(c, kinds, logs)
+        FAULTS_AT_STOP.pop(c, None)
     for node in _nodes[nodes_before:]:
         problems += [f"in-process {node.name}: {n} loop fault(s) of kind {k!r} (last: {node.last_loop_fault})"
                      for k, n in sorted(node.loop_faults.items()) if n and k not in kinds]

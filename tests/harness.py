@@ -12,17 +12,25 @@ from werkzeug.serving import make_server
 from cluster.local import LocalCluster as Cluster
 from cluster.local import free_port_base, pygmy, start_cluster
 
-__all__ = ["MUTATIONS", "Cluster", "FakeLeadership", "StandIn", "cluster_env", "free_port_base", "hidden_faults",
+__all__ = ["CHECKED", "FAULTS_AT_STOP", "MUTATIONS", "Cluster", "FakeLeadership", "StandIn", "cluster_env", "free_port_base", "hidden_faults",
            "pygmy", "read_answer", "send_whole_buys", "start_cluster", "stop_checked"]
 
 #: Test-only faults and mutations (``tests/mutations/sitecustomize.py``), for the processes of a cluster.
 MUTATIONS = Path(__file__).resolve().parent / "mutations"
 
 
+#: Every live replica's ``loop_faults`` just before a cluster of the tests stopped (recorded by the
+#: wrapper of ``Cluster.stop`` in tests/conftest.py); a stopped or killed replica is not in it (its
+#: faults show in its log).
+FAULTS_AT_STOP: dict[Cluster, dict[str, dict[str, int]]] = {}
+#: Clusters whose faults were checked when they stopped (``stop_checked``), not per test.
+CHECKED: set[Cluster] = set()
+
+
 def hidden_faults(cluster: Cluster, kinds: tuple[str, ...] = (), logs: tuple[str, ...] = ()) -> list[str]:
     """What a stopped cluster's services hid from their clients, less what the test allowed."""
     found = [f"{name}: {count} loop fault(s) of kind {kind!r}"
-             for name, faults in sorted(cluster.loop_faults_at_stop.items())
+             for name, faults in sorted(FAULTS_AT_STOP.get(cluster, {}).items())
              for kind, count in sorted(faults.items()) if count and kind not in kinds]
     found += [t for t in cluster.logged_tracebacks() if not any(re.search(p, t) for p in logs)]
     return found
@@ -31,7 +39,7 @@ def hidden_faults(cluster: Cluster, kinds: tuple[str, ...] = (), logs: tuple[str
 def stop_checked(cluster: Cluster) -> None:
     """Stop a cluster shared by several tests (a session's or a package's) and fail if its services
     hid a fault: the per-test check (tests/conftest.py) sees only clusters its own test stopped."""
-    cluster.record_faults = cluster.checked = True
+    CHECKED.add(cluster)
     cluster.stop()
     problems = hidden_faults(cluster)
     assert not problems, "faults hidden from clients in a shared cluster:\n" + "\n".join(problems[:20])

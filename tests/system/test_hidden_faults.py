@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import cluster_env, hidden_faults, start_cluster
+from harness import FAULTS_AT_STOP, cluster_env, hidden_faults, start_cluster
 
 from client.api import PygmyError
 from cluster.local import LocalCluster
@@ -60,5 +60,6 @@ def test_a_correct_cluster_hides_nothing(tmp_path: Path) -> None:
         assert _buy_some(c, 20) == 20
     finally:
         c.stop()
-    assert c.loop_faults_at_stop and all(not any(f.values()) for f in c.loop_faults_at_stop.values())
+    seen = FAULTS_AT_STOP[c]
+    assert seen and all(not any(f.values()) for f in seen.values())
     assert hidden_faults(c) == []
