@@ -279,15 +279,8 @@ def test_a_call_stops_waiting_when_its_stall_check_says_so_and_not_before() -> N
         server.stop()
 
 
-def _port_pair() -> int:
-    """A free port whose peer-transport port (+ RAFT_PORT_OFFSET) is free too, as a replica needs:
-    the first catalog replica's HTTP port of a port base ``free_port_base`` checked."""
-    return free_port_base(replicas=1, frontends=0) + 101
-
-
-def _status_server(body: dict[str, Any]) -> Any:
-    """A replica's /status alone, on a free port whose + 50 is free too, in a thread (stopped by
-    ``.shutdown()``)."""
+def _status_server(body: dict[str, Any], port: int) -> Any:
+    """A replica's /status alone, on ``port``, in a thread (stopped by ``.shutdown()``)."""
     import json
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -303,7 +296,7 @@ def _status_server(body: dict[str, Any]) -> Any:
         def log_message(self, *args: Any) -> None:
             pass
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", _port_pair()), Status)
+    httpd = ThreadingHTTPServer(("127.0.0.1", port), Status)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     return httpd
 
@@ -333,10 +326,12 @@ def test_a_router_leaves_a_stopped_leader_for_the_one_that_took_over(
     statuses = {"t-2": {"role": "leader", "term": 5}, "t-3": {"role": "follower", "term": 5}}
     if old_leader_answers_status:
         statuses["t-1"] = {"role": "leader", "term": 6}
-    https = {n: _status_server(b) for n, b in statuses.items()}
-    ports = {n: h.server_address[1] for n, h in https.items()}
-    ports.setdefault("t-1", _port_pair())  # nothing listens: a stopped process's /status gives nothing
-    # Frames listen on the HTTP port + 50, which ``_port_pair`` found free too.
+    # One port base for the three, laid out as a tier's replicas are (HTTP at base + 101..103, frames
+    # 50 above): picked one by one, one replica's frame port could be another's HTTP port.
+    base = free_port_base(replicas=3, frontends=0)
+    ports = {n: base + 101 + k for k, n in enumerate(("t-1", "t-2", "t-3"))}
+    # t-1 has no /status when it is stopped: nothing listens on its HTTP port.
+    https = {n: _status_server(b, ports[n]) for n, b in statuses.items()}
     servers = [FrameServer("127.0.0.1", ports[n] + 50, SECRET, {"buys": Channel(replica(n))}, name=n)
                for n in ("t-1", "t-2", "t-3")]
     for s in servers:
