@@ -33,46 +33,47 @@ WORKERS ?= 3
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/python scripts/check_prereqs.py
-	$(BIN)/python -m compileall -q -j 0 catalog client cluster experiments frontend order replication
+	$(BIN)/python -m compileall -q -j 0 catalog client experiments frontend order pygmy
 	$(BIN)/pytest -q -n $(WORKERS)
 
 lint: install
 	$(BIN)/ruff check .
 
 bench: install
-	$(BIN)/python -m experiments.bench $(if $(QUICK),--quick,)
-	$(BIN)/python -m experiments.writepath $(if $(QUICK),--quick,)
-	$(BIN)/python -m experiments.soak $(if $(QUICK),--clients 20 --duration 20,)
-	$(BIN)/python -m experiments.store_size --no-progress $(if $(QUICK),--quick,)
-	$(BIN)/python -m experiments.rebuild $(if $(QUICK),--quick,)
+	$(BIN)/python -m pygmy.experiments.bench $(if $(QUICK),--quick,)
+	$(BIN)/python -m pygmy.experiments.writepath $(if $(QUICK),--quick,)
+	$(BIN)/python -m pygmy.experiments.soak $(if $(QUICK),--clients 20 --duration 20,)
+	$(BIN)/python -m pygmy.experiments.store_size --no-progress $(if $(QUICK),--quick,)
+	$(BIN)/python -m pygmy.experiments.rebuild $(if $(QUICK),--quick,)
 
 # Linearizability runs judged by Porcupine (needs Go): RUNS fresh clusters of DURATION seconds each.
 RUNS ?= 10
 DURATION ?= 60
 lincheck: install
-	$(BIN)/python -m experiments.linearizability --runs $(RUNS) --duration $(DURATION)
+	$(BIN)/python -m pygmy.verify.linearizability --runs $(RUNS) --duration $(DURATION)
 
 # A randomized nemesis (root, iproute2, iptables, Go): DURATION seconds of faults, then the checker.
 SEED ?=
 chaos: install
-	$(BIN)/python -m experiments.chaos --duration $(DURATION) $(if $(SEED),--seed $(SEED),) --report
+	$(BIN)/python -m pygmy.experiments.chaos_report --duration $(DURATION) $(if $(SEED),--seed $(SEED),)
 
 experiments: install
-	$(BIN)/python -m experiments.run_all $(if $(QUICK),--quick,)
+	$(BIN)/python -m pygmy.experiments.run_all $(if $(QUICK),--quick,)
 
 # Mutation testing with mutmut (configured in pyproject.toml): the five modules of issue #20 against
 # the fast in-process unit tests only. Not part of `make test`: 6-45 min on 2 cores, depending on
 # what else runs (docs/testing.md, "Mutation score"). Always from scratch (mutmut keeps old verdicts
 # otherwise). A full run stores its results in docs/mutation/results.json (survivors by function and
 # mutated line, reasons from docs/mutation/reasons.toml) and rewrites the generated part of
-# docs/testing.md from them. MUTANTS narrows the run, e.g. MUTANTS='order.state.*', and only prints
+# docs/testing.md from them. MUTANTS narrows the run, e.g. MUTANTS='pygmy.order.state.*', and only prints
 # the table and the survivors. On a shared machine run `nice -n 19 make mutation`.
 MUTANTS ?=
 mutation: install
-	rm -rf mutants
-	commit=$$(git rev-parse --short HEAD) && start=$$(date +%s) && $(BIN)/mutmut run --max-children 2 $(MUTANTS) \
+	$(BIN)/python scripts/mutation_report.py stage
+	commit=$$(git rev-parse --short HEAD) && start=$$(date +%s) && cd build/mutation \
+		&& ../../$(BIN)/mutmut run --max-children 2 $(MUTANTS) \
 		&& echo $$(( $$(date +%s) - start )) > mutants/run-seconds && echo $$commit > mutants/run-commit
-	$(BIN)/mutmut results
+	cd build/mutation && ../../$(BIN)/mutmut results
 	$(if $(MUTANTS),$(BIN)/python scripts/mutation_report.py print,$(BIN)/python scripts/mutation_report.py collect && $(BIN)/python scripts/mutation_report.py docs)
 
 compose-up: install

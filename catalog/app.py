@@ -7,13 +7,13 @@ import time
 from typing import Any
 
 from flask import Flask, Response, jsonify, request
+from pygmy.catalog import books as catalogue
+from pygmy.catalog.invalidation import Invalidator
+from pygmy.catalog.state import CatalogState
 
-from catalog import books as catalogue
-from catalog.invalidation import Invalidator
-from catalog.state import CatalogState
-from cluster.cachekeys import book_key
-from cluster.config import ClusterConfig
-from cluster.web import (
+from pygmy.kit.cachekeys import book_key
+from pygmy.kit.config import ClusterConfig
+from pygmy.kit.web import (
     check_deadline,
     fail,
     int_field,
@@ -23,8 +23,8 @@ from cluster.web import (
     request_deadline,
     update_fields,
 )
-from replication.service import Periodic, ReplicaRuntime
-from replication.transport import DECREMENTS_CHANNEL, SUBSCRIBE_CHANNEL, subscriber_address
+from pygmy.replication.service import Periodic, ReplicaRuntime
+from pygmy.replication.transport import DECREMENTS_CHANNEL, SUBSCRIBE_CHANNEL, subscriber_address
 
 log = logging.getLogger(__name__)
 #: Most decrements one batch may carry (an order leader sends what its buys have in flight).
@@ -86,7 +86,7 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
 
     def key_time(body: dict[str, Any]) -> float:
         """A decrement's ``at``: when the order leader sent it (Unix seconds), which the key expiry
-        goes by on both tiers (``order.app.KeyExpirer``); 0 or absent: the key is kept for good."""
+        goes by on both tiers (``pygmy.order.app.KeyExpirer``); 0 or absent: the key is kept for good."""
         at = body.get("at", 0)
         if isinstance(at, bool) or not isinstance(at, int | float) or not 0 <= at <= time.time() + 3600:
             fail(400, "at must be a time in Unix seconds")

@@ -28,9 +28,9 @@ from typing import Any
 
 from prometheus_client import Counter, Histogram
 
-from replication.batching import Combiner, CombinerTimeout
-from replication.node import NotLeader, ProposalTimeout, ReplicaNode
-from replication.transport import PUSH_CHANNEL, FrameClient, subscriber_address
+from pygmy.replication.batching import Combiner, CombinerTimeout
+from pygmy.replication.node import NotLeader, ProposalTimeout, ReplicaNode
+from pygmy.replication.transport import PUSH_CHANNEL, FrameClient, subscriber_address
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +252,7 @@ class Invalidator:
 
 
 class _Channel:
-    """The connection to one frontend worker. Pushes are combined (``replication.batching``): one
+    """The connection to one frontend worker. Pushes are combined (``pygmy.replication.batching``): one
     frame carries the holds and releases of every write waiting for this worker, and the worker's
     one acknowledgement answers them all."""
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cluster.cachekeys import topic_key
-from replication.statemachine import SQLiteStateMachine
+from pygmy.kit.cachekeys import topic_key
+from pygmy.replication.statemachine import SQLiteStateMachine
 
 #: Books inserted between two progress reports of a seed.
 SEED_STEP = 100_000

@@ -4,7 +4,7 @@ Used by the ``pygmy`` command line, the tests, the load generator and the experi
 request tells the server how long it will wait (``X-Request-Timeout-Ms``), so no tier works on
 after it has gone. With ``retries``, requests that are safe to repeat (reads, and buys with an
 ``Idempotency-Key``) are retried after a 503 or no answer, with jittered exponential backoff,
-never sooner than ``Retry-After`` says, and within a retry budget (``client/retry.py``).
+never sooner than ``Retry-After`` says, and within a retry budget (``pygmy/kit/retry.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from urllib.parse import quote
 import requests
 from requests.adapters import HTTPAdapter
 
-from client.retry import DEADLINE_HEADER, RetryBudget, backoff, retry_after
+from pygmy.kit.retry import DEADLINE_HEADER, RetryBudget, backoff, retry_after
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 

@@ -13,8 +13,9 @@ import sys
 import uuid
 from typing import Any
 
-from client.api import DEFAULT_URL, PygmyClient, PygmyError
-from cluster.config import ClusterConfig
+from pygmy.client.api import DEFAULT_URL, PygmyClient, PygmyError
+
+from pygmy.kit.config import ClusterConfig
 
 #: Retries of requests safe to repeat after a 503 or no answer (backoff, Retry-After, a budget).
 RETRIES = 3

@@ -1,6 +1,6 @@
 """The same load on two versions of Pygmy, both up at once, in alternating blocks: what a change did.
 
-``python -m experiments.ab --old REV [--new REV] [--load mix|buy|sequential|idle] [--pairs 6] [--seconds 10]``
+``python -m pygmy.experiments.ab --old REV [--new REV] [--load mix|buy|sequential|idle] [--pairs 6] [--seconds 10]``
 checks each REV out into a temporary git worktree (``--new`` defaults to this working tree, uncommitted
 changes included), starts a default cluster from each (3+3 replicas, 1,000 books, as ``writepath``),
 warms both caches, then runs the load on one and then the other, the order swapped every pair. Per
@@ -30,11 +30,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from catalog.books import synthetic
-from cluster.local import ROOT, LocalCluster
-from experiments import harness as h
-from experiments import recovery
-from experiments.writepath import BOOKS, STOCK, TOPICS, cluster_cpu_s, measured_load, warm
+from pygmy.catalog.books import synthetic
+from pygmy.experiments import harness as h
+from pygmy.experiments import recovery
+from pygmy.experiments.writepath import BOOKS, STOCK, TOPICS, cluster_cpu_s, measured_load, warm
+
+from pygmy.cluster.local import ROOT, LocalCluster
 
 LOADS = {"mix": h.MIX_40_40_20, "buy": {"buy": 1.0}}
 
@@ -112,7 +113,7 @@ def run(old: str, new: str | None, load: str, pairs: int, seconds: float, n: int
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m experiments.ab", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m pygmy.experiments.ab", description=__doc__.split("\n\n")[0])
     p.add_argument("--old", required=True, help="the revision to compare against (e.g. HEAD~1)")
     p.add_argument("--new", help="the revision measured (default: this working tree)")
     p.add_argument("--load", choices=[*LOADS, "sequential", "idle", "catch-up"], default="mix")

@@ -1,7 +1,7 @@
 """The machine baseline the experiments divide by: a bare HTTP round trip and an SQLite synced commit.
 
 The bare endpoint is a Flask app with one static JSON answer, served with the frontend's Gunicorn
-options (``cluster.serve.gunicorn_options``: the same worker class, timeouts, keep-alive, backlog and
+options (``pygmy.cluster.serve.gunicorn_options``: the same worker class, timeouts, keep-alive, backlog and
 request limits, 2 workers as a frontend has by default) but 16 threads per worker where a frontend
 worker has 120 (with the default caps), and measured with the same client library, so a ratio to it shows what Pygmy adds to
 a Flask app under the same server.
@@ -24,8 +24,8 @@ the bare endpoint.
 The commit is SQLite in WAL mode with ``synchronous=FULL``, in the same temporary directory kind the
 clusters use: the floor for a durable write.
 
-``python -m experiments.baseline --port P [--workers 2]`` serves the bare endpoint;
-``python -m experiments.baseline --measure [--quick]`` measures and saves ``baseline.json``.
+``python -m pygmy.experiments.baseline --port P [--workers 2]`` serves the bare endpoint;
+``python -m pygmy.experiments.baseline --measure [--quick]`` measures and saves ``baseline.json``.
 """
 
 from __future__ import annotations
@@ -44,8 +44,7 @@ from typing import Any
 
 import numpy as np
 import requests
-
-from experiments import harness as h
+from pygmy.experiments import harness as h
 
 BOOK = {"item_number": 1, "title": "How to get a good grade in 677 in 20 minutes a day",
         "topic": "distributed systems", "stock": 1000, "cost": 20.0}
@@ -74,7 +73,7 @@ def create_app() -> Any:
 
 
 def serve(port: int, workers: int) -> None:
-    from cluster.serve import gunicorn_options, run_gunicorn
+    from pygmy.cluster.serve import gunicorn_options, run_gunicorn
 
     options = gunicorn_options(f"127.0.0.1:{port}", workers=workers, threads=16, name="baseline")
     options["loglevel"] = "warning"
@@ -84,10 +83,10 @@ def serve(port: int, workers: int) -> None:
 @contextlib.contextmanager
 def server(workers: int = 2, timeout: float = 30) -> Iterator[str]:
     """The bare endpoint as a subprocess on a free port; its URL. Stopped (whole group) afterwards."""
-    from cluster.local import ROOT
+    from pygmy.cluster.local import ROOT
 
     port = h.free_port_base(1, 1)  # checked free (with the ports above it that we leave alone)
-    proc = subprocess.Popen([sys.executable, "-m", "experiments.baseline", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "pygmy.experiments.baseline", "--port", str(port),
                              "--workers", str(workers)], cwd=ROOT, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -111,7 +110,7 @@ def paired_p50(call: Callable[[int], Any], blocks: int, n: int) -> dict[str, Any
     next to it, so a shared machine that drifts between the parts of a run (by more than the
     goals' margins, within minutes) does not move it. The median ratio, their spread, and the
     p50s over all blocks."""
-    from client.api import PygmyClient
+    from pygmy.client.api import PygmyClient
 
     with server() as url, PygmyClient(url) as bare:
         for i in range(20):
@@ -148,7 +147,7 @@ def sqlite_commits(n: int) -> list[float]:
 
 def measure(settings: h.Settings, save: bool = True) -> dict[str, Any]:
     """Sequential round trips, closed-loop throughput with several client processes, synced commits."""
-    from client.api import PygmyClient
+    from pygmy.client.api import PygmyClient
 
     n = settings.size(2000, 300, 30)
     clients = settings.size(8, 4, 2)
@@ -195,7 +194,7 @@ def of_run(settings: h.Settings) -> dict[str, Any]:
 
 
 def _main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m experiments.baseline")
+    p = argparse.ArgumentParser(prog="python -m pygmy.experiments.baseline")
     p.add_argument("--port", type=int, help="serve the bare endpoint on this port (foreground)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--measure", action="store_true", help="measure and save baseline.json")

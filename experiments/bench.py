@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from experiments import baseline, failover, invalidation, recovery
-from experiments import harness as h
+from pygmy.experiments import baseline, failover, invalidation, recovery
+from pygmy.experiments import harness as h
 
 #: Issue #10: the longest gap without a successful buy while a leader is SIGKILLed or SIGSTOPped for 2 s.
 PAUSE = 2.0
@@ -145,7 +144,7 @@ def run(settings: h.Settings) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m experiments.bench")
+    p = argparse.ArgumentParser(prog="python -m pygmy.experiments.bench")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--results-dir", type=Path, default=h.RESULTS)
     p.add_argument("--no-progress", action="store_true")

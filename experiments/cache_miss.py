@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from catalog.books import synthetic
-from experiments import baseline
-from experiments import harness as h
+from pygmy.catalog.books import synthetic
+from pygmy.experiments import baseline
+from pygmy.experiments import harness as h
 
 STUDY_MISS_MS = 5.9136
 

@@ -13,10 +13,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from catalog.books import synthetic
-from cluster.local import LocalCluster, free_port_base
-from experiments import baseline
-from experiments import harness as h
+from pygmy.catalog.books import synthetic
+from pygmy.experiments import baseline
+from pygmy.experiments import harness as h
+
+from pygmy.cluster.local import LocalCluster, free_port_base
 
 ZIPF = 1.0
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from experiments import baseline
-from experiments import harness as h
+from pygmy.experiments import baseline
+from pygmy.experiments import harness as h
 
 MIX = h.MIX_40_40_20
 #: The study's end-to-end seconds (search + lookup + buy) per client count, cache on (S1) and off (S2).

@@ -3,7 +3,7 @@ driven by Selenium. ``browser()`` is what the browser test uses; ``main`` makes 
 screenshot: a cluster under a steady mix of searches, lookups and buys, its catalog leader killed
 from the page, a new leader, the old one started again and caught up.
 
-    python -m experiments.dashboard_shot --out docs/dashboard.png
+    python -m pygmy.experiments.dashboard_shot --out docs/dashboard.png
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from pygmy.client.api import PygmyClient, PygmyError
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
-from client.api import PygmyClient, PygmyError
-from cluster.local import start_cluster
+from pygmy.cluster.local import start_cluster
 
 
 def chromium_paths() -> tuple[str, str] | None:

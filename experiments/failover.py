@@ -26,9 +26,8 @@ from typing import Any
 
 import numpy as np
 import requests
-
-from experiments import baseline
-from experiments import harness as h
+from pygmy.experiments import baseline
+from pygmy.experiments import harness as h
 
 SCENARIOS = ("catalog-leader", "order-leader", "catalog-follower", "catalog-leader-paused", "order-leader-paused")
 #: Seconds a ``-paused`` scenario SIGSTOPs its victim for (issue #10: buys go on within 1 s of it).

@@ -2,7 +2,7 @@
 keeps over time: idempotency keys (catalog table, order keys), orders, and Raft log entries and bytes;
 and the p50 of status, a cached lookup and a buy, one at a time, fresh and again after the orders.
 
-    python -m experiments.growth [--quick] [--minutes 10] [--window 120]
+    python -m pygmy.experiments.growth [--quick] [--minutes 10] [--window 120]
 
 Past the key window the key counts stop growing (a key is forgotten once older than the window) and
 the log stops growing once compaction keeps pace; the orders themselves are kept, and grow. Counts
@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from client.api import PygmyClient, PygmyError
-from experiments import harness as h
+from pygmy.client.api import PygmyClient, PygmyError
+from pygmy.experiments import harness as h
 
 REPLICAS = [f"{t}-{k}" for t in ("catalog", "order") for k in (1, 2, 3)]
 
@@ -163,7 +163,7 @@ def _plot(settings: h.Settings, series: list[dict[str, Any]], window: float) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m experiments.growth")
+    p = argparse.ArgumentParser(prog="python -m pygmy.experiments.growth")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--minutes", type=float)
     p.add_argument("--window", type=float, help="key window in seconds")

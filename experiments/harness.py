@@ -33,10 +33,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from pygmy.catalog.books import DEFAULT_BOOKS  # noqa: E402
+from pygmy.client.api import PygmyClient, PygmyError  # noqa: E402
 
-from catalog.books import DEFAULT_BOOKS  # noqa: E402
-from client.api import PygmyClient, PygmyError  # noqa: E402
-from cluster.local import LocalCluster, free_port_base  # noqa: E402
+from pygmy.cluster.local import LocalCluster, free_port_base  # noqa: E402
 
 PACKAGE = Path(__file__).resolve().parent
 RESULTS = PACKAGE / "results"
@@ -70,8 +70,8 @@ class Settings:
 
 
 def cli(name: str, run: Callable[[Settings], dict[str, Any]], argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """The command line every experiment module shares: ``python -m experiments.<name> [--quick]``."""
-    p = argparse.ArgumentParser(prog=f"python -m experiments.{name}")
+    """The command line every experiment module shares: ``python -m pygmy.experiments.<name> [--quick]``."""
+    p = argparse.ArgumentParser(prog=f"python -m pygmy.experiments.{name}")
     p.add_argument("--quick", action="store_true", help="small sizes: a few seconds to a minute")
     p.add_argument("--results-dir", type=Path, default=RESULTS)
     p.add_argument("--plots-dir", type=Path, default=PLOTS)

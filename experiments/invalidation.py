@@ -14,9 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-
-from experiments import baseline
-from experiments import harness as h
+from pygmy.experiments import baseline
+from pygmy.experiments import harness as h
 
 ROUTE, METRIC = "/books/decrements", "pygmy_frame_request_seconds"
 #: (label, frontends, workers per frontend, extra args)

@@ -58,13 +58,13 @@ from typing import Any, NamedTuple
 
 import aiohttp
 import numpy as np
+from pygmy.catalog.books import synthetic
+from pygmy.client.api import PygmyClient, PygmyError
+from pygmy.experiments import harness as h
+from pygmy.experiments.writepath import cluster_cpu_s
 
-from catalog.books import synthetic
-from client.api import PygmyClient, PygmyError
-from cluster import launcher
-from cluster.local import LocalCluster
-from experiments import harness as h
-from experiments.writepath import cluster_cpu_s
+from pygmy.cluster import launcher
+from pygmy.cluster.local import LocalCluster
 
 BOOKS = 1000
 TOPICS = 50
@@ -952,7 +952,7 @@ def _save_raw(settings: h.Settings, name: str, s: Shots) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m experiments.overload")
+    p = argparse.ArgumentParser(prog="python -m pygmy.experiments.overload")
     p.add_argument("--quick", action="store_true", help="shorter points and a 20 s surge (about 4 minutes)")
     p.add_argument("--frontends", type=int, default=1, help="frontends to spread the load over (default 1)")
     p.add_argument("--kill-follower", nargs="?", const="order", choices=("order", "catalog", "both"),

@@ -1,6 +1,6 @@
 """Where the CPU goes: py-spy samples every service of a cluster under a load, or idle.
 
-``python -m experiments.profile [--load buy|mix|idle] [--warm] [--seconds 15] [--out DIR]`` starts a cluster
+``python -m pygmy.experiments.profile [--load buy|mix|idle] [--warm] [--seconds 15] [--out DIR]`` starts a cluster
 (3+3 replicas, 1 frontend x 2 workers, 1,000 books), runs the load, records every Gunicorn worker
 with ``py-spy record --nonblocking --gil`` (only samples holding the GIL: Python CPU, not waits; collapsed stacks and an SVG flame graph per process) and
 prints, per service, the share of samples and the functions with the most samples (inclusive and
@@ -19,10 +19,11 @@ import threading
 import time
 from pathlib import Path
 
-from catalog.books import synthetic
-from cluster.local import LocalCluster
-from experiments import harness as h
-from experiments.writepath import BOOKS, STOCK, TOPICS, cache_counters, cluster_cpu_s, warm
+from pygmy.catalog.books import synthetic
+from pygmy.experiments import harness as h
+from pygmy.experiments.writepath import BOOKS, STOCK, TOPICS, cache_counters, cluster_cpu_s, warm
+
+from pygmy.cluster.local import LocalCluster
 
 LOADS = {"buy": {"buy": 1.0}, "mix": h.MIX_40_40_20, "idle": None}
 
@@ -53,7 +54,7 @@ def summarize(raw: Path, top: int) -> tuple[int, list[tuple[str, int]], list[tup
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m experiments.profile")
+    p = argparse.ArgumentParser(prog="python -m pygmy.experiments.profile")
     p.add_argument("--load", choices=sorted(LOADS), default="buy")
     p.add_argument("--seconds", type=float, default=15.0)
     p.add_argument("--clients", default="4x8", help="processes x threads (closed loop)")

@@ -22,10 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from catalog.books import synthetic
-from cluster.launcher import group_members
-from cluster.local import LocalCluster
-from experiments import harness as h
+from pygmy.catalog.books import synthetic
+from pygmy.experiments import harness as h
+
+from pygmy.cluster.launcher import group_members
+from pygmy.cluster.local import LocalCluster
 
 #: The leader keeps this few applied entries, so a replica that lost everything needs a snapshot.
 KEEP_ENTRIES, SLACK = 50, 20

@@ -12,8 +12,8 @@ import math
 import time
 from typing import Any
 
-from experiments import baseline
-from experiments import harness as h
+from pygmy.experiments import baseline
+from pygmy.experiments import harness as h
 
 STUDY_MS = {"catalog": 535.3, "order": 1073.9}
 

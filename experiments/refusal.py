@@ -1,12 +1,12 @@
 """What one refusal and one shortcut answer (a cache hit) cost a Gunicorn worker: the event loop's
-(``cluster/worker.py``) against gthread's, or against another checkout's event loop.
+(``pygmy/cluster/worker.py``) against gthread's, or against another checkout's event loop.
 
 A one-worker server (``create_base_app`` with a write cap of 1) has its only write place held by a
 request that waits for a file; then 8 clients on keep-alive connections send ``POST /buy`` as fast
 as they are answered, every answer a 503. The worker's CPU time over the number refused is the cost
 of a refusal, free of everything else a surge brings. ``GET /hit`` is answered by the app's
 shortcut (as the frontend answers a cached lookup), from the event loop with Pygmy's worker.
-``python -m experiments.refusal [--rounds 2]`` prints one line per worker class, kind and round,
+``python -m pygmy.experiments.refusal [--rounds 2]`` prints one line per worker class, kind and round,
 alternating the classes; ``--against DIR`` alternates instead between the worker of the checkout
 ``DIR`` (e.g. ``git worktree add /tmp/before HEAD~1``) and this one's, both with this server.
 
@@ -31,16 +31,16 @@ from pathlib import Path
 from typing import Any
 
 import requests
+from pygmy.experiments import harness as h
 
-from cluster.local import ROOT, free_port_base
-from experiments import harness as h
+from pygmy.cluster.local import ROOT, free_port_base
 
 SERVER = """
 import sys, time
 from pathlib import Path
 from flask import jsonify
-from cluster.serve import gunicorn_options, run_gunicorn
-from cluster.web import create_base_app
+from pygmy.cluster.serve import gunicorn_options, run_gunicorn
+from pygmy.kit.web import create_base_app
 
 port, gate_dir, worker_class = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 
@@ -161,7 +161,7 @@ def measure(worker_class: str, seconds: float = 5.0, clients: int = 8, kind: str
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m experiments.refusal")
+    p = argparse.ArgumentParser(prog="python -m pygmy.experiments.refusal")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--against", type=Path, help="another checkout whose worker to alternate with this one's")
     a = p.parse_args(argv)

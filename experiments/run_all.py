@@ -14,14 +14,14 @@ import time
 import traceback
 from pathlib import Path
 
-from experiments import harness as h
+from pygmy.experiments import harness as h
 
 ORDER = ("sequential", "cache_miss", "invalidation", "concurrency", "scaling", "failover", "recovery", "cache_size",
          "overload")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.run_all")
+    p = argparse.ArgumentParser(prog="python -m pygmy.experiments.run_all")
     p.add_argument("--quick", action="store_true", help="every experiment at small size (a few minutes)")
     p.add_argument("--only", nargs="*", choices=ORDER, help="run just these")
     p.add_argument("--results-dir", type=Path, default=h.RESULTS)
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     timings: dict[str, float] = {}
     failed: dict[str, str] = {}
     t = time.monotonic()
-    from experiments import baseline
+    from pygmy.experiments import baseline
 
     s.cache["baseline"] = baseline.measure(s)
     timings["baseline"] = time.monotonic() - t
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         t = time.monotonic()
         print(f"== {name}", flush=True)
         try:
-            importlib.import_module(f"experiments.{name}").run(s)
+            importlib.import_module(f"pygmy.experiments.{name}").run(s)
         except Exception:  # keep going: one broken experiment should not hide the others' results
             failed[name] = traceback.format_exc()
             print(failed[name], file=sys.stderr, flush=True)
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     (s.results_dir / "run_all.json").write_text(json.dumps(
         {"size": s.label, "machine": h.machine(), "seconds": timings, "total_seconds": total,
          "failed": failed}, indent=1))
-    from experiments import report
+    from pygmy.experiments import report
 
     report.write(a.results_dir, a.plots_dir, a.report)
     print(f"all experiments ({s.label}): {total:.0f} s; report {a.report}"

@@ -11,9 +11,8 @@ import os
 from typing import Any
 
 import numpy as np
-
-from experiments import baseline
-from experiments import harness as h
+from pygmy.experiments import baseline
+from pygmy.experiments import harness as h
 
 KINDS = ("search", "lookup", "buy")
 #: The study's average per-request ms (register, search, download) and ops/s by client count.

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from experiments import baseline
-from experiments import harness as h
+from pygmy.experiments import baseline
+from pygmy.experiments import harness as h
 
 OPS = ("search", "lookup", "buy", "e2e")
 #: The original study (seconds in its tables, here in ms).

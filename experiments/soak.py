@@ -1,6 +1,6 @@
 """Soak: many concurrent clients, a mixed workload, one replica per tier killed and restarted meanwhile.
 
-    .venv/bin/python -m experiments.soak [--clients 100] [--duration 60]
+    .venv/bin/python -m pygmy.experiments.soak [--clients 100] [--duration 60]
 
 Reports what the clients saw (answers by status, errors other than a clear 409 out-of-stock) and the
 resident memory of every service's process group (from /proc) after warm-up and at the end, so a
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import requests
 
-from cluster.launcher import group_members
-from cluster.local import LocalCluster, free_port_base
+from pygmy.cluster.launcher import group_members
+from pygmy.cluster.local import LocalCluster, free_port_base
 
 MIX = (("lookup", 0.55), ("search", 0.2), ("buy", 0.2), ("order", 0.05))
 TOPICS = ("distributed systems", "graduate-school", "Distributed%20Systems", "nothing here")

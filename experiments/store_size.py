@@ -1,5 +1,5 @@
 """Costs as the store grows (issues #14 and #12): a cluster started with 7, 100,000 and 1,000,000
-books (``catalog.books.synthetic``, 50 topics), each measured the same way:
+books (``pygmy.catalog.books.synthetic``, 50 topics), each measured the same way:
 
 - how long ``pygmy up --books`` takes until the cluster is ready and healthy;
 - p50, one request at a time: the frontend's and the catalog leader's ``/status``; a lookup of the
@@ -27,12 +27,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import requests
+from pygmy.catalog.books import synthetic
+from pygmy.experiments import harness as h
+from pygmy.order.app import MAX_BUYS
 
-from catalog.books import synthetic
-from cluster.launcher import group_members
-from cluster.local import LocalCluster
-from experiments import harness as h
-from order.app import MAX_BUYS
+from pygmy.cluster.launcher import group_members
+from pygmy.cluster.local import LocalCluster
 
 TOPICS = 50
 _PAGE = os.sysconf("SC_PAGE_SIZE")

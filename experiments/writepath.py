@@ -32,12 +32,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pygmy.catalog.books import synthetic
+from pygmy.experiments import baseline
+from pygmy.experiments import harness as h
 
-from catalog.books import synthetic
-from cluster.launcher import group_members
-from cluster.local import LocalCluster
-from experiments import baseline
-from experiments import harness as h
+from pygmy.cluster.launcher import group_members
+from pygmy.cluster.local import LocalCluster
 
 BOOKS = 1000
 TOPICS = 50
@@ -126,7 +126,7 @@ def run(settings: h.Settings) -> dict[str, Any]:
     out: dict[str, Any] = {"books": BOOKS, "clients": f"{procs} processes x {threads} threads",
                            "duration_s": duration}
     with baseline.server() as url:
-        from client.api import PygmyClient
+        from pygmy.client.api import PygmyClient
 
         with PygmyClient(url) as cl:
             for _ in range(20):
@@ -193,7 +193,7 @@ def run(settings: h.Settings) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m experiments.writepath")
+    p = argparse.ArgumentParser(prog="python -m pygmy.experiments.writepath")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--results-dir", type=Path, default=h.RESULTS)
     a = p.parse_args(argv)

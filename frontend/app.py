@@ -15,12 +15,16 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 from flask import Flask, Response, g, jsonify, request
+from pygmy.frontend import dashboard, openapi
+from pygmy.frontend.cache import ReadCache
+from pygmy.frontend.statusview import StatusView
+from pygmy.frontend.subscription import Subscription
 
-from cluster import metrics
-from cluster.admission import RETRY_AFTER, parse_timeout_ms
-from cluster.cachekeys import book_key, search_key
-from cluster.config import ClusterConfig
-from cluster.web import (
+from pygmy.kit import metrics
+from pygmy.kit.admission import RETRY_AFTER, parse_timeout_ms
+from pygmy.kit.cachekeys import book_key, search_key
+from pygmy.kit.config import ClusterConfig
+from pygmy.kit.web import (
     ADMIN,
     Answer,
     ApiError,
@@ -38,12 +42,8 @@ from cluster.web import (
     require_secret,
     update_fields,
 )
-from frontend import dashboard, openapi
-from frontend.cache import ReadCache
-from frontend.statusview import StatusView
-from frontend.subscription import Subscription
-from replication.batching import Combiner, CombinerTimeout
-from replication.router import (
+from pygmy.replication.batching import Combiner, CombinerTimeout
+from pygmy.replication.router import (
     ChannelRouter,
     HopError,
     Reply,
@@ -52,7 +52,7 @@ from replication.router import (
     TierUnavailable,
     overloaded,
 )
-from replication.transport import BUYS_CHANNEL, SUBSCRIBE_CHANNEL
+from pygmy.replication.transport import BUYS_CHANNEL, SUBSCRIBE_CHANNEL
 
 READ_DEADLINE = 5.0
 UPDATE_DEADLINE = 5.0
@@ -199,7 +199,7 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
         return buy_frames.write_batch(items, config.buy_deadline, EXPIRED)
 
     buys: Combiner[tuple[dict[str, Any], float], Reply] = Combiner(send_buys)
-    app.extensions["pygmy_buys"] = buys  # stopped with the worker (cluster/serve.py)
+    app.extensions["pygmy_buys"] = buys  # stopped with the worker (pygmy/cluster/serve.py)
 
     def call(fn: Any, *args: Any, **kw: Any) -> Reply:
         try:
@@ -261,8 +261,8 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
     hit_headers = [("X-Cache", "hit"), ("X-Served-By", me)]
 
     def cached_read(environ: dict[str, Any]) -> Shortcut | None:
-        """A lookup or a search page that hits the cache, answered before Flask (``cluster.web.Edge``,
-        and from Gunicorn's event loop, ``cluster/worker.py``) with the bytes its route would give:
+        """A lookup or a search page that hits the cache, answered before Flask (``pygmy.kit.web.Edge``,
+        and from Gunicorn's event loop, ``pygmy/cluster/worker.py``) with the bytes its route would give:
         cached reads are most of a store's traffic, and Flask's request context, routing and
         response object cost more than the hit itself. Anything else (a miss, a held key, no lease,
         anything the route would refuse or read differently) goes on to the route."""
@@ -327,7 +327,7 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
         return jsonify(body)
 
     def early_buy(path: str, headers: dict[bytes, bytes], raw: bytes) -> Later | None:
-        """A plain buy taken from Gunicorn's event loop without a thread (``cluster.web.Edge.deferred``):
+        """A plain buy taken from Gunicorn's event loop without a thread (``pygmy.kit.web.Edge.deferred``):
         it waits in the worker's batch with the buys of the route, and is answered, as the route
         would answer it, by the thread its batch returns on. Anything the route would refuse or
         read differently (a malformed number, key or body) is left to the route: None."""

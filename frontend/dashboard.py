@@ -9,7 +9,7 @@ are computed by the page from successive answers: a page shows what happened sin
 and any number of open pages cost the server no memory.
 
 Fault buttons post to ``/dashboard/faults`` (admin token), which hands the request to ``pygmy up``
-through its control socket (``cluster/control.py``); without one, the page shows no buttons and
+through its control socket (``pygmy/kit/control.py``); without one, the page shows no buttons and
 the server refuses.
 """
 
@@ -22,14 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from flask import Flask, Response, jsonify, send_from_directory
+from pygmy.frontend.statusview import StatusView
 
-from cluster import control, metrics
-from cluster.config import ClusterConfig
-from cluster.web import fail, json_body
-from frontend.statusview import StatusView
+from pygmy.kit import control, metrics
+from pygmy.kit.config import ClusterConfig
+from pygmy.kit.web import fail, json_body
 
 STATIC = Path(__file__).resolve().parent / "static"
-#: What each worker mirrors into ``pygmy_frontend_worker`` (``cluster/metrics.py``).
+#: What each worker mirrors into ``pygmy_frontend_worker`` (``pygmy/kit/metrics.py``).
 WORKER_FIELDS = ("hits", "misses", "invalidations", "entries", "pushes", "lease_until", "lease_term")
 #: The public operations the page charts, by the Flask route that serves them.
 OPERATIONS = {"search": "/search/<path:topic>", "lookup": "/lookup/<item>", "buy": "/buy/<item>"}

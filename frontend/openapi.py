@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from frontend.dashboard import static_files
+from pygmy.frontend.dashboard import static_files
 
 MAX_ITEM = 999_999_999_999_999_999  # 18 digits: the largest path number we accept (fits SQLite)
 

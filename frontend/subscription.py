@@ -21,13 +21,14 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from frontend.cache import ReadCache
-from replication.router import ChannelRouter, TierUnavailable
-from replication.transport import PUSH_CHANNEL, Channel, FrameServer
+from pygmy.frontend.cache import ReadCache
+
+from pygmy.replication.router import ChannelRouter, TierUnavailable
+from pygmy.replication.transport import PUSH_CHANNEL, Channel, FrameServer
 
 log = logging.getLogger(__name__)
 
-#: How often a worker renews; the lease itself is granted by the catalog (``catalog.invalidation``).
+#: How often a worker renews; the lease itself is granted by the catalog (``pygmy.catalog.invalidation``).
 RENEW_EVERY = 0.1
 #: How often once it has served no read for IDLE_AFTER: an idle cluster should cost almost nothing
 #: (issue #10). A lease lasts 0.4 s less MARGIN from the renewal's send, so the next renewal's grant

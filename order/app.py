@@ -22,16 +22,16 @@ from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
 from flask import Flask, Response, jsonify
+from pygmy.order.state import CONFIRMED, FAILED, PENDING, OrderState, confirmed
 
-from cluster import metrics
-from cluster.config import ClusterConfig
-from cluster.web import ApiError, fail, int_field, json_body, parse_item, request_deadline
-from order.state import CONFIRMED, FAILED, PENDING, OrderState, confirmed
-from replication.batching import Combiner, CombinerTimeout
-from replication.node import NotLeader, ProposalTimeout
-from replication.router import ChannelRouter, Reply, Sightings, TierRouter, TierUnavailable
-from replication.service import Periodic, ReplicaRuntime
-from replication.transport import BUYS_CHANNEL, DECREMENTS_CHANNEL
+from pygmy.kit import metrics
+from pygmy.kit.config import ClusterConfig
+from pygmy.kit.web import ApiError, fail, int_field, json_body, parse_item, request_deadline
+from pygmy.replication.batching import Combiner, CombinerTimeout
+from pygmy.replication.node import NotLeader, ProposalTimeout
+from pygmy.replication.router import ChannelRouter, Reply, Sightings, TierRouter, TierUnavailable
+from pygmy.replication.service import Periodic, ReplicaRuntime
+from pygmy.replication.transport import BUYS_CHANNEL, DECREMENTS_CHANNEL
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
-from replication.statemachine import SQLiteStateMachine
+from pygmy.replication.statemachine import SQLiteStateMachine
 
 PENDING, CONFIRMED, FAILED = "pending", "confirmed", "failed"
 

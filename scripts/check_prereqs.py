@@ -29,7 +29,7 @@ def _compose() -> bool:
 
 
 OPTIONAL: list[tuple[str, str, object]] = [
-    ("root", "tests/experiments/test_nemesis.py, test_chaos.py, tests/system/test_disk_full.py",
+    ("root", "tests/verify/test_nemesis.py, test_chaos.py, tests/system/test_disk_full.py",
      lambda: os.geteuid() == 0),
     ("iproute2 (ip, ss)", "the nemesis and chaos tests (apt-get install iproute2)",
      lambda: bool(shutil.which("ip") and shutil.which("ss"))),
@@ -44,7 +44,7 @@ def main() -> int:
     strict = os.environ.get("PYGMY_NO_SKIP") == "1"
     errors: list[str] = []
     try:
-        from experiments.lincheck import build_checker
+        from pygmy.verify.lincheck import build_checker
 
         build_checker()
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:

@@ -11,8 +11,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import CHECKED, FAULTS_AT_STOP, Cluster, hidden_faults, start_cluster, stop_checked  # noqa: E402
 
-from cluster.local import LocalCluster  # noqa: E402
-from replication.node import ReplicaNode  # noqa: E402
+from pygmy.cluster.local import LocalCluster  # noqa: E402
+from pygmy.replication.node import ReplicaNode  # noqa: E402
 
 # -- hidden faults fail the test that hid them -----------------------------------------------------
 # A replica's event loop survives any error in a turn (it reloads from disk), a sender thread
@@ -28,7 +28,7 @@ _nodes: list[ReplicaNode] = []
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    worker = getattr(config, "workerinput", None)  # an xdist worker: ports of its own (cluster/local.py)
+    worker = getattr(config, "workerinput", None)  # an xdist worker: ports of its own (pygmy/cluster/local.py)
     if worker is not None:
         os.environ["PYGMY_PORT_SLICE"] = f"{worker['workerid'].removeprefix('gw')}/{worker['workercount']}"
     config.addinivalue_line(

@@ -1,4 +1,4 @@
-"""Test-side names for the local cluster driver (``cluster.local``), and the test-only hooks."""
+"""Test-side names for the local cluster driver (``pygmy.cluster.local``), and the test-only hooks."""
 
 import os
 import re
@@ -9,8 +9,8 @@ from typing import Any
 
 from werkzeug.serving import make_server
 
-from cluster.local import LocalCluster as Cluster
-from cluster.local import free_port_base, pygmy, start_cluster
+from pygmy.cluster.local import LocalCluster as Cluster
+from pygmy.cluster.local import free_port_base, pygmy, start_cluster
 
 __all__ = ["CHECKED", "FAULTS_AT_STOP", "MUTATIONS", "Cluster", "FakeLeadership", "StandIn", "cluster_env", "free_port_base", "hidden_faults",
            "pygmy", "read_answer", "send_whole_buys", "start_cluster", "stop_checked"]
@@ -67,7 +67,7 @@ class StandIn:
 
 
 class FakeLeadership:
-    """What ``catalog.invalidation`` asks a replication node about its leadership, as the test sets it."""
+    """What ``pygmy.catalog.invalidation`` asks a replication node about its leadership, as the test sets it."""
 
     current_term = 1
     #: When this node became leader of ``current_term`` (None: not known, as in a race with its loop).

@@ -12,10 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pygmy.catalog.state as state_mod
 import pytest
-
-import catalog.state as state_mod
-from catalog.state import CatalogState, book_dict, build_seed, cents, error
+from pygmy.catalog.state import CatalogState, book_dict, build_seed, cents, error
 
 BOOKS = [
     {"item_number": 1, "title": "How to get a good grade in 677 in 20 minutes a day",

@@ -1,6 +1,6 @@
 """The catalog leader's lease protocol, driven deterministically (issues #15 and #18).
 
-A fake clock stands in for ``time`` inside ``catalog.invalidation``: ``sleep`` does not block, it
+A fake clock stands in for ``time`` inside ``pygmy.catalog.invalidation``: ``sleep`` does not block, it
 records when the caller would wake, so the moment a write may be proposed is exact. Pushes are gated
 by events, so the interleaving of concurrent writes is chosen by the test, not by the scheduler.
 The rule checked is the worker's own: its lease lasts from when it *sent* the renewal for ``lease``
@@ -14,12 +14,11 @@ import threading
 import time
 from typing import Any
 
+import pygmy.catalog.invalidation as inv_mod
 import pytest
 from harness import FakeLeadership
-
-import catalog.invalidation as inv_mod
-from catalog.invalidation import Invalidator
-from frontend.subscription import MARGIN
+from pygmy.catalog.invalidation import Invalidator
+from pygmy.frontend.subscription import MARGIN
 
 LEASE = inv_mod.LEASE
 
@@ -226,7 +225,7 @@ def test_a_successor_waits_what_its_voters_quiet_leaves_of_a_lease() -> None:
     A node that does not lead counts on nothing: a whole lease."""
     from types import SimpleNamespace
 
-    from replication.node import ReplicaNode, ReplicationConfig
+    from pygmy.replication.node import ReplicaNode, ReplicationConfig
 
     def quiet_s(ticks: int, leading: bool = True) -> float:
         node = SimpleNamespace(config=ReplicationConfig(), _leader_since=(4, 1.0, ticks),
@@ -256,7 +255,7 @@ def test_a_grant_never_outlasts_the_leader_lease_by_more_than_a_lease(setup) -> 
 def test_holding_releases_by_outcome(setup) -> None:
     """NotLeader: nothing written, release at once; a timeout with a known index: release only
     once that index is applied here; an unknown outcome: keep holding."""
-    from replication.node import NotLeader, ProposalTimeout
+    from pygmy.replication.node import NotLeader, ProposalTimeout
 
     _clock, _pushes, inv = setup
     with pytest.raises(NotLeader), inv.holding(["book:1"]):

@@ -1,6 +1,6 @@
 """The lease protocol's leader side in detail: tokens, releases, revocation arithmetic, the pushes.
 
-Written against the mutants of ``catalog.invalidation`` that the scenario tests in
+Written against the mutants of ``pygmy.catalog.invalidation`` that the scenario tests in
 ``test_invalidation.py`` let through (docs/testing.md, "Mutation score"). A fake clock stands in for
 ``time`` inside the module, so every wait is exact; pushes are replaced by a recorder, except in the
 last tests, which send real HTTP to a server on a thread of this process.
@@ -15,15 +15,15 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import pygmy.catalog.invalidation as inv_mod
 import pytest
 from harness import FakeLeadership
 from prometheus_client import REGISTRY
+from pygmy.catalog.invalidation import LEASE, Invalidator
 
-import catalog.invalidation as inv_mod
-from catalog.invalidation import LEASE, Invalidator
-from cluster.cachekeys import book_key, search_key
-from replication.node import ProposalTimeout
-from replication.transport import PUSH_CHANNEL, Channel, FrameServer
+from pygmy.kit.cachekeys import book_key, search_key
+from pygmy.replication.node import ProposalTimeout
+from pygmy.replication.transport import PUSH_CHANNEL, Channel, FrameServer
 
 
 class FakeClock:
@@ -280,7 +280,7 @@ def test_a_worker_that_renews_during_a_failed_push_is_waited_out_to_its_new_leas
 
     pushes.during = renew
     clock.now = 0.1
-    with caplog.at_level(logging.WARNING, logger="catalog.invalidation"):
+    with caplog.at_level(logging.WARNING, logger="pygmy.catalog.invalidation"):
         inv.hold(["book:1"])
     assert woke(clock) == pytest.approx(0.2 + LEASE)
     assert [r.getMessage() for r in caplog.records] == ["hold not acknowledged by w; waiting out their lease"]
@@ -292,7 +292,7 @@ def test_the_warning_names_every_worker_a_hold_missed(env: Env, caplog: pytest.L
     for w in ("w1", "w2", "w3"):
         inv.subscribe(w, f"http://{w}")
     pushes.fail.update({"http://w1", "http://w3"})
-    with caplog.at_level(logging.WARNING, logger="catalog.invalidation"):
+    with caplog.at_level(logging.WARNING, logger="pygmy.catalog.invalidation"):
         inv.hold(["book:1"])
     assert [r.getMessage() for r in caplog.records] == ["hold not acknowledged by w1, w3; waiting out their lease"]
 
@@ -486,7 +486,7 @@ def test_a_frame_that_fails_unexpectedly_fails_every_push_in_it_and_is_counted(
             raise RuntimeError("bug in the transport")
 
         monkeypatch.setattr(channel.client, "call", broken)
-        with caplog.at_level(logging.ERROR, logger="catalog.invalidation"):
+        with caplog.at_level(logging.ERROR, logger="pygmy.catalog.invalidation"):
             results = channel._send([{"holds": [[2, ["book:2"]]]}, {"releases": [[2, ["book:2"], 3]]}])
     finally:
         channel.close()

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import requests
 from harness import Cluster, free_port_base, pygmy
+from pygmy.catalog.books import DEFAULT_BOOKS
+from pygmy.catalog.state import CatalogState
+from pygmy.client.api import PygmyError
 
-from catalog.books import DEFAULT_BOOKS
-from catalog.state import CatalogState
-from client.api import PygmyError
-from cluster import launcher
-from cluster.config import ClusterConfig
+from pygmy.cluster import launcher
+from pygmy.kit.config import ClusterConfig
 
 
 def groups(data_dir: Path) -> dict[str, int]:

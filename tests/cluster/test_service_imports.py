@@ -5,20 +5,20 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from cluster.local import ROOT
+from pygmy.cluster.local import ROOT
 
 
 def test_a_service_process_never_imports_requests_or_the_launcher() -> None:
     """Requests is the client's library; the services talk over urllib3 and frames. A service
     process that imported it anyway (through the client's commands, the launcher, or a helper)
     would pay it at every start: about a tenth of a cluster's start-up CPU, measured over seven
-    processes. Checked in a fresh interpreter, as ``python -m cluster.cli serve`` starts one."""
+    processes. Checked in a fresh interpreter, as ``python -m pygmy.cluster.cli serve`` starts one."""
     code = (
         "import sys\n"
-        "from cluster import cli\n"
+        "from pygmy.cluster import cli\n"
         "cli.build_parser(serving=True).parse_args(['serve', 'catalog'])\n"
-        "import cluster.serve, catalog.app, order.app, frontend.app\n"
-        "print(sorted(m for m in ('requests', 'client.api', 'cluster.launcher') if m in sys.modules))\n"
+        "import pygmy.cluster.serve, pygmy.catalog.app, pygmy.order.app, pygmy.frontend.app\n"
+        "print(sorted(m for m in ('requests', 'pygmy.client.api', 'pygmy.cluster.launcher') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

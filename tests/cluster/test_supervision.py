@@ -10,11 +10,12 @@ import threading
 import time
 from typing import Any
 
-from catalog.app import Restocker
-from frontend.cache import ReadCache
-from frontend.subscription import Subscription
-from order.app import BuyProcessor
-from replication.router import Reply
+from pygmy.catalog.app import Restocker
+from pygmy.frontend.cache import ReadCache
+from pygmy.frontend.subscription import Subscription
+from pygmy.order.app import BuyProcessor
+
+from pygmy.replication.router import Reply
 
 
 def eventually(cond: Any, timeout: float = 5.0) -> bool:

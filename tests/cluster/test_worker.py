@@ -1,4 +1,4 @@
-"""The Gunicorn worker's early refusal (cluster/worker.py), against a real Gunicorn: while a class is
+"""The Gunicorn worker's early refusal (pygmy/cluster/worker.py), against a real Gunicorn: while a class is
 full, a complete request of it is answered 503 from the event loop and its connection stays open
 for the next; everything the event loop cannot judge still reaches the middleware, which answers
 as before."""
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import requests
+from pygmy.experiments.refusal import serve_gated
 
-from cluster.worker import _request_head, asks_to_close, said_closing
-from experiments.refusal import serve_gated
+from pygmy.cluster.worker import _request_head, asks_to_close, said_closing
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ metric the code does not define.
 
 The metrics are collected three ways, so that a new one cannot slip past: the prometheus-client
 metrics registered once every module of the service packages is imported; the families a replica's
-scrape-time collector (``replication/metrics.py``) yields, run against a stand-in node in a state
+scrape-time collector (``pygmy/replication/metrics.py``) yields, run against a stand-in node in a state
 that makes it yield all of them; and, as a net for metrics defined where neither reaches (inside a
 function, or a family yielded only in some states), every metric constructor in the source called
 with a literal ``pygmy_...`` name."""
@@ -22,7 +22,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.metrics import MetricWrapperBase
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("cluster", "replication", "catalog", "order", "frontend")
+PACKAGES = ("pygmy.kit", "pygmy.replication", "pygmy.cluster", "pygmy.catalog", "pygmy.order", "pygmy.frontend")
 #: Calls that make a metric (or, ``gauge``, the helper of ``ReplicaCollector`` that makes one).
 CONSTRUCTORS = {"Counter", "Gauge", "Histogram", "Summary", "Info", "Enum", "gauge"}
 #: Gauge modes in which prometheus-client's multiprocess collector adds a ``pid`` label.
@@ -56,7 +56,7 @@ def documented() -> dict[str, Metric]:
 def registered() -> dict[str, Metric]:
     """The prometheus-client metrics the service packages register when imported."""
     for package in PACKAGES:
-        for info in pkgutil.walk_packages([str(ROOT / package)], package + "."):
+        for info in pkgutil.walk_packages(importlib.import_module(package).__path__, package + "."):
             importlib.import_module(info.name)
     out: dict[str, Metric] = {}
     for collector in list(REGISTRY._collector_to_names):  # noqa: SLF001 - no public way to list them
@@ -70,7 +70,7 @@ def registered() -> dict[str, Metric]:
 
 def scraped() -> dict[str, Metric]:
     """The families a leader replica's collector yields, with every optional one present."""
-    from replication.metrics import ReplicaCollector
+    from pygmy.replication.metrics import ReplicaCollector
 
     node = SimpleNamespace(
         _view={"term": 3, "role": "leader", "commit": 9}, applied_index=lambda: 8,
@@ -89,17 +89,18 @@ def in_source() -> dict[str, str]:
     """Every metric constructor in the service packages called with a literal name: exported name
     -> where it is."""
     out: dict[str, str] = {}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)):
-                    continue
-                func = node.func
-                called = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
-                name = node.args[0].value
-                if (called in CONSTRUCTORS or called.endswith("MetricFamily")) and isinstance(name, str):
-                    kind = "counter" if called.startswith("Counter") else "other"
-                    out[exported(name, kind)] = f"{path.relative_to(ROOT)}:{node.lineno}"
+    paths = [p for package in PACKAGES for folder in importlib.import_module(package).__path__
+             for p in sorted(Path(folder).rglob("*.py"))]
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)):
+                continue
+            func = node.func
+            called = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            name = node.args[0].value
+            if (called in CONSTRUCTORS or called.endswith("MetricFamily")) and isinstance(name, str):
+                kind = "counter" if called.startswith("Counter") else "other"
+                out[exported(name, kind)] = f"{path.relative_to(ROOT)}:{node.lineno}"
     return out
 
 

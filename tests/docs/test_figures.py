@@ -1,7 +1,7 @@
 """The README's figures cannot drift from the results they quote.
 
 The README carries its measured figures in one marked block (written by ``python -m
-experiments.report --readme`` from ``experiments/results/``). These tests read the result files
+pygmy.experiments.report --readme`` from ``experiments/results/``). These tests read the result files
 themselves and check every number of the block against them, rounded as the README shows it; that
 no figure lies outside the block; and that the README stays a front door (at most 160 lines).
 """
@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from experiments import report
+from pygmy.experiments import report
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -114,7 +113,7 @@ def test_no_measured_figure_outside_the_block() -> None:
     text = _readme()
     outside = text[:text.index(report.README_START)] + text[text.index(report.README_END):]
     outside = re.sub(r"```.*?```", "", outside, flags=re.S)  # the session's commands and answers
-    assert FIGURE.findall(outside) == [], "figures belong in the generated block (python -m experiments.report --readme)"
+    assert FIGURE.findall(outside) == [], "figures belong in the generated block (python -m pygmy.experiments.report --readme)"
 
 
 @pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="not a git checkout")

@@ -1,11 +1,12 @@
-"""experiments.ab: the other version runs from a worktree of its own, removed afterwards."""
+"""pygmy.experiments.ab: the other version runs from a worktree of its own, removed afterwards."""
 
 from __future__ import annotations
 
 import subprocess
 
-from cluster.local import ROOT
-from experiments.ab import checkout
+from pygmy.experiments.ab import checkout
+
+from pygmy.cluster.local import ROOT
 
 
 def test_a_revision_is_checked_out_beside_this_tree_and_removed_afterwards() -> None:

@@ -13,9 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from experiments import baseline, report
-from experiments import harness as h
+from pygmy.experiments import baseline, report
+from pygmy.experiments import harness as h
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -47,7 +46,7 @@ def ran(settings: h.Settings) -> dict[str, BaseException | None]:
     out: dict[str, BaseException | None] = {}
     for name in SHARED:
         try:
-            importlib.import_module(f"experiments.{name}").run(settings)
+            importlib.import_module(f"pygmy.experiments.{name}").run(settings)
             out[name] = None
         except Exception as exc:  # reported by that experiment's test
             out[name] = exc
@@ -82,7 +81,7 @@ def test_failover_marks_the_kill_and_a_new_leader(settings: h.Settings, ran: dic
 def test_a_paused_leader_is_left_for_a_new_one_and_resumed_after(settings: h.Settings, ran: dict) -> None:
     """``failover.trial(pause=...)``: SIGSTOP, not SIGKILL. Buys go on at a new leader, and the old one
     is running again (not stopped) and caught up when the trial returns, without a restart."""
-    from experiments import failover
+    from pygmy.experiments import failover
 
     c = settings.shared
     assert c is not None
@@ -96,7 +95,7 @@ def test_a_paused_leader_is_left_for_a_new_one_and_resumed_after(settings: h.Set
 
 
 def test_cache_size_uses_its_own_catalogue(settings: h.Settings) -> None:
-    from experiments import cache_size
+    from pygmy.experiments import cache_size
 
     cache_size.run(settings)
     data = _check(settings, "cache_size")
@@ -104,7 +103,7 @@ def test_cache_size_uses_its_own_catalogue(settings: h.Settings) -> None:
 
 
 def test_store_size_measures_each_catalogue_size(settings: h.Settings) -> None:
-    from experiments import store_size
+    from pygmy.experiments import store_size
 
     store_size.run(settings)
     data = _check(settings, "store_size")
@@ -117,7 +116,7 @@ def test_store_size_measures_each_catalogue_size(settings: h.Settings) -> None:
 
 
 def test_rebuild_brings_a_wiped_follower_back_by_a_snapshot(settings: h.Settings) -> None:
-    from experiments import rebuild
+    from pygmy.experiments import rebuild
 
     out = rebuild.run(settings)
     assert out["books"] == 20_000 and out["snapshots_installed"] == 1 and out["digests_equal"]

@@ -1,16 +1,17 @@
-"""``experiments.growth`` reads what each replica keeps from its files: checked on files made here
-(the ten-minute run itself is ``python -m experiments.growth``)."""
+"""``pygmy.experiments.growth`` reads what each replica keeps from its files: checked on files made here
+(the ten-minute run itself is ``python -m pygmy.experiments.growth``)."""
 
 from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
 
-from catalog.state import CatalogState
-from experiments.growth import sample
-from order.state import OrderState
-from replication.core import Entry
-from replication.log_store import LogStore
+from pygmy.catalog.state import CatalogState
+from pygmy.experiments.growth import sample
+from pygmy.order.state import OrderState
+
+from pygmy.replication.core import Entry
+from pygmy.replication.log_store import LogStore
 
 
 def test_sample_counts_keys_orders_and_the_log(tmp_path: Path) -> None:

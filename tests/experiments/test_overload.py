@@ -10,10 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from experiments import harness as h
-from experiments import overload
-from experiments.overload import Answer, check
+from pygmy.experiments import harness as h
+from pygmy.experiments import overload
+from pygmy.experiments.overload import Answer, check
 
 
 def clean() -> tuple[list[Answer], dict[int, tuple[int, int] | None], dict[int, int]]:

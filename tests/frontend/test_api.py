@@ -11,10 +11,10 @@ from typing import Any
 
 import requests
 from harness import Cluster
+from pygmy.client.api import PygmyError
+from pygmy.frontend.app import create_app
 
-from client.api import PygmyError
-from cluster.admission import Deferred
-from frontend.app import create_app
+from pygmy.kit.admission import Deferred
 
 
 def err(resp: requests.Response, code: int) -> dict:
@@ -125,7 +125,7 @@ def test_cache_misses_go_to_the_catalog_leader_once_a_replica_has_named_it(clust
 
 
 def test_a_hit_is_answered_by_the_workers_event_loop_as_flask_would(cluster: Cluster) -> None:
-    """Under Gunicorn a hit is answered before a pool thread takes the request (cluster/worker.py):
+    """Under Gunicorn a hit is answered before a pool thread takes the request (pygmy/cluster/worker.py):
     the same body, cache headers and request id, on a connection kept for the next request."""
     host, port = cluster.url.removeprefix("http://").split(":")
     conn = HTTPConnection(host, int(port), timeout=5)
@@ -249,7 +249,7 @@ def test_a_buy_taken_by_the_event_loop_is_answered_as_flask_would(cluster: Clust
 
 def test_a_buy_is_answered_by_the_workers_event_loop_on_a_kept_connection(cluster: Cluster) -> None:
     """Under Gunicorn, a buy that arrives whole is taken by the event loop and answered by the
-    thread its batch returns on (cluster/worker.py): no pool thread, so no ``Server`` header; the
+    thread its batch returns on (pygmy/cluster/worker.py): no pool thread, so no ``Server`` header; the
     connection is kept for the next request, which may be another buy or a read."""
     host, port = cluster.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:

@@ -6,8 +6,7 @@ import threading
 import time
 
 import pytest
-
-from frontend.cache import ReadCache
+from pygmy.frontend.cache import ReadCache
 
 
 def write(c: ReadCache, key: str, version: int, token: int = 1) -> None:

@@ -1,6 +1,6 @@
 """The read cache in detail: its events and counters, floors, grants at token boundaries, flushes.
 
-Written against the mutants of ``frontend.cache`` that ``test_cache.py`` let through (docs/testing.md,
+Written against the mutants of ``pygmy.frontend.cache`` that ``test_cache.py`` let through (docs/testing.md,
 "Mutation score"). The events feed the frontend's metrics and ``snapshot`` its ``/status``, so both
 are checked exactly.
 """
@@ -11,8 +11,7 @@ import threading
 import time
 
 import pytest
-
-from frontend.cache import ReadCache
+from pygmy.frontend.cache import ReadCache
 
 
 def value(v: str, version: int = 1):

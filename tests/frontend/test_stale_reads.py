@@ -3,7 +3,7 @@
 Two frontends x two Gunicorn workers. Writers raise the cost of books and add stock (admin updates),
 buyers buy them, and readers on fresh connections (spread over every worker and both frontends) look
 them up, while the leader of the catalog or of the order tier is SIGKILLed. Every
-operation goes into a history (``experiments.lincheck.History``: invoke and complete times, outcome)
+operation goes into a history (``pygmy.verify.lincheck.History``: invoke and complete times, outcome)
 that Porcupine checks per book (cost register and stock counter), as in
 tests/system/test_linearizability.py: reads are ordered against each other and against buys, not
 only against acknowledged writes. And what a client saw meanwhile is what the contract allows
@@ -23,9 +23,9 @@ import pytest
 import requests
 from harness import Cluster, cluster_env, free_port_base
 
-from experiments import lincheck
-from experiments.lincheck import History
-from experiments.linearizability import Workload
+from pygmy.verify import lincheck
+from pygmy.verify.lincheck import History
+from pygmy.verify.linearizability import Workload
 
 ITEMS = [1, 2, 3, 4]
 

@@ -9,9 +9,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-
-from frontend import statusview
-from frontend.statusview import StatusView
+from pygmy.frontend import statusview
+from pygmy.frontend.statusview import StatusView
 
 
 @pytest.fixture

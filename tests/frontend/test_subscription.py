@@ -5,11 +5,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-
-from catalog.invalidation import LEASE
-from frontend import subscription
-from frontend.cache import ReadCache
-from frontend.subscription import IDLE_AFTER, RENEW_EVERY, RENEW_IDLE, Subscription
+from pygmy.catalog.invalidation import LEASE
+from pygmy.frontend import subscription
+from pygmy.frontend.cache import ReadCache
+from pygmy.frontend.subscription import IDLE_AFTER, RENEW_EVERY, RENEW_IDLE, Subscription
 
 
 def test_an_idle_worker_renews_half_as_often_and_a_read_brings_it_back(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import requests
 from harness import Cluster, free_port_base, pygmy
 
-from replication.transport import encode, raft_address, read_frame
+from pygmy.replication.transport import encode, raft_address, read_frame
 
 NAMES = [f"{t}-{k}" for t in ("catalog", "order") for k in (1, 2, 3)]
 

@@ -120,7 +120,7 @@ def test_sigkill_to_a_frontend_holding_buys_leaves_each_key_one_order(fresh_clus
 
 
 def test_sigterm_to_a_frontend_answers_the_buys_its_event_loop_holds(fresh_cluster: Cluster) -> None:
-    """Buys taken by a frontend worker's event loop hold no thread (cluster/worker.py), so Gunicorn's
+    """Buys taken by a frontend worker's event loop hold no thread (pygmy/cluster/worker.py), so Gunicorn's
     graceful stop, which waits for its threads, does not see them: the worker and its batcher
     must see them through (``AdmissionWorker.run``, ``Combiner.stop``). The order
     leader is stopped first, so the buys are still waiting on the order tier when the frontend is

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import requests
 from harness import Cluster
+from pygmy.frontend.app import create_app
 
-from cluster.config import ClusterConfig
-from frontend.app import create_app
+from pygmy.kit.config import ClusterConfig
 
 SCHEMATHESIS = Path(sys.executable).parent / "schemathesis"
 

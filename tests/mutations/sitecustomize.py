@@ -10,7 +10,7 @@ Without the variables below it does nothing.
   ``no-read-index`` (replicas serve reads at whatever they have applied, with the caller's floor only),
   ``stale-leader`` (a leader serves reads without checking its leader lease, and does not step
   down when it stops hearing a majority: an isolated leader answers from its old state for as long
-  as it is cut off; caught by the nemesis run, tests/experiments/test_chaos.py),
+  as it is cut off; caught by the nemesis run, tests/verify/test_chaos.py),
   ``ignore-lost-pushes`` (a hold that a worker never acknowledged counts as delivered: no revocation,
   no lease wait; and grants list no pending holds, the second line of defence, which alone already
   hides lost pushes whenever a write takes longer than a renewal period),
@@ -89,8 +89,9 @@ import time
 def _mutate(name: str) -> None:
     from contextlib import contextmanager
 
-    import catalog.invalidation as inv
-    from replication.node import ReplicaNode
+    import pygmy.catalog.invalidation as inv
+
+    from pygmy.replication.node import ReplicaNode
 
     if name == "invalidate-after-apply":
         @contextmanager
@@ -136,11 +137,11 @@ FRONTEND_MUTATIONS = ("crash-mid-buy", "hang-failover-buys")
 
 def _frontend_mutation(name: str) -> None:
     """Break how a frontend worker answers its buys, through the Combiner that carries them
-    (as ``_hold_decrements``: importing frontend.app here would import prometheus_client too early)."""
+    (as ``_hold_decrements``: importing pygmy.frontend.app here would import prometheus_client too early)."""
     import signal
     import threading
 
-    from replication.batching import Combiner
+    from pygmy.replication.batching import Combiner
 
     init = Combiner.__init__
     outcomes = [0]
@@ -184,12 +185,12 @@ def _decrements_not_held() -> None:
     import sys
     from contextlib import nullcontext
 
-    import catalog.invalidation as inv
+    import pygmy.catalog.invalidation as inv
 
     holding = inv.Invalidator.holding
 
     def maybe_holding(self, keys):  # type: ignore[no-untyped-def]
-        if sys._getframe(1).f_code.co_name == "run_decrements":  # catalog.app: the buys' decrements
+        if sys._getframe(1).f_code.co_name == "run_decrements":  # pygmy.catalog.app: the buys' decrements
             return nullcontext(inv.Write())  # applied with no hold and no release: caches keep the old stock
         return holding(self, keys)
 
@@ -197,7 +198,7 @@ def _decrements_not_held() -> None:
 
 
 def _push_fault(flag: str | None, service: str, delay: float) -> None:
-    from frontend.subscription import Subscription
+    from pygmy.frontend.subscription import Subscription
 
     apply_push = Subscription.apply_push
 
@@ -213,7 +214,7 @@ def _push_fault(flag: str | None, service: str, delay: float) -> None:
 
 
 def _renew_fault(flag: str, service: str) -> None:
-    from frontend.subscription import Subscription
+    from pygmy.frontend.subscription import Subscription
 
     renew = Subscription.renew
 
@@ -226,7 +227,7 @@ def _renew_fault(flag: str, service: str) -> None:
 
 
 def _cache_lease(seconds: float) -> None:
-    import catalog.invalidation as inv
+    import pygmy.catalog.invalidation as inv
 
     init = inv.Invalidator.__init__
 
@@ -237,7 +238,7 @@ def _cache_lease(seconds: float) -> None:
 
 
 def _turn_fault(tier: str) -> None:
-    from replication.node import ReplicaNode
+    from pygmy.replication.node import ReplicaNode
 
     process = ReplicaNode._process_ready
     turns = [0]
@@ -253,7 +254,7 @@ def _turn_fault(tier: str) -> None:
 
 
 def _drop_confirms(flag: str) -> None:
-    import order.app as order_app
+    import pygmy.order.app as order_app
 
     confirm = order_app.BuyProcessor._confirm
 
@@ -265,9 +266,9 @@ def _drop_confirms(flag: str) -> None:
 
 
 def _hold_decrements(flag: str) -> None:
-    # Through the Combiner, not by importing order.app here: that would import prometheus_client
+    # Through the Combiner, not by importing pygmy.order.app here: that would import prometheus_client
     # before `pygmy serve` sets its multiprocess directory, and /metrics would come out empty.
-    from replication.batching import Combiner
+    from pygmy.replication.batching import Combiner
 
     init = Combiner.__init__
 
@@ -300,7 +301,7 @@ def _die_if_named(flag: str, service: str, role: str = "") -> None:
 
 
 def _crash_mid_snapshot(flag: str) -> None:
-    from replication import node, snapshots
+    from pygmy.replication import node, snapshots
 
     snapshots.CHUNK_BYTES = 4096
     between = node._Sender._between_chunks
@@ -323,7 +324,7 @@ def _crash_mid_snapshot(flag: str) -> None:
 
 
 def _crash_unpersisted(flag: str) -> None:
-    from replication.node import ReplicaNode
+    from pygmy.replication.node import ReplicaNode
 
     persist = ReplicaNode._persist
 
@@ -336,7 +337,7 @@ def _crash_unpersisted(flag: str) -> None:
 
 
 def _crash_applied_unannounced(flag: str) -> None:
-    from replication.node import ReplicaNode
+    from pygmy.replication.node import ReplicaNode
 
     apply, send = ReplicaNode._apply, ReplicaNode._send
 
@@ -354,7 +355,7 @@ def _crash_applied_unannounced(flag: str) -> None:
 
 
 def _ack_before_persist() -> None:
-    from replication.core import APPEND_RESP, APPLY, PERSIST, SEND, Ready
+    from pygmy.replication.core import APPEND_RESP, APPLY, PERSIST, SEND, Ready
 
     steps = Ready.steps
 
@@ -371,8 +372,8 @@ def _crash_at(flag: str) -> None:
     import contextlib
     import signal
 
-    from replication.core import APPEND_RESP, SNAPSHOT, RaftCore
-    from replication.node import ReplicaNode
+    from pygmy.replication.core import APPEND_RESP, SNAPSHOT, RaftCore
+    from pygmy.replication.node import ReplicaNode
 
     ready, persist, send, apply = RaftCore.ready, ReplicaNode._persist, ReplicaNode._send, ReplicaNode._apply
 
@@ -433,7 +434,7 @@ def _crash_at(flag: str) -> None:
 
 
 def _crash_mid_batch(flag: str) -> None:
-    from replication.node import ReplicaNode
+    from pygmy.replication.node import ReplicaNode
 
     propose = ReplicaNode.propose
 

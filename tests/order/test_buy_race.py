@@ -9,8 +9,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from harness import Cluster
-
-from client.api import PygmyClient, PygmyError
+from pygmy.client.api import PygmyClient, PygmyError
 
 
 def test_fifty_buyers_twenty_copies(fresh_cluster: Cluster) -> None:

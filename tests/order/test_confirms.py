@@ -7,8 +7,7 @@ import time
 from typing import Any
 
 import pytest
-
-from order import app as order_app
+from pygmy.order import app as order_app
 
 
 class FakeRuntime:

@@ -1,4 +1,4 @@
-"""Key windows (``order.app.KeyExpirer``): which time the order leader picks, and that the order tier
+"""Key windows (``pygmy.order.app.KeyExpirer``): which time the order leader picks, and that the order tier
 forgets only after the catalog has; then the whole path on a cluster with a short window."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import requests
 from harness import Cluster, start_cluster
+from pygmy.order.app import KeyExpirer, unix
+from pygmy.order.state import OrderState
 
-from cluster.launcher import running
-from order.app import KeyExpirer, unix
-from order.state import OrderState
-from replication.router import Reply
+from pygmy.cluster.launcher import running
+from pygmy.replication.router import Reply
 
 WINDOW = 3600.0
 

@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from replication.core import (
+from pygmy.replication.core import (
     APPLY,
     PERSIST,
     SEND,

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from replication.batching import Combiner, CombinerTimeout
+from pygmy.replication.batching import Combiner, CombinerTimeout
 
 
 def held_first_batch() -> tuple[Callable[[list[int]], list[int]], threading.Event, threading.Event, list[list[int]]]:

@@ -12,10 +12,9 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from catalog.books import DEFAULT_BOOKS
-from catalog.state import CatalogState
-from order.state import OrderState
+from pygmy.catalog.books import DEFAULT_BOOKS
+from pygmy.catalog.state import CatalogState
+from pygmy.order.state import OrderState
 
 ITEMS = st.integers(1, 8)  # 8 is not in the catalogue: 404s are commands too
 KEYS = st.sampled_from([f"k{i}" for i in range(6)])  # few keys: repeats exercise idempotency

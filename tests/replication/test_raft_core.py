@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from raft_sim import SIM_CONFIG, Cluster, make_leader
 
-from replication.core import APPEND, CoreConfig, Entry, HardState, Message, RaftCore
+from pygmy.replication.core import APPEND, CoreConfig, Entry, HardState, Message, RaftCore
 
 
 def elect(c: Cluster, max_ticks: int = 500):

@@ -1,6 +1,6 @@
 """RaftCore message by message: the exact answers a follower sends and what a leader does with them.
 
-Written against the mutants of ``replication.core`` that the simulator and the scenario tests let
+Written against the mutants of ``pygmy.replication.core`` that the simulator and the scenario tests let
 through (docs/testing.md, "Mutation score"): random schedules show that the cluster stays safe and
 live, but many details (hints, counters, echoed fields, boundaries) only change how fast it gets
 there, so they are pinned here one message at a time.
@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from raft_sim import make_leader
 
-from replication.core import (
+from pygmy.replication.core import (
     APPEND,
     APPEND_RESP,
     HEARTBEAT,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from replication.core import Entry, HardState
-from replication.log_store import LogStore
+from pygmy.replication.core import Entry, HardState
+from pygmy.replication.log_store import LogStore
 
 
 def entries(lo: int, hi: int, term: int = 1) -> list[Entry]:

@@ -15,9 +15,9 @@ import pytest
 from flask import Flask
 from werkzeug.serving import make_server
 
-from replication.node import NotLeader, ReadIndexUnavailable, ReplicaNode, ReplicationConfig
-from replication.statemachine import SQLiteStateMachine
-from replication.transport import encode, read_frame
+from pygmy.replication.node import NotLeader, ReadIndexUnavailable, ReplicaNode, ReplicationConfig
+from pygmy.replication.statemachine import SQLiteStateMachine
+from pygmy.replication.transport import encode, read_frame
 
 logging.getLogger("werkzeug").setLevel(logging.ERROR)
 SECRET = "test-secret"

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from raft_sim import CRASH_POINTS, Cluster, SafetyError
 
-from replication.core import APPEND, CANDIDATE, HEARTBEAT, Message, RaftCore
+from pygmy.replication.core import APPEND, CANDIDATE, HEARTBEAT, Message, RaftCore
 
 ACTIONS = st.one_of(
     st.tuples(st.just("tick"), st.integers(1, 40)),

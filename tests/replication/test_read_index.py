@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from replication.node import ReplicationConfig, _ReadIndexBatcher
+from pygmy.replication.node import ReplicationConfig, _ReadIndexBatcher
 
 
 class LeaderNode:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from raft_sim import Cluster, SafetyError, make_leader
 
-from replication.core import APPEND, APPEND_RESP, APPLY, PERSIST, SEND, Message, RaftCore, Ready
+from pygmy.replication.core import APPEND, APPEND_RESP, APPLY, PERSIST, SEND, Message, RaftCore, Ready
 
 REAL_STEPS = Ready.steps
 

@@ -11,10 +11,10 @@ import pytest
 from flask import Flask, jsonify, request
 from harness import StandIn
 
-from client.retry import RetryBudget
-from cluster.admission import DEADLINE_HEADER
-from replication import router as router_module
-from replication.router import LEADER_HEADER, Reply, TierRouter, TierUnavailable, overloaded
+from pygmy.kit.admission import DEADLINE_HEADER
+from pygmy.kit.retry import RetryBudget
+from pygmy.replication import router as router_module
+from pygmy.replication.router import LEADER_HEADER, Reply, TierRouter, TierUnavailable, overloaded
 
 Behaviour = Callable[[], tuple[int, dict[str, Any]]]
 

@@ -1,4 +1,4 @@
-"""Snapshots streamed in chunks through files (``replication.snapshots``): a stream arrives whole or
+"""Snapshots streamed in chunks through files (``pygmy.replication.snapshots``): a stream arrives whole or
 not at all, a pinned state is the state at its index however the applier goes on, and a follower
 gets its state back through a stream of many chunks, again after a stream broke."""
 
@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from test_raft_node import KV, Harness
 
-from replication import snapshots
-from replication.node import ReplicationConfig
-from replication.snapshots import Incoming, stream_frames
+from pygmy.replication import snapshots
+from pygmy.replication.node import ReplicationConfig
+from pygmy.replication.snapshots import Incoming, stream_frames
 
 
 @pytest.fixture

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from cluster.local import free_port_base
-from replication.transport import (
+from pygmy.cluster.local import free_port_base
+from pygmy.replication.transport import (
     Channel,
     FrameClient,
     FrameError,
@@ -171,7 +171,7 @@ def test_frame_errors_are_os_errors() -> None:
 
 def test_a_channel_router_finds_the_leader_and_follows_its_name() -> None:
     """Three fake replicas on the subscribe channel: two answer 421 naming the third, which answers."""
-    from replication.router import ChannelRouter, TierUnavailable
+    from pygmy.replication.router import ChannelRouter, TierUnavailable
 
     calls: list[str] = []
 
@@ -242,7 +242,7 @@ def test_send_nowait_never_blocks_and_keeps_frames_whole() -> None:
 def test_a_call_stops_waiting_when_its_stall_check_says_so_and_not_before() -> None:
     """A peer that never answers (as a SIGSTOPped one): the wait ends once ``stalled`` gives a reason,
     and the connection is replaced; a slow peer whose check says nothing is waited for."""
-    from replication.transport import Abandoned
+    from pygmy.replication.transport import Abandoned
 
     gate, slow_gate = threading.Event(), threading.Event()
 
@@ -307,7 +307,7 @@ def test_a_router_leaves_a_stopped_leader_for_the_one_that_took_over(
     """t-1 was leader and stopped answering frames. If it answers /status no more (stopped) while t-2
     says it leads, the router asks t-2 long before its own timeout; if t-1 still says it leads in the
     newest term, it is only slow, and the router waits for it."""
-    from replication import router as rt
+    from pygmy.replication import router as rt
 
     monkeypatch.setattr(rt, "READ_TIMEOUT", 30.0)  # without the look, t-1 would hold the call until the deadline
     gate = threading.Event()

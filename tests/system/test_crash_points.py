@@ -4,7 +4,7 @@ A test-only hook (``PYGMY_TEST_CRASH_AT``, tests/mutations/sitecustomize.py) kil
 running processes right after it wrote new entries (``persisted``), right after its messages about
 them left (``sent``: a follower's acknowledgement, a leader's appends) or right after it applied
 committed entries (``applied``), on a follower or on a leader, in each tier, while clients buy,
-update and read. Everything is judged from outside, by ``experiments.chaos_check``: every
+update and read. Everything is judged from outside, by ``pygmy.verify.chaos_check``: every
 acknowledged buy is an order on every order replica, no order is doubled, stock adds up book by
 book on every catalog replica, every replica of a tier has one applied index and one state digest
 (recomputed from its rows), and Porcupine finds the history linearizable.
@@ -28,9 +28,9 @@ import pytest
 import requests
 from harness import Cluster, cluster_env, free_port_base
 
-from cluster import launcher
-from experiments import chaos_check, lincheck
-from experiments.chaos import ChaosWorkload, final_state, leader_of, replica_status
+from pygmy.cluster import launcher
+from pygmy.verify import chaos_check, lincheck
+from pygmy.verify.chaos import ChaosWorkload, final_state, leader_of, replica_status
 
 ITEMS = list(range(1, 8))
 

@@ -25,9 +25,9 @@ from test_faults import (
     wait_acked,
 )
 
-from experiments import nemesis
-from experiments.nemesis import fill
-from experiments.own_orders import own_order_reads
+from pygmy.verify import nemesis
+from pygmy.verify.nemesis import fill
+from pygmy.verify.own_orders import own_order_reads
 
 NAMES = [f"{tier}-{k}" for tier in ("catalog", "order") for k in (1, 2, 3)]
 #: How long a disk stays full once the replica has noticed (the issue's runs used 10 s).

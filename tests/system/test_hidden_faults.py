@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 from harness import FAULTS_AT_STOP, cluster_env, hidden_faults, start_cluster
+from pygmy.client.api import PygmyError
 
-from client.api import PygmyError
-from cluster.local import LocalCluster
+from pygmy.cluster.local import LocalCluster
 
 
 def _buy_some(c: LocalCluster, n: int) -> int:

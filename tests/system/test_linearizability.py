@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 from harness import Cluster, cluster_env, start_cluster
+from pygmy.experiments import harness as h
 
-from experiments import harness as h
-from experiments import lincheck
-from experiments.linearizability import Verdict, run_and_check
+from pygmy.verify import lincheck
+from pygmy.verify.linearizability import Verdict, run_and_check
 
 TWO_BY_TWO = ("--frontends", "2", "--frontend-workers", "2")
 

@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 import requests
 from harness import cluster_env, pygmy, read_answer, send_whole_buys, start_cluster
+from pygmy.client.api import PygmyClient, PygmyError
 
-from client.api import PygmyClient, PygmyError
-from cluster.local import LocalCluster
+from pygmy.cluster.local import LocalCluster
 
 LIMIT = 2
 

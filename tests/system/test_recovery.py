@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 import requests
 from harness import Cluster, free_port_base
+from pygmy.catalog.books import synthetic
 from test_faults import leader, wait_converged
-
-from catalog.books import synthetic
 
 
 def follower_of(c: Cluster, tier: str) -> str:

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import requests
 from harness import Cluster, start_cluster
-
-from catalog.books import DEFAULT_BOOKS
+from pygmy.catalog.books import DEFAULT_BOOKS
 
 AMOUNT = 4
 

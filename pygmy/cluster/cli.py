@@ -1,0 +1,214 @@
+"""The ``pygmy`` command: run the cluster (up, serve, start, kill) and use it (search, lookup, buy, ...).
+
+Settings for ``serve`` come, strongest first, from flags, ``PYGMY_*`` environment variables (what
+the containers use), ``D/run/cluster.json`` written by ``pygmy up``, and the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from pygmy.kit.config import MIN_KEY_WINDOW, SERVE_ONLY_ENV, ClusterConfig, parse_name
+
+
+def _urls(value: str) -> list[str]:
+    return [u.strip().rstrip("/") for u in value.split(",") if u.strip()]
+
+
+def _bool(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+#: flag dest -> (config field, parser, environment variable)
+SETTINGS: dict[str, tuple[str, Any, str]] = {
+    "port_base": ("port_base", int, "PYGMY_PORT_BASE"),
+    "bind": ("bind", str, "PYGMY_BIND"),
+    "data_dir": ("data_dir", str, "PYGMY_DATA_DIR"),
+    "catalog_replicas": ("catalog_replicas", int, "PYGMY_CATALOG_REPLICAS"),
+    "order_replicas": ("order_replicas", int, "PYGMY_ORDER_REPLICAS"),
+    "frontends": ("frontends", int, "PYGMY_FRONTENDS"),
+    "frontend_workers": ("frontend_workers", int, "PYGMY_FRONTEND_WORKERS"),
+    "cache": ("cache", _bool, "PYGMY_CACHE"),
+    "cache_size": ("cache_size", int, "PYGMY_CACHE_SIZE"),
+    "read_from": ("read_from", str, "PYGMY_READ_FROM"),
+    "netns": ("netns", str, "PYGMY_NETNS"),
+    "netns_subnet": ("netns_subnet", str, "PYGMY_NETNS_SUBNET"),
+    "books": ("books", str, "PYGMY_BOOKS"),
+    "restock_every": ("restock_every", float, "PYGMY_RESTOCK_EVERY"),
+    "restock_amount": ("restock_amount", int, "PYGMY_RESTOCK_AMOUNT"),
+    "key_window": ("key_window", float, "PYGMY_KEY_WINDOW"),
+    "catalog_urls": ("catalog_urls", _urls, "PYGMY_CATALOG_URLS"),
+    "order_urls": ("order_urls", _urls, "PYGMY_ORDER_URLS"),
+    "advertise_host": ("advertise_host", str, "PYGMY_ADVERTISE_HOST"),
+    "port": ("port", int, "PYGMY_PORT"),
+    "frontend_write_limit": ("frontend_write_limit", int, "PYGMY_FRONTEND_WRITE_LIMIT"),
+    "frontend_read_limit": ("frontend_read_limit", int, "PYGMY_FRONTEND_READ_LIMIT"),
+    "replica_write_limit": ("replica_write_limit", int, "PYGMY_REPLICA_WRITE_LIMIT"),
+    "replica_read_limit": ("replica_read_limit", int, "PYGMY_REPLICA_READ_LIMIT"),
+}
+
+
+def add_cluster_options(p: argparse.ArgumentParser, serve: bool = False) -> None:
+    # Every default is None so that "not given" can fall back to env, cluster.json, then defaults.
+    p.add_argument("--port-base", type=int, help="port base B: frontend B, catalog B+101.., order B+201..")
+    p.add_argument("--data-dir", help="where state, logs and pid files live (default ./data)")
+    p.add_argument("--catalog-replicas", type=int, help="catalog replicas (default 3)")
+    p.add_argument("--order-replicas", type=int, help="order replicas (default 3)")
+    p.add_argument("--frontends", type=int, help="frontend instances (default 1)")
+    p.add_argument("--frontend-workers", type=int, help="Gunicorn workers per frontend (default 2)")
+    p.add_argument("--no-cache", dest="cache", action="store_const", const=False, help="turn the frontend cache off")
+    p.add_argument("--cache-size", type=int, help="cache capacity in entries (default 10000)")
+    p.add_argument("--read-from", choices=("leader", "any"),
+                   help="cache misses go to the leader first (default) or to any replica in turn")
+    p.add_argument("--books", help="JSON file with the initial catalogue")
+    p.add_argument("--restock-every", type=float, help="seconds between deliveries for sold-out books (off)")
+    p.add_argument("--restock-amount", type=int, help="copies delivered per sold-out book")
+    p.add_argument("--key-window", type=float, help="seconds an idempotency key is remembered (default 86400)")
+    p.add_argument("--bind", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--netns", help="run service NAME in network namespace NETNS-NAME (made beforehand; "
+                                   "see pygmy/verify/nemesis.py), each at its own address")
+    p.add_argument("--netns-subnet", help="first three octets of the namespaces' addresses (default 10.213.0)")
+    p.add_argument("--frontend-write-limit", type=int,
+                   help="buys and updates in flight per frontend, all its workers together; more get 503 + "
+                        "Retry-After (default 48)")
+    p.add_argument("--frontend-read-limit", type=int, help="reads in flight per frontend (default 64)")
+    p.add_argument("--replica-write-limit", type=int, help="writes in flight per replica (default 64)")
+    p.add_argument("--replica-read-limit", type=int, help="reads in flight per replica (default 48)")
+    if serve:
+        p.add_argument("--port", type=int, help="listen on this port instead of the one the port base gives")
+        p.add_argument("--catalog-urls", type=_urls, help="comma-separated catalog replica URLs, replica 1 first")
+        p.add_argument("--order-urls", type=_urls, help="comma-separated order replica URLs")
+        p.add_argument("--advertise-host", help="host name other services use to reach this one")
+
+
+def resolve(args: argparse.Namespace, use_cluster_file: bool, serve: bool = False) -> ClusterConfig:
+    data_dir = args.data_dir or os.environ.get("PYGMY_DATA_DIR") or "data"
+    base: dict[str, Any] = ClusterConfig().to_dict()
+    cluster_file = ClusterConfig(data_dir=data_dir).cluster_file()
+    if use_cluster_file and cluster_file.exists():
+        base.update(json.loads(cluster_file.read_text()))
+    for dest, (field_name, parse, env) in SETTINGS.items():
+        if env in SERVE_ONLY_ENV and not serve:
+            continue  # one service's own port or peers: `up` gives each service its own
+        if os.environ.get(env):
+            base[field_name] = parse(os.environ[env])
+        given = getattr(args, dest, None)
+        if given is not None:
+            base[field_name] = given
+    base["data_dir"] = data_dir
+    config = ClusterConfig.from_dict(base)
+    for tier in ("catalog", "order"):
+        if config.replicas(tier) < 1:
+            raise SystemExit(f"pygmy: --{tier}-replicas must be at least 1")
+    if config.frontends < 1 or config.frontend_workers < 1:
+        raise SystemExit("pygmy: --frontends and --frontend-workers must be at least 1")
+    if min(*config.limits("frontend").values(), *config.limits("catalog").values()) < 1:
+        raise SystemExit("pygmy: every --*-limit must be at least 1")
+    if not config.key_window >= MIN_KEY_WINDOW:
+        raise SystemExit(f"pygmy: --key-window must be at least {MIN_KEY_WINDOW:g} s (longer than a buy may take)")
+    return config
+
+
+def verify(config: ClusterConfig) -> int:
+    """``pygmy verify``: ask each replica to recompute its digest; compare within each tier."""
+    import requests
+
+    auth = {"Authorization": f"Bearer {config.secret()}"}
+    bad = 0
+    for tier in ("catalog", "order"):
+        seen: dict[int, set[str]] = {}
+        for name, url in config.peers(tier).items():
+            try:
+                r = requests.get(f"{url}/verify", headers=auth, timeout=(2, 600))
+                v = r.json() if r.status_code == 200 else None
+            except (requests.RequestException, ValueError):
+                v = None
+            if v is None:
+                print(f"{name:10} unreachable")
+                bad += 1
+                continue
+            seen.setdefault(v["applied_index"], set()).add(v["recomputed"])
+            verdict = "ok" if v["ok"] else f"MISMATCH: maintained {v['state_digest']}, rows give {v['recomputed']}"
+            bad += not v["ok"]
+            print(f"{name:10} applied {v['applied_index']:>8}  digest {v['recomputed']}  {verdict}")
+        for index, digests in seen.items():
+            if len(digests) > 1:
+                print(f"{tier}: replicas at index {index} DIFFER: {sorted(digests)}")
+                bad += 1
+    return 1 if bad else 0
+
+
+def build_parser(serving: bool = False) -> argparse.ArgumentParser:
+    """Every command; ``serving``: without the client's commands, whose module imports Requests,
+    which a service process never uses (about a tenth of its start-up's CPU, in every process)."""
+    parser = argparse.ArgumentParser(prog="pygmy", description="Pygmy, a replicated online bookstore")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("up", help="start the whole cluster locally, in the foreground")
+    add_cluster_options(p)
+    p.add_argument("--reset", action="store_true", help="start from an empty state")
+    p = sub.add_parser("serve", help="run one service in the foreground under Gunicorn")
+    p.add_argument("tier", choices=["frontend", "catalog", "order"])
+    p.add_argument("--id", type=int, default=1, help="replica or frontend number K (default 1)")
+    add_cluster_options(p, serve=True)
+    for cmd, text in (("kill", "SIGKILL one service's whole process group"),
+                      ("start", "start one service again with the settings in cluster.json")):
+        p = sub.add_parser(cmd, help=text)
+        p.add_argument("name", help="e.g. catalog-2, order-1, frontend-1")
+        p.add_argument("--data-dir", default=os.environ.get("PYGMY_DATA_DIR", "data"))
+    p = sub.add_parser("verify", help="every replica's state digest against a full recompute, and replicas "
+                                      "of a tier against each other (exit 1 on a mismatch)")
+    p.add_argument("--data-dir", default=os.environ.get("PYGMY_DATA_DIR", "data"))
+    if not serving:
+        from pygmy.client import cli as client_cli
+
+        client_cli.add_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    serving = argv[:1] == ["serve"]
+    args = build_parser(serving).parse_args(argv)
+    if not serving:  # a service process never needs the launcher (nor the Requests it imports)
+        from pygmy.cluster import launcher
+    try:
+        if args.command == "up":
+            return launcher.up(resolve(args, use_cluster_file=False), reset_state=args.reset)
+        if args.command == "serve":
+            from pygmy.cluster.serve import serve
+
+            config = resolve(args, use_cluster_file=True, serve=True)
+            if args.id < 1 or args.id > config.replicas(args.tier):
+                raise SystemExit(f"pygmy: --id must be 1..{config.replicas(args.tier)} for {args.tier}")
+            config.secret()  # fail early and clearly without one
+            if args.tier == "frontend":
+                config.admin_token()  # only the frontend needs it; refused if it equals the secret
+            serve(args.tier, config, args.id)
+            return 0
+        if args.command in ("kill", "start"):
+            parse_name(args.name)
+            config = ClusterConfig.load(args.data_dir)
+            config.data_dir = args.data_dir
+            if args.command == "kill":
+                print(f"killed {args.name} (process group {launcher.kill(config, args.name)})")
+            else:
+                print(f"started {args.name} (pid {launcher.start(config, args.name)})")
+            return 0
+        if args.command == "verify":
+            config = ClusterConfig.load(args.data_dir)
+            config.data_dir = args.data_dir
+            return verify(config)
+        from pygmy.client import cli as client_cli
+
+        return client_cli.run(args)
+    except (RuntimeError, ValueError) as exc:  # launcher.LaunchError is a RuntimeError
+        print(f"pygmy {args.command}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,319 @@
+"""Admission control and request deadlines, for the frontend and every replica (issue #19).
+
+Under overload what hurts is work in flight: each request admitted beyond capacity holds a thread,
+waits in a queue and is finished long after its client left, so goodput collapses while the
+queues grow. Each service therefore caps the requests it works on at once, per class, and refuses
+the excess at once (503 and ``Retry-After``) in a WSGI middleware, before Flask, a proposal or a
+call to another tier costs anything. Classes are capped apart so that reads are served while buys
+saturate the write path. Control traffic (health, status, metrics, the peers' read-index requests)
+is never shed; Raft itself runs on its own transport (``pygmy/replication/transport.py``), not through
+here, so heartbeats never wait behind client load.
+
+A request also carries what is left of its time: ``X-Request-Timeout-Ms``, from the client (or a
+default) and passed on, reduced, by every hop (``pygmy/replication/router.py``). No tier starts work on a
+request whose time is up; past that point only its outcome is kept (docs/replication.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+from urllib.parse import unquote_to_bytes
+
+from prometheus_client import Counter
+from werkzeug.wsgi import ClosingIterator
+
+from pygmy.kit.retry import DEADLINE_HEADER
+
+_DEADLINE_ENVIRON = "HTTP_" + DEADLINE_HEADER.upper().replace("-", "_")
+#: The longest budget a caller may give (ten minutes): bigger values are refused as malformed.
+MAX_TIMEOUT_MS = 600_000
+#: Where a request's absolute deadline (``time.monotonic()``) is kept for the handlers.
+ENVIRON_KEY = "pygmy.deadline"
+#: Seconds a shed client is told to wait before trying again.
+RETRY_AFTER = 1
+#: Paths never shed: probes, status, metrics, and the replicas' internal read-index requests.
+CONTROL = ("/health", "/status", "/metrics", "/verify", "/openapi.json", "/raft/")
+
+SHED = Counter("pygmy_shed_total", "Requests refused at once (503 + Retry-After) because their class was at "
+               "its cap of requests in flight", ["service", "cls"])
+EXPIRED = Counter("pygmy_deadline_expired_total", "Requests refused because their time budget "
+                  f"({DEADLINE_HEADER}) was spent before work began", ["service"])
+
+
+def classify(method: str, path: str) -> str | None:
+    """``write`` (a POST: buy, update, decrement), ``read``, or None for control traffic."""
+    if path.startswith(CONTROL):
+        return None
+    return "write" if method in ("POST", "PUT", "PATCH", "DELETE") else "read"
+
+
+def parse_timeout_ms(raw: str) -> int:
+    """The header's value: a whole number of milliseconds, 0 to ``MAX_TIMEOUT_MS``; ValueError otherwise."""
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 9):
+        raise ValueError(f"{DEADLINE_HEADER} must be a whole number of milliseconds")
+    value = int(raw)
+    if value > MAX_TIMEOUT_MS:
+        raise ValueError(f"{DEADLINE_HEADER} must be at most {MAX_TIMEOUT_MS}")
+    return value
+
+
+def deadline_of(environ: dict[str, Any], default: float) -> float:
+    """The monotonic time by which a request must be answered: its caller's budget if it gave one,
+    and never later than ``default`` seconds from now."""
+    own = time.monotonic() + default
+    given = environ.get(ENVIRON_KEY)
+    return own if given is None else min(given, own)
+
+
+def timeout_header(deadline: float) -> dict[str, str]:
+    """The header that passes on what is left of ``deadline`` to the next hop."""
+    return {DEADLINE_HEADER: str(max(0, int((deadline - time.monotonic()) * 1000)))}
+
+
+class Board:
+    """The in-flight counts of all the worker processes of one service, in memory they share, so that
+    a frontend's caps hold for the frontend and not for each worker.
+
+    With a cap per worker, a worker that the kernel handed more than its share of keep-alive
+    connections refused buys while the other had room: 32 buyers on two workers of 24 write places
+    got 705 answers 503 in the round that put 25 connections on one worker (docs/performance.md).
+    Gunicorn's master makes the board (an anonymous shared mapping) before it forks, gives each
+    worker a slot of its own as it forks it (``assign``, its ``pre_fork`` hook) and clears the slot
+    when the worker has exited (``release``, ``child_exit``), so the places of a killed worker are
+    not lost. A worker writes only its own slot, under its own lock; the sum is read without a
+    lock, so two workers admitting at the same instant may overshoot a cap by at most one request
+    each, never more."""
+
+    def __init__(self, classes: Iterable[str], slots: int) -> None:
+        self.classes = list(classes)
+        self.slots = slots
+        self._memory = mmap.mmap(-1, 8 * slots * max(1, len(self.classes)))  # MAP_SHARED: kept over fork
+        self._counts = memoryview(self._memory).cast("q")
+        self._ranges = {cls: slice(k * slots, (k + 1) * slots) for k, cls in enumerate(self.classes)}
+
+    def total(self, cls: str) -> int:
+        """Requests of ``cls`` in flight in all the service's workers."""
+        return sum(self._counts[self._ranges[cls]])
+
+    def put(self, cls: str, slot: int, count: int) -> None:
+        self._counts[self._ranges[cls].start + slot] = count
+
+    def clear(self, slot: int) -> None:
+        for cls in self.classes:
+            self.put(cls, slot, 0)
+
+    def assign(self, server: Any, worker: Any) -> None:
+        """Gunicorn's ``pre_fork`` (in the master): the lowest slot no live worker holds, cleared."""
+        taken = {getattr(w, "pygmy_slot", None) for w in server.WORKERS.values()}
+        slot = next((i for i in range(self.slots) if i not in taken), None)
+        if slot is None:  # more workers than slots (many TTIN signals): this one caps alone
+            logging.getLogger(__name__).warning("no free admission slot: a worker caps its own requests")
+            return
+        self.clear(slot)
+        worker.pygmy_board, worker.pygmy_slot = self, slot
+
+    def release(self, server: Any, worker: Any) -> None:
+        """Gunicorn's ``child_exit`` (in the master): the places a dead worker held are free again."""
+        slot = getattr(worker, "pygmy_slot", None)
+        if slot is not None:
+            self.clear(slot)
+
+
+class Gate:
+    """A cap on requests in flight for one class: non-blocking, so the excess is refused, not queued.
+
+    Alone it counts this process's requests; ``share`` makes it count those of every worker on a
+    ``Board``."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError("a limit on requests in flight must be at least 1")
+        self.limit = limit
+        self.in_flight = 0  # this process's
+        self._lock = threading.Lock()
+        self._board: tuple[Board, str, int] | None = None
+
+    def share(self, board: Board, cls: str, slot: int) -> None:
+        with self._lock:
+            self._board = (board, cls, slot)
+            board.put(cls, slot, self.in_flight)
+
+    def total(self) -> int:
+        """Requests in flight that the limit applies to: this process's, or all its workers'."""
+        shared = self._board
+        return self.in_flight if shared is None else shared[0].total(shared[1])
+
+    def full(self) -> bool:
+        return self.total() >= self.limit
+
+    def _count(self, change: int) -> None:
+        self.in_flight += change
+        shared = self._board
+        if shared is not None:
+            shared[0].put(shared[1], shared[2], self.in_flight)
+
+    def try_enter(self) -> bool:
+        with self._lock:
+            if self.total() >= self.limit:
+                return False
+            self._count(1)
+            return True
+
+    def leave(self) -> None:
+        with self._lock:
+            self._count(-1)
+
+
+class Deferred:
+    """An answer the app gives later, off the event loop that read its request (``pygmy/cluster/worker.py``):
+    ``start(deliver)`` once the request has been taken off its socket, after which the work calls
+    ``deliver(answer)`` exactly once, from any thread, with the whole HTTP answer; or ``cancel()``
+    instead of ``start`` if it is not to begin after all. Nothing may be done before ``start``."""
+
+    __slots__ = ("_start", "_cancel")
+
+    def __init__(self, start: Callable[[Callable[[bytes], None]], None],
+                 cancel: Callable[[], None] = lambda: None) -> None:
+        self._start, self._cancel = start, cancel
+
+    def start(self, deliver: Callable[[bytes], None]) -> None:
+        self._start(deliver)
+
+    def cancel(self) -> None:
+        self._cancel()
+
+
+def _json(start_response: Callable[..., Any], status: str, code: int, message: str,
+          extra_headers: list[tuple[str, str]] | None = None, **extra: Any) -> list[bytes]:
+    body = json.dumps({"error": {"code": code, "message": message, **extra}}).encode()
+    start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body))),
+                            *(extra_headers or [])])
+    return [body]
+
+
+class Admission:
+    """WSGI middleware: each request of a capped class enters its ``Gate`` or is refused at once.
+
+    The refusal is prepared once and costs one counter increment: under a surge most requests are
+    refused, and what a refusal costs is taken from the requests being served. (Requests in flight
+    are in ``snapshot()``, for ``/status``, not in a metric: prometheus-client's multiprocess values
+    share one lock per process, and two more writes per request made it a convoy under load.)"""
+
+    def __init__(self, app: Callable[..., Any], service: str, limits: dict[str, int]) -> None:
+        self.app, self.service = app, service
+        self.gates = {cls: Gate(limit) for cls, limit in limits.items()}
+        self._shed = {cls: SHED.labels(service, cls) for cls in limits}
+        self._refusal = {cls: json.dumps({"error": {
+            "code": 503, "message": f"{service} is overloaded ({limit} {cls}s in flight): retry after {RETRY_AFTER} s",
+            "overloaded": True}}).encode() for cls, limit in limits.items()}
+        self._expired = EXPIRED.labels(service)
+        self._wire = {cls: b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\nRetry-After: %d\r\n\r\n%s" % (len(body), RETRY_AFTER, body)
+                      for cls, body in self._refusal.items()}
+
+    def share(self, board: Board, slot: int) -> None:
+        """Count each class's requests on ``board`` (slot ``slot``): the caps become the service's."""
+        for cls, gate in self.gates.items():
+            gate.share(board, cls, slot)
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """``{class: {"limit", "in_flight"}}``: what the cap applies to (every worker's, if shared)."""
+        return {cls: {"limit": g.limit, "in_flight": g.total()} for cls, g in self.gates.items()}
+
+    def answers_early(self) -> bool:
+        """Whether ``early`` may answer now: a class is at its cap, or the app has a shortcut."""
+        return getattr(self.app, "shortcut", None) is not None or any(
+            g.full() for g in self.gates.values())  # read without the locks: a hint
+
+    def early(self, method: str, target: str, headers: dict[bytes, bytes], body: bytes = b"") -> bytes | Deferred | None:
+        """The whole HTTP answer to a request not yet parsed, if it can be given at once, or a
+        ``Deferred`` one; else None.
+
+        For ``pygmy/cluster/worker.py``, which answers so from Gunicorn's event loop: the refusal of a
+        request whose class is full, or the app's own early answer (``Edge.early``: a cached
+        read, or a buy answered when its batch returns). A deferred answer holds a place of its
+        class, as an admitted request does, until it is delivered. ``target`` is the request
+        line's, ``headers`` have lower-case names; the path is decoded as Gunicorn decodes it into
+        ``PATH_INFO``. Anything this cannot judge as ``__call__`` would (a target not in plain
+        origin form, a deadline header to be refused as malformed or spent) is left to
+        ``__call__``: None. A request let through here may still be refused there, since the
+        count may change in between."""
+        if not target.startswith("/") or target.startswith("//") or "#" in target:
+            return None
+        raw_path, _, query = target.partition("?")
+        path = unquote_to_bytes(raw_path).decode("latin-1") if "%" in raw_path else raw_path
+        timeout = headers.get(b"x-request-timeout-ms")
+        if timeout is not None:
+            try:
+                if parse_timeout_ms(timeout.decode("latin-1").strip()) == 0:
+                    return None
+            except ValueError:
+                return None
+        cls = classify(method, path)
+        gate = self.gates.get(cls) if cls else None
+        if gate is not None and gate.full():
+            self._shed[cls].inc()
+            return self._wire[cls]
+        early = getattr(self.app, "early", None)
+        answer = early(method, path, query, headers, body) if early is not None else None
+        if not isinstance(answer, Deferred):
+            return answer
+        if gate is None:
+            return answer
+        if not gate.try_enter():  # filled up since the look above: refused as it would be there
+            self._shed[cls].inc()  # type: ignore[index]
+            return self._wire[cls]  # type: ignore[index]
+        work, left = answer, threading.Lock()
+
+        def leave() -> None:
+            if left.acquire(blocking=False):  # once, whether delivered or cancelled
+                gate.leave()
+
+        def start(deliver: Callable[[bytes], None]) -> None:
+            def delivered(out: bytes) -> None:
+                leave()
+                deliver(out)
+
+            try:
+                work.start(delivered)
+            except BaseException:
+                leave()
+                raise
+
+        return Deferred(start, lambda: (leave(), work.cancel()))
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        raw = environ.get(_DEADLINE_ENVIRON)
+        if raw is not None:
+            try:
+                budget = parse_timeout_ms(raw.strip())
+            except ValueError as exc:
+                return _json(start_response, "400 Bad Request", 400, str(exc))
+            if budget == 0:
+                self._expired.inc()
+                return _json(start_response, "504 Gateway Timeout", 504,
+                             f"{self.service}: the request's time budget was spent before work began")
+            environ[ENVIRON_KEY] = time.monotonic() + budget / 1000
+        cls = classify(environ.get("REQUEST_METHOD", "GET"), environ.get("PATH_INFO", ""))
+        gate = self.gates.get(cls) if cls else None
+        if gate is None:
+            return self.app(environ, start_response)
+        if not gate.try_enter():
+            self._shed[cls].inc()
+            body = self._refusal[cls]
+            start_response("503 Service Unavailable", [("Content-Type", "application/json"),
+                                                       ("Content-Length", str(len(body))),
+                                                       ("Retry-After", str(RETRY_AFTER))])
+            return [body]
+        try:
+            result = self.app(environ, start_response)
+        except BaseException:
+            gate.leave()
+            raise
+        return ClosingIterator(result, gate.leave)  # released when the server has sent the body

@@ -1,0 +1,222 @@
+"""Cluster settings: names, ports, URLs, data locations, the internal secret and the admin token.
+
+One ``ClusterConfig`` describes the whole topology. ``pygmy up`` writes it to ``D/run/cluster.json``
+so that ``pygmy start NAME`` restarts a single service with exactly the same settings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+TIERS = ("frontend", "catalog", "order")
+TIER_OFFSET = {"catalog": 100, "order": 200}
+#: The shortest key window: longer than any buy's own time budget and retries across a failover.
+MIN_KEY_WINDOW = 10.0
+
+
+#: Settings of one service run by hand (``serve``, as in a container): ``up`` ignores them and does not
+#: pass them on, or every service it starts would take the same port or the same peers.
+SERVE_ONLY_ENV = frozenset({"PYGMY_PORT", "PYGMY_CATALOG_URLS", "PYGMY_ORDER_URLS", "PYGMY_ADVERTISE_HOST"})
+
+
+@dataclass
+class ClusterConfig:
+    port_base: int = 8000
+    bind: str = "127.0.0.1"
+    data_dir: str = "data"
+    catalog_replicas: int = 3
+    order_replicas: int = 3
+    frontends: int = 1
+    frontend_workers: int = 2
+    cache: bool = True
+    cache_size: int = 10_000
+    #: Where the frontend sends reads it cannot answer from its cache: ``leader`` first (its read
+    #: index is local: one request less) or ``any`` replica in turn (spreads read load across
+    #: machines; a follower asks the leader for the read index). Both are linearizable.
+    read_from: str = "leader"
+    books: str | None = None
+    restock_every: float = 0.0
+    restock_amount: int = 0
+    #: Explicit peer URLs (containers address peers by service name); empty means derive from ports.
+    catalog_urls: list[str] = field(default_factory=list)
+    order_urls: list[str] = field(default_factory=list)
+    #: Hostname other services use to reach this one (containers: the service name).
+    advertise_host: str | None = None
+    #: Overrides the derived port of the one service ``pygmy serve`` runs (containers: all on 8000).
+    port: int | None = None
+    #: Run each service in its own network namespace ``<netns>-<name>`` at its own address
+    #: ``<netns_subnet>.<10+i>`` on one bridge, so that links between services can be cut, delayed
+    #: and made lossy (``pygmy/verify/nemesis.py`` creates and owns the network). Empty: loopback.
+    netns: str = ""
+    netns_subnet: str = "10.213.0"
+    replica_threads: int = 32
+    #: Admission control (pygmy/kit/admission.py): requests worked on at once per frontend (all its
+    #: workers together) and per replica, by class; more are refused at once with 503 and Retry-After.
+    frontend_write_limit: int = 48
+    frontend_read_limit: int = 64
+    replica_write_limit: int = 64
+    replica_read_limit: int = 48
+    #: How long the frontend keeps retrying a buy (same idempotency key) across a failover.
+    buy_deadline: float = 5.0
+    #: Seconds an idempotency key is remembered (buys, and the catalog's decrements and updates):
+    #: a retry within it returns the first answer; after it, the key is forgotten and a retry is a
+    #: new request. Never while the buy that used it is unfinished (``pygmy.order.app.KeyExpirer``).
+    key_window: float = 86_400.0
+
+    # -- naming and addressing ----------------------------------------------------------------
+    def limits(self, tier: str) -> dict[str, int]:
+        """Admission limits of one service of ``tier``: ``{"write": n, "read": n}``."""
+        if tier == "frontend":
+            return {"write": self.frontend_write_limit, "read": self.frontend_read_limit}
+        return {"write": self.replica_write_limit, "read": self.replica_read_limit}
+
+    def threads(self, tier: str) -> int:
+        """Gunicorn threads per worker: room for both capped classes at once (a frontend's caps are
+        shared by its workers, and one worker may be holding all the places), plus control traffic
+        and the answers that shed the excess (which must never wait behind admitted work)."""
+        base = 16 if tier == "frontend" else self.replica_threads
+        return max(base, sum(self.limits(tier).values()) + 8)
+
+    def replicas(self, tier: str) -> int:
+        return {"catalog": self.catalog_replicas, "order": self.order_replicas, "frontend": self.frontends}[tier]
+
+    def names(self) -> list[str]:
+        """Every service name, in start order (replicas before the frontends that route to them)."""
+        return [f"{tier}-{k}" for tier in ("catalog", "order", "frontend") for k in range(1, self.replicas(tier) + 1)]
+
+    def local_port(self, tier: str, k: int) -> int:
+        if tier == "frontend":
+            return self.port_base + k - 1
+        return self.port_base + TIER_OFFSET[tier] + k
+
+    def namespace(self, name: str) -> str | None:
+        """The network namespace a service runs in, or None (the host's network)."""
+        return f"{self.netns}-{name}" if self.netns else None
+
+    def address(self, name: str) -> str:
+        """The address ``name`` listens on and others reach it at (one per service with ``netns``)."""
+        if self.netns:
+            return f"{self.netns_subnet}.{10 + self.names().index(name)}"
+        return "127.0.0.1" if self.bind in ("0.0.0.0", "::", "") else self.bind
+
+    def bind_address(self, name: str) -> str:
+        return self.address(name) if self.netns else self.bind
+
+    def urls(self, tier: str) -> list[str]:
+        explicit = {"catalog": self.catalog_urls, "order": self.order_urls}.get(tier)
+        if explicit:
+            return list(explicit)
+        return [f"http://{self.address(f'{tier}-{k}')}:{self.local_port(tier, k)}"
+                for k in range(1, self.replicas(tier) + 1)]
+
+    def peers(self, tier: str) -> dict[str, str]:
+        """``{name: url}`` of one replicated tier."""
+        return {f"{tier}-{k}": url for k, url in enumerate(self.urls(tier), start=1)}
+
+    def frontend_url(self, k: int = 1) -> str:
+        host = self.advertise_host or self.address(f"frontend-{k}")
+        return f"http://{host}:{self.local_port('frontend', k)}"
+
+    def listen_port(self, tier: str, k: int) -> int:
+        return self.port if self.port is not None else self.local_port(tier, k)
+
+    # -- files ----------------------------------------------------------------------------------
+    @property
+    def root(self) -> Path:
+        return Path(self.data_dir).resolve()
+
+    def run_dir(self) -> Path:
+        return self.root / "run"
+
+    def log_dir(self) -> Path:
+        return self.root / "logs"
+
+    def replica_dir(self, name: str) -> Path:
+        return self.root / name
+
+    def seed_file(self) -> Path:
+        """The catalogue a new catalog replica starts from, built once by ``pygmy up --books``
+        (``pygmy.catalog.books.build_seed``): a replica copies it rather than parse the JSON itself."""
+        return self.root / "seed" / "catalog.db"
+
+    def pid_file(self, name: str) -> Path:
+        return self.run_dir() / f"{name}.pid"
+
+    def cluster_file(self) -> Path:
+        return self.run_dir() / "cluster.json"
+
+    def secret(self, create: bool = False) -> str:
+        """The internal secret between services (replication, leases, invalidation pushes, every
+        replica endpoint): ``PYGMY_SECRET`` if set, else ``D/secret`` (made when ``create``)."""
+        return self._credential("PYGMY_SECRET", "secret", "internal secret", create)
+
+    def admin_token(self, create: bool = False) -> str:
+        """The admin token for ``POST /update``: ``PYGMY_ADMIN_TOKEN`` if set, else ``D/admin-token``
+        (made when ``create``). A setting of its own, and refused if it equals the internal secret,
+        so that whoever may restock and reprice cannot also speak to replicas as one of them."""
+        token = self._credential("PYGMY_ADMIN_TOKEN", "admin-token", "admin token", create)
+        internal = os.environ.get("PYGMY_SECRET") or _read(self.root / "secret")
+        if internal and secrets.compare_digest(token, internal):
+            raise RuntimeError("the admin token must differ from the internal secret (PYGMY_SECRET or "
+                               f"{self.root / 'secret'}): set PYGMY_ADMIN_TOKEN to another value")
+        return token
+
+    def _credential(self, env: str, filename: str, what: str, create: bool) -> str:
+        value = os.environ.get(env)
+        if value:
+            return value
+        path = self.root / filename
+        if not path.exists():
+            if not create:
+                raise RuntimeError(f"no {what}: set {env} or run 'pygmy up' to create {path}")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # Created 0600 from the start: never readable by others, not even for a moment.
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(24))
+        value = path.read_text().strip()
+        if not value:
+            raise RuntimeError(f"{path} is empty: delete it (pygmy up makes a new {what}) or set {env}")
+        return value
+
+    # -- persistence ------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def save(self) -> None:
+        self.run_dir().mkdir(parents=True, exist_ok=True)
+        tmp = self.cluster_file().with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2))
+        tmp.replace(self.cluster_file())
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ClusterConfig:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    @classmethod
+    def load(cls, data_dir: str) -> ClusterConfig:
+        path = Path(data_dir) / "run" / "cluster.json"
+        if not path.exists():
+            raise RuntimeError(f"{path} not found: start the cluster with 'pygmy up --data-dir {data_dir}' first")
+        return cls.from_dict(json.loads(path.read_text()))
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        return None
+
+
+def parse_name(name: str) -> tuple[str, int]:
+    """``catalog-2`` -> ``("catalog", 2)``; raises ValueError on anything else."""
+    tier, _, k = name.rpartition("-")
+    if tier not in TIERS or not k.isdigit() or int(k) < 1:
+        raise ValueError(f"unknown service name {name!r} (expected e.g. frontend-1, catalog-2, order-3)")
+    return tier, int(k)

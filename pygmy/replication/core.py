@@ -1,0 +1,919 @@
+"""A deterministic Raft state machine, in the style of etcd's raft library.
+
+``RaftCore`` does no I/O, starts no threads, reads no clock and uses no global randomness, so the
+same inputs (ticks, messages, proposals, a seeded ``random.Random``) always give the same outputs.
+That is what lets the tests drive thousands of random schedules through it in-process. The driver
+(``pygmy.replication.node.ReplicaNode`` or the test simulator) loops::
+
+    core.tick() / core.step(msg) / core.propose(cmd)
+    rd = core.ready()
+    for step in rd.steps():   # persist BEFORE send, except on a leader (rd.send_first)
+        PERSIST: write rd.snapshot, rd.truncate_from, rd.entries, rd.hard_state durably
+        SEND:    send rd.messages
+        APPLY:   apply rd.committed_entries
+    core.advance(rd)
+
+Features: PreVote, CheckQuorum (with a leader lease for local reads), a no-op entry on election,
+commit of current-term entries only (Raft paper section 5.4.2), fast log backtracking with conflict
+hints, pipelined and batched appends, and snapshots for followers needing compacted entries.
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+FOLLOWER = "follower"
+PRE_CANDIDATE = "precandidate"
+CANDIDATE = "candidate"
+LEADER = "leader"
+
+VOTE = "vote"
+VOTE_RESP = "vote_resp"
+PRE_VOTE = "pre_vote"
+PRE_VOTE_RESP = "pre_vote_resp"
+APPEND = "append"
+APPEND_RESP = "append_resp"
+HEARTBEAT = "heartbeat"
+HEARTBEAT_RESP = "heartbeat_resp"
+SNAPSHOT = "snapshot"
+MESSAGE_TYPES = frozenset(
+    {VOTE, VOTE_RESP, PRE_VOTE, PRE_VOTE_RESP, APPEND, APPEND_RESP, HEARTBEAT, HEARTBEAT_RESP, SNAPSHOT}
+)
+_FROM_LEADER = frozenset({APPEND, HEARTBEAT, SNAPSHOT})
+
+# The driver's steps for one Ready, in the order ``Ready.steps`` gives.
+PERSIST = "persist"
+SEND = "send"
+APPLY = "apply"
+
+# Progress states of a follower as seen by the leader (etcd's names).
+PROBE = "probe"  # one append in flight until we learn where the follower's log matches ours
+REPLICATE = "replicate"  # matching point known: stream appends, up to max_inflight at once
+SNAPSHOTTING = "snapshot"  # follower needs compacted entries; a snapshot is on its way
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One log entry; ``command is None`` is the no-op a new leader appends."""
+
+    index: int
+    term: int
+    command: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"i": self.index, "t": self.term, "c": self.command}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Entry:
+        return cls(int(d["i"]), int(d["t"]), d.get("c"))
+
+
+@dataclass(frozen=True, slots=True)
+class HardState:
+    """What must be durable before any message that depends on it is sent."""
+
+    term: int = 0
+    vote: str | None = None
+    commit: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A snapshot received from the leader, to install before applying later entries."""
+
+    index: int
+    term: int
+    data: Any
+
+
+@dataclass(slots=True)
+class Message:
+    """A Raft message. Field meaning depends on ``type``:
+
+    - vote / pre_vote: ``index``/``log_term`` = candidate's last log index/term.
+    - *_resp of votes: ``success`` = vote granted.
+    - append: ``index``/``log_term`` = the entry preceding ``entries``; ``commit`` = leader commit.
+    - append_resp: ``index`` = last matching index on success, else the rejected ``index``, with
+      ``conflict_index``/``conflict_term`` hints for fast backtracking.
+    - heartbeat: ``commit`` = min(follower match, leader commit) (safe to commit without a log check).
+    - heartbeat_resp: ``index`` = the follower's commit index (committed, hence matching the leader);
+      ``conflict_index`` = its last index + 1, so a leader notices a follower that lost its log.
+    - snapshot: ``snapshot_index``/``snapshot_term``; ``payload`` = the state, as the driver has it
+      (the node: the file it streamed the state into; the simulator: bytes). The core only passes it on.
+    ``leader_commit`` is the leader's real commit (for the follower's "recovering" status) and ``ctx``
+    the leader's tick when it sent the request, echoed back so the leader lease counts from send time.
+    ``quiet`` (a granted vote) = ticks since the voter last heard from a leader or was one.
+    """
+
+    type: str
+    src: str
+    dst: str
+    term: int
+    index: int = 0
+    log_term: int = 0
+    entries: list[Entry] = field(default_factory=list)
+    commit: int = 0
+    leader_commit: int = 0
+    success: bool = False
+    conflict_index: int = 0
+    conflict_term: int = 0
+    snapshot_index: int = 0
+    snapshot_term: int = 0
+    ctx: int = 0
+    quiet: int = 0
+    payload: Any = None
+
+    _INT_FIELDS = (
+        "index",
+        "log_term",
+        "commit",
+        "leader_commit",
+        "conflict_index",
+        "conflict_term",
+        "snapshot_index",
+        "snapshot_term",
+        "ctx",
+        "quiet",
+    )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe form; zero/empty fields are left out to keep heartbeats small."""
+        d: dict[str, Any] = {"type": self.type, "src": self.src, "dst": self.dst, "term": self.term}
+        for name in self._INT_FIELDS:
+            value = getattr(self, name)
+            if value:
+                d[name] = value
+        if self.success:
+            d["success"] = True
+        if self.entries:
+            d["entries"] = [e.to_dict() for e in self.entries]
+        if isinstance(self.payload, bytes):
+            d["payload"] = base64.b64encode(self.payload).decode("ascii")
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Message:
+        """Inverse of ``to_dict``; raises ``ValueError``/``KeyError``/``TypeError`` on malformed input."""
+        mtype = d["type"]
+        if mtype not in MESSAGE_TYPES:
+            raise ValueError(f"unknown message type {mtype!r}")
+        msg = cls(type=mtype, src=str(d["src"]), dst=str(d["dst"]), term=int(d["term"]))
+        for name in cls._INT_FIELDS:
+            if name in d:
+                setattr(msg, name, int(d[name]))
+        msg.success = bool(d.get("success", False))
+        msg.entries = [Entry.from_dict(e) for e in d.get("entries", ())]
+        if d.get("payload") is not None:
+            msg.payload = base64.b64decode(d["payload"])
+        return msg
+
+
+@dataclass(frozen=True, slots=True)
+class CoreConfig:
+    """Timing (in ticks) and flow-control knobs of the core."""
+
+    heartbeat_ticks: int = 5
+    #: While every follower has every entry (an idle cluster), each follower hears from the leader
+    #: this often, still inside every election timeout (None: two thirds of the shortest, at least
+    #: ``heartbeat_ticks``). The leader sends those heartbeats one follower at a time, evenly
+    #: spread, so the answers of a majority (its lease) are never more than about half this old
+    #: (docs/replication.md): an idle cluster sends, and wakes for, a quarter as many as when busy.
+    #: A follower that has not answered what it was last sent is heartbeated every round instead,
+    #: so that with followers down the rest still answer as often for the lease.
+    idle_heartbeat_ticks: int | None = None
+    election_ticks_min: int = 30
+    election_ticks_max: int = 60
+    #: A leader serves local reads while a majority acknowledged a message it sent within this
+    #: many ticks; kept below ``election_ticks_min`` so a follower's lease outlives the leader's.
+    lease_ticks: int | None = None
+    max_entries_per_msg: int = 2048
+    max_inflight: int = 32
+    max_apply_batch: int = 4096
+    pre_vote: bool = True
+    check_quorum: bool = True
+    #: A snapshot not acknowledged within this many ticks is sent again.
+    snapshot_timeout_ticks: int = 300
+
+    def effective_idle_heartbeat_ticks(self) -> int:
+        if self.idle_heartbeat_ticks is not None:
+            return self.idle_heartbeat_ticks
+        return max(self.heartbeat_ticks, 2 * self.election_ticks_min // 3)
+
+    def effective_lease_ticks(self) -> int:
+        if self.lease_ticks is not None:
+            return self.lease_ticks
+        return max(1, self.election_ticks_min - 2 * self.heartbeat_ticks)
+
+
+@dataclass
+class Ready:
+    """Everything the driver must do after a batch of inputs, in the order ``steps()`` gives:
+    persist (install ``snapshot``, then ``truncate_from``, ``entries``, ``hard_state``) durably,
+    send ``messages``, apply ``committed_entries``; then call ``advance``.
+
+    ``send_first``: the driver may send before persisting. True only on a leader whose Ready changes
+    no term or vote: its messages are appends and heartbeats, and a leader may replicate entries it
+    has not yet written itself, since it counts its own copy toward no commit before they are (its
+    acknowledgements are stepped only after this Ready is done). Raft thesis 10.2.1; it overlaps the
+    leader's disk write with the followers'."""
+
+    hard_state: HardState | None = None
+    snapshot: Snapshot | None = None
+    truncate_from: int | None = None
+    entries: list[Entry] = field(default_factory=list)
+    committed_entries: list[Entry] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
+    send_first: bool = False
+
+    def is_empty(self) -> bool:
+        return not (
+            self.hard_state
+            or self.snapshot
+            or self.entries
+            or self.committed_entries
+            or self.messages
+            or self.truncate_from is not None
+        )
+
+    def steps(self) -> tuple[str, str, str]:
+        """The order of ``PERSIST``, ``SEND`` and ``APPLY`` for this Ready: the one decision both
+        drivers (``ReplicaNode`` and the test simulator) take from here.
+
+        - persist, send, apply, unless ``send_first``: a vote, or a follower's acknowledgement of
+          appended entries, promises only what is already on its disk;
+        - send, persist, apply: a leader's appends (``send_first`` with entries): its disk write
+          overlaps the followers';
+        - persist, apply, send: a leader's Ready without entries (``send_first``): what goes out
+          tells the followers the new commit index; their applying can wait for ours, and the
+          proposers waiting for ours should not wait for those sends."""
+        if not self.send_first:
+            return (PERSIST, SEND, APPLY)
+        if self.entries:
+            return (SEND, PERSIST, APPLY)
+        return (PERSIST, APPLY, SEND)
+
+
+@dataclass(slots=True)
+class Progress:
+    """The leader's view of one follower."""
+
+    match: int = 0
+    next: int = 1
+    state: str = PROBE
+    paused: bool = False
+    inflight: deque[int] = field(default_factory=deque)
+    pending_snapshot: int = 0
+    snapshot_elapsed: int = 0
+    sent_commit: int = 0
+    recent_active: bool = True
+    last_heard: int = -(10**9)
+    #: Tick when ``match`` last advanced; a stalled pipeline (lost append) falls back to probing.
+    last_progress: int = 0
+    #: Tick when the leader last sent this follower anything: an idle leader heartbeats the one
+    #: it has been quiet to longest.
+    last_sent: int = 0
+
+
+class RaftCore:
+    """One Raft participant as a pure state machine (see the module docstring for the driver loop)."""
+
+    def __init__(
+        self,
+        node_id: str,
+        peers: list[str],
+        *,
+        hard_state: HardState | None = None,
+        entries: list[Entry] | tuple[Entry, ...] = (),
+        snapshot: tuple[int, int] = (0, 0),
+        applied: int = 0,
+        config: CoreConfig | None = None,
+        rng: random.Random | int | None = None,
+    ) -> None:
+        if node_id not in peers:
+            raise ValueError(f"{node_id} is not among the peers {peers}")
+        self.id = node_id
+        self.peers = sorted(set(peers))
+        self.others = [p for p in self.peers if p != node_id]
+        self.cfg = config or CoreConfig()
+        if not 0 < self.cfg.election_ticks_min <= self.cfg.election_ticks_max:
+            raise ValueError("need 0 < election_ticks_min <= election_ticks_max")
+        self._rng = rng if isinstance(rng, random.Random) else random.Random(rng)
+        self._quorum = len(self.peers) // 2 + 1
+        hs = hard_state or HardState()
+        self.term = hs.term
+        self.vote = hs.vote
+        self.snap_index, self.snap_term = snapshot
+        self._log: list[Entry] = list(entries)
+        for offset, e in enumerate(self._log):
+            if e.index != self.snap_index + 1 + offset:
+                raise ValueError("log entries must be contiguous after the snapshot")
+        self.commit = min(max(hs.commit, self.snap_index), self.last_index)
+        #: Highest index handed to the driver for applying and confirmed by ``advance``.
+        self.applied = max(self.snap_index, min(applied, self.commit))
+        self._handed = self.applied
+        self.role = FOLLOWER
+        self.leader: str | None = None
+        self.now = 0
+        self._election_elapsed = 0
+        #: Ticks since this node last heard from a leader (a message it acknowledged) or was one;
+        #: from its start if it has not since. Unlike the election timer, votes do not reset it.
+        self._quiet = 0
+        self._heartbeat_elapsed = 0
+        self._timeout = 0
+        self._votes: dict[str, bool] = {}
+        #: Of the votes granted to this candidate, each voter's ``quiet`` when it voted.
+        self._vote_quiet: dict[str, int] = {}
+        #: As leader, the least ``quiet`` of the majority that elected it: every earlier leader's
+        #: lease ended ``election_quiet - lease ticks - 1`` ticks or more before it won (docs/architecture.md).
+        self.election_quiet = 0
+        self._prs: dict[str, Progress] = {}
+        self._msgs: list[Message] = []
+        self._persist_from = self.last_index + 1
+        self._truncated = False
+        self._snapshot_in: Snapshot | None = None
+        self._prev_hs = HardState(self.term, self.vote, self.commit)
+        #: The first leader commit index this node heard of since it started (None: none yet).
+        self.first_leader_commit: int | None = None
+        #: Index of this leader's no-op; reads are only safe once it is applied.
+        self.term_start_index = 0
+        self._reset_timeout()
+
+    # -- log -------------------------------------------------------------------------------------
+    @property
+    def last_index(self) -> int:
+        return self.snap_index + len(self._log)
+
+    @property
+    def last_term(self) -> int:
+        return self._log[-1].term if self._log else self.snap_term
+
+    def term_at(self, index: int) -> int | None:
+        """Term of the entry at ``index``; None if compacted away or beyond the log."""
+        if index == self.snap_index:
+            return self.snap_term
+        if self.snap_index < index <= self.last_index:
+            return self._log[index - self.snap_index - 1].term
+        return None
+
+    def entries(self, lo: int, hi: int) -> list[Entry]:
+        """Entries with ``lo <= index <= hi`` still in the log (compacted ones are skipped)."""
+        lo = max(lo, self.snap_index + 1)
+        hi = min(hi, self.last_index)
+        if lo > hi:
+            return []
+        base = self.snap_index + 1
+        return self._log[lo - base : hi - base + 1]
+
+    def _append_local(self, new: list[Entry]) -> None:
+        if new:
+            self._persist_from = min(self._persist_from, new[0].index)
+            self._log.extend(new)
+
+    def _truncate_after(self, index: int) -> None:
+        if index < self.commit:
+            raise AssertionError(f"{self.id}: truncating committed entries ({index} < {self.commit})")
+        del self._log[index - self.snap_index :]
+        self._persist_from = min(self._persist_from, index + 1)
+        self._truncated = True
+
+    # -- public queries --------------------------------------------------------------------------
+    @property
+    def public_role(self) -> str:
+        """leader / follower / candidate (a pre-candidate shows as candidate)."""
+        return CANDIDATE if self.role == PRE_CANDIDATE else self.role
+
+    def is_leader(self) -> bool:
+        return self.role == LEADER
+
+    def lease_remaining(self) -> int:
+        """Ticks for which a majority is known to have heard from this leader (0: no lease)."""
+        if self.role != LEADER:
+            return 0
+        heard = sorted((pr.last_heard for pr in self._prs.values()), reverse=True)
+        heard.insert(0, self.now)  # self
+        quorum_heard = heard[self._quorum - 1]
+        return max(0, quorum_heard + self.cfg.effective_lease_ticks() - self.now)
+
+    def has_quorum_contact(self) -> bool:
+        """True on a leader that a majority has acknowledged recently enough for local reads."""
+        return self.lease_remaining() > 0
+
+    def progress(self, peer: str) -> Progress | None:
+        return self._prs.get(peer)
+
+    # -- role changes ----------------------------------------------------------------------------
+    def _reset_timeout(self) -> None:
+        self._election_elapsed = 0
+        self._timeout = self._rng.randint(self.cfg.election_ticks_min, self.cfg.election_ticks_max)
+
+    def _become_follower(self, term: int, leader: str | None) -> None:
+        if self.role == LEADER:
+            self._quiet = 0  # it led until now: its lease may have counted on messages it just sent
+        if term != self.term:
+            self.term = term
+            self.vote = None
+        self.role = FOLLOWER
+        self.leader = leader
+        self._votes = {}
+        self._prs = {}
+        self._reset_timeout()
+
+    def _become_pre_candidate(self) -> None:
+        self.role = PRE_CANDIDATE
+        self.leader = None
+        self._votes = {self.id: True}
+        self._reset_timeout()
+        for p in self.others:
+            self._send(
+                Message(PRE_VOTE, self.id, p, self.term + 1, index=self.last_index, log_term=self.last_term)
+            )
+        self._poll()
+
+    def _become_candidate(self) -> None:
+        self.term += 1
+        self.vote = self.id
+        self.role = CANDIDATE
+        self.leader = None
+        self._votes = {self.id: True}
+        self._vote_quiet = {}
+        self._reset_timeout()
+        for p in self.others:
+            self._send(Message(VOTE, self.id, p, self.term, index=self.last_index, log_term=self.last_term))
+        self._poll()
+
+    def _become_leader(self) -> None:
+        self.role = LEADER
+        self.leader = self.id
+        # Those who voted for us form a majority, and every leader's lease counted on a majority:
+        # one of us heard from it last, at least ``election_quiet`` ticks ago.
+        voters = [q for p, q in self._vote_quiet.items() if self._votes.get(p)]
+        self.election_quiet = min([self._quiet, *voters])
+        self._votes = {}
+        self._vote_quiet = {}
+        self._election_elapsed = 0
+        self._heartbeat_elapsed = 0
+        nxt = self.last_index + 1
+        self._prs = {p: Progress(next=nxt, last_progress=self.now) for p in self.others}
+        self._append_local([Entry(nxt, self.term, None)])
+        self.term_start_index = nxt
+        self._maybe_commit()
+
+    def _campaign(self) -> None:
+        if self.cfg.pre_vote:
+            self._become_pre_candidate()
+        else:
+            self._become_candidate()
+
+    def _poll(self) -> None:
+        granted = sum(1 for v in self._votes.values() if v)
+        rejected = len(self._votes) - granted
+        if granted >= self._quorum:
+            if self.role == PRE_CANDIDATE:
+                self._become_candidate()
+            else:
+                self._become_leader()
+        elif rejected > len(self.peers) - self._quorum:
+            self._become_follower(self.term, None)
+
+    def _in_lease(self) -> bool:
+        """A node that heard from a live leader (or just started) ignores vote requests, so a
+        rejoining node cannot disrupt a healthy leader and the leader's read lease holds."""
+        if not self.cfg.check_quorum:
+            return False
+        if self.now < self.cfg.election_ticks_min:
+            return True
+        return self.leader is not None and self._election_elapsed < self.cfg.election_ticks_min
+
+    # -- inputs ----------------------------------------------------------------------------------
+    def tick(self, n: int = 1) -> None:
+        """Advance logical time by ``n`` ticks, exactly as ``n`` single ticks would. The ticks before
+        the next timer falls due (``ticks_until_timer``) only count, so they are counted at once: a
+        driver that slept through many ticks pays for the timers that fell due, not for each tick."""
+        while n > 0:
+            counted = min(n, self.ticks_until_timer()) - 1 if n > 1 else 0
+            if counted > 0:
+                self.now += counted
+                self._election_elapsed += counted
+                if self.role == LEADER:
+                    self._quiet = 0
+                    self._heartbeat_elapsed += counted
+                else:
+                    self._quiet += counted
+                n -= counted
+            self._tick()
+            n -= 1
+
+    def _tick(self) -> None:
+        self.now += 1
+        if self.role == LEADER:
+            self._quiet = 0
+            self._tick_leader()
+            return
+        self._quiet += 1
+        self._election_elapsed += 1
+        if self._election_elapsed >= self._timeout:
+            self._campaign()
+
+    def ticks_until_timer(self) -> int:
+        """How many ticks can pass, with no input, before a ``tick`` does more than count (a
+        heartbeat, a quorum check, an election): a driver may sleep that long and then tick that
+        many times at once, so an idle replica wakes at its heartbeats, not at every tick."""
+        if self.role == LEADER:
+            if any(pr.state == SNAPSHOTTING for pr in self._prs.values()):
+                return 1  # a snapshot's resend timer counts every tick
+            n = min(self._heartbeat_interval(self._idle()) - self._heartbeat_elapsed,
+                    self.cfg.election_ticks_min - self._election_elapsed)
+        else:
+            n = self._timeout - self._election_elapsed
+        return max(1, n)
+
+    def _idle(self) -> bool:
+        """Every follower has every entry and all of them are committed: nothing is on its way."""
+        last = self.last_index
+        return self.commit == last and all(pr.match == last for pr in self._prs.values())
+
+    def _heartbeat_interval(self, idle: bool) -> int:
+        """Ticks between heartbeat rounds: every ``heartbeat_ticks`` to every follower while entries
+        are on their way; once none are (``idle``), a round is one follower (``_tick_leader``) and
+        they come ``idle_heartbeat_ticks / followers`` apart. Followers' election timers and the
+        leader lease are reset by any message, so either rate keeps them."""
+        if idle and self._prs:
+            return max(1, self.cfg.effective_idle_heartbeat_ticks() // len(self._prs))
+        return self.cfg.heartbeat_ticks
+
+    def _tick_leader(self) -> None:
+        self._heartbeat_elapsed += 1
+        self._election_elapsed += 1
+        if self._election_elapsed >= self.cfg.election_ticks_min:
+            self._election_elapsed = 0
+            if self.cfg.check_quorum:
+                active = 1 + sum(1 for pr in self._prs.values() if pr.recent_active)
+                for pr in self._prs.values():
+                    pr.recent_active = False
+                if active < self._quorum:
+                    self._become_follower(self.term, None)
+                    return
+        for pr in self._prs.values():
+            if pr.state == SNAPSHOTTING:
+                pr.snapshot_elapsed += 1
+                if pr.snapshot_elapsed >= self.cfg.snapshot_timeout_ticks:
+                    self._to_probe(pr, pr.match + 1)
+        idle = self._idle()
+        if self._heartbeat_elapsed >= self._heartbeat_interval(idle):
+            self._heartbeat_elapsed = 0
+            targets = list(self._prs.items())
+            if idle and targets:
+                # Every follower that has not answered what we last sent it (it may be down: then
+                # the others must answer often enough for the lease on their own), and of those
+                # that have, the one we have been quiet to longest (the first named, on a tie).
+                answered = [t for t in targets if t[1].last_heard >= t[1].last_sent]
+                rotation = min(answered, key=lambda t: t[1].last_sent)[0] if answered else None
+                targets = [t for t in targets if t[0] == rotation or t[1].last_heard < t[1].last_sent]
+            for p, pr in targets:
+                self._send(
+                    Message(
+                        HEARTBEAT,
+                        self.id,
+                        p,
+                        self.term,
+                        commit=min(pr.match, self.commit),
+                        leader_commit=self.commit,
+                        ctx=self.now,
+                    )
+                )
+
+    def propose(self, command: dict[str, Any] | None) -> int | None:
+        """Append a command to the leader's log; returns its index, or None when not leader.
+
+        Nothing is sent here: ``ready()`` sends all new entries in one append per follower."""
+        if self.role != LEADER:
+            return None
+        index = self.last_index + 1
+        self._append_local([Entry(index, self.term, command)])
+        self._maybe_commit()
+        return index
+
+    def step(self, m: Message) -> None:
+        """Handle one message from a peer."""
+        if m.dst != self.id or m.src == self.id or m.src not in self.peers:
+            return
+        if m.term > self.term:
+            if m.type in (VOTE, PRE_VOTE) and self._in_lease():
+                return
+            if m.type == PRE_VOTE or (m.type == PRE_VOTE_RESP and m.term == self.term + 1):
+                pass  # pre-votes never change our term
+            else:
+                self._become_follower(m.term, m.src if m.type in _FROM_LEADER else None)
+        elif m.term < self.term:
+            if m.type in (APPEND, HEARTBEAT):
+                # Tell a stale leader about the newer term so it steps down.
+                self._send(Message(APPEND_RESP, self.id, m.src, self.term))
+            elif m.type == PRE_VOTE:
+                self._send(Message(PRE_VOTE_RESP, self.id, m.src, self.term, success=False))
+            return
+
+        t = m.type
+        if t in (VOTE, PRE_VOTE):
+            self._handle_vote_request(m)
+        elif t == VOTE_RESP:
+            if self.role == CANDIDATE:
+                self._votes[m.src] = m.success
+                if m.success:  # a duplicate answer may come later, with more quiet counted
+                    self._vote_quiet[m.src] = min(m.quiet, self._vote_quiet.get(m.src, m.quiet))
+                self._poll()
+        elif t == PRE_VOTE_RESP:
+            if self.role == PRE_CANDIDATE and m.term == self.term + 1:
+                self._votes[m.src] = m.success
+                self._poll()
+        elif t in _FROM_LEADER:
+            if self.role == LEADER:
+                return  # impossible with election safety; ignore defensively
+            if self.role != FOLLOWER:
+                self._become_follower(self.term, m.src)
+            self.leader = m.src
+            self._election_elapsed = 0
+            self._quiet = 0
+            if self.first_leader_commit is None:
+                self.first_leader_commit = m.leader_commit
+            if t == APPEND:
+                self._handle_append(m)
+            elif t == HEARTBEAT:
+                self._commit_to(min(m.commit, self.last_index))
+                self._send(Message(HEARTBEAT_RESP, self.id, m.src, self.term, index=self.commit,
+                                   conflict_index=self.last_index + 1, ctx=m.ctx))
+            else:
+                self._handle_snapshot(m)
+        elif t == APPEND_RESP:
+            if self.role == LEADER:
+                self._handle_append_resp(m)
+        elif t == HEARTBEAT_RESP and self.role == LEADER:
+            self._handle_heartbeat_resp(m)
+
+    # -- follower side ---------------------------------------------------------------------------
+    def _handle_vote_request(self, m: Message) -> None:
+        pre = m.type == PRE_VOTE
+        can_vote = (
+            self.vote == m.src or (self.vote is None and self.leader is None) or (pre and m.term > self.term)
+        )
+        up_to_date = m.log_term > self.last_term or (
+            m.log_term == self.last_term and m.index >= self.last_index
+        )
+        grant = can_vote and up_to_date
+        if grant and not pre:
+            self.vote = m.src
+            self._election_elapsed = 0
+        self._send(Message(PRE_VOTE_RESP if pre else VOTE_RESP, self.id, m.src, m.term, success=grant,
+                           quiet=self._quiet if grant and not pre else 0))
+
+    def _handle_append(self, m: Message) -> None:
+        if m.index < self.commit:
+            # Everything up to our commit matches the leader; tell it so it can skip ahead.
+            self._send(
+                Message(APPEND_RESP, self.id, m.src, self.term, index=self.commit, success=True, ctx=m.ctx)
+            )
+            return
+        prev_term = self.term_at(m.index)
+        if prev_term != m.log_term:
+            resp = Message(APPEND_RESP, self.id, m.src, self.term, index=m.index, ctx=m.ctx)
+            if prev_term is None:
+                resp.conflict_index = self.last_index + 1
+            else:
+                # Skip back over the whole conflicting term in one round trip.
+                ci = m.index
+                floor = max(self.commit, self.snap_index)
+                while ci - 1 > floor and self.term_at(ci - 1) == prev_term:
+                    ci -= 1
+                resp.conflict_index = ci
+                resp.conflict_term = prev_term
+            self._send(resp)
+            return
+        for pos, e in enumerate(m.entries):
+            existing = self.term_at(e.index)
+            if existing == e.term:
+                continue
+            if existing is not None:
+                self._truncate_after(e.index - 1)
+            self._append_local(m.entries[pos:])
+            break
+        last_new = m.index + len(m.entries)
+        self._commit_to(min(m.commit, last_new))
+        self._send(Message(APPEND_RESP, self.id, m.src, self.term, index=last_new, success=True, ctx=m.ctx))
+
+    def _handle_snapshot(self, m: Message) -> None:
+        idx, term = m.snapshot_index, m.snapshot_term
+        if idx > self.commit:
+            if self.term_at(idx) == term:
+                self._commit_to(idx)  # we already have it; no need to replace the state
+            else:
+                self._log = []
+                self.snap_index, self.snap_term = idx, term
+                self.commit = self.applied = self._handed = idx
+                self._snapshot_in = Snapshot(idx, term, m.payload)
+                self._persist_from = idx + 1
+                self._truncated = False
+        self._send(
+            Message(APPEND_RESP, self.id, m.src, self.term, index=self.commit, success=True, ctx=m.ctx)
+        )
+
+    def _commit_to(self, index: int) -> None:
+        if index > self.commit:
+            self.commit = index
+
+    # -- leader side -----------------------------------------------------------------------------
+    def _to_probe(self, pr: Progress, nxt: int) -> None:
+        pr.state = PROBE
+        pr.next = max(pr.match + 1, nxt)
+        pr.paused = False
+        pr.inflight.clear()
+
+    def _to_replicate(self, pr: Progress) -> None:
+        pr.state = REPLICATE
+        pr.next = pr.match + 1
+        pr.paused = False
+        pr.inflight.clear()
+
+    def _heard(self, pr: Progress, m: Message) -> None:
+        pr.recent_active = True
+        if m.ctx > pr.last_heard:
+            pr.last_heard = m.ctx
+
+    def _handle_append_resp(self, m: Message) -> None:
+        pr = self._prs[m.src]
+        self._heard(pr, m)
+        if not m.success:
+            if m.index <= pr.match or pr.state == SNAPSHOTTING:
+                return  # stale
+            if pr.state == PROBE and m.index != pr.next - 1:
+                return  # answer to an older probe
+            nxt = m.conflict_index
+            if m.conflict_term:
+                j = min(m.index, self.last_index)
+                while j > self.snap_index and self.term_at(j) > m.conflict_term:
+                    j -= 1
+                if j > self.snap_index and self.term_at(j) == m.conflict_term:
+                    nxt = j + 1
+            self._to_probe(pr, min(nxt, m.index))
+            return
+        if m.index > pr.match:
+            pr.match = m.index
+            pr.last_progress = self.now
+        pr.next = max(pr.next, pr.match + 1)
+        while pr.inflight and pr.inflight[0] <= m.index:
+            pr.inflight.popleft()
+        if pr.state == PROBE or (pr.state == SNAPSHOTTING and pr.match >= pr.pending_snapshot):
+            self._to_replicate(pr)
+        pr.paused = False
+        self._maybe_commit()
+
+    def _handle_heartbeat_resp(self, m: Message) -> None:
+        pr = self._prs[m.src]
+        self._heard(pr, m)
+        pr.paused = False
+        if 0 < m.conflict_index <= pr.match and m.ctx > pr.last_progress:
+            # Asked after we saw it hold ``match`` entries, it now has fewer: it lost its disk.
+            # Find the end of its log anew (a snapshot follows if that is behind our compaction).
+            pr.match = m.conflict_index - 1
+            self._to_probe(pr, m.conflict_index)
+            return
+        known = min(m.index, self.last_index)
+        if known > pr.match:
+            pr.match = known
+            pr.last_progress = self.now
+            pr.next = max(pr.next, known + 1)
+            self._maybe_commit()
+        if pr.state == SNAPSHOTTING and pr.match >= pr.pending_snapshot:
+            self._to_replicate(pr)
+        elif (
+            pr.state == REPLICATE
+            and pr.match < self.last_index
+            and self.now - pr.last_progress >= 2 * self.cfg.heartbeat_ticks
+        ):
+            # Appends in flight were probably lost: resend from the last known match.
+            pr.last_progress = self.now
+            self._to_probe(pr, pr.match + 1)
+
+    def _maybe_commit(self) -> None:
+        matches = sorted((pr.match for pr in self._prs.values()), reverse=True)
+        matches.insert(0, self.last_index)
+        matches.sort(reverse=True)
+        q = matches[self._quorum - 1]
+        # Only entries of the current term are committed by counting replicas (section 5.4.2).
+        if q > self.commit and self.term_at(q) == self.term:
+            self.commit = q
+
+    def _flush(self) -> None:
+        """Send every follower what it lacks: new entries (batched) or at least the new commit."""
+        cfg = self.cfg
+        for p, pr in self._prs.items():
+            if pr.state == SNAPSHOTTING or (pr.state == PROBE and pr.paused):
+                continue
+            while True:
+                if pr.state == REPLICATE and len(pr.inflight) >= cfg.max_inflight:
+                    break
+                if pr.next > self.last_index and pr.sent_commit >= self.commit:
+                    break
+                prev = pr.next - 1
+                prev_term = self.term_at(prev)
+                if prev_term is None:
+                    self._send_snapshot(p, pr)
+                    break
+                batch = self.entries(pr.next, pr.next + cfg.max_entries_per_msg - 1)
+                self._send(
+                    Message(
+                        APPEND,
+                        self.id,
+                        p,
+                        self.term,
+                        index=prev,
+                        log_term=prev_term,
+                        entries=batch,
+                        commit=self.commit,
+                        leader_commit=self.commit,
+                        ctx=self.now,
+                    )
+                )
+                pr.sent_commit = self.commit
+                if pr.state == PROBE:
+                    pr.paused = True
+                    break
+                if not batch:
+                    break
+                pr.next = batch[-1].index + 1
+                pr.inflight.append(batch[-1].index)
+
+    def _send_snapshot(self, p: str, pr: Progress) -> None:
+        # The driver replaces index/term with those of the state it actually snapshots (>= these).
+        idx = self.applied
+        pr.state = SNAPSHOTTING
+        pr.pending_snapshot = idx
+        pr.snapshot_elapsed = 0
+        pr.inflight.clear()
+        self._send(
+            Message(
+                SNAPSHOT,
+                self.id,
+                p,
+                self.term,
+                snapshot_index=idx,
+                snapshot_term=self.term_at(idx) or 0,
+                commit=self.commit,
+                leader_commit=self.commit,
+                ctx=self.now,
+            )
+        )
+
+    def _send(self, m: Message) -> None:
+        pr = self._prs.get(m.dst)  # only a leader has any
+        if pr is not None:
+            pr.last_sent = self.now
+        self._msgs.append(m)
+
+    # -- output ----------------------------------------------------------------------------------
+    def ready(self) -> Ready:
+        """Collect everything to persist, send and apply since the previous call."""
+        if self.role == LEADER:
+            self._flush()
+        rd = Ready()
+        hs = HardState(self.term, self.vote, self.commit)
+        vote_kept = (hs.term, hs.vote) == (self._prev_hs.term, self._prev_hs.vote)
+        if hs != self._prev_hs:
+            rd.hard_state = hs
+            self._prev_hs = hs
+        if self._snapshot_in is not None:
+            rd.snapshot = self._snapshot_in
+            self._snapshot_in = None
+        if self._truncated:
+            rd.truncate_from = self._persist_from
+            self._truncated = False
+        if self._persist_from <= self.last_index:
+            rd.entries = self.entries(self._persist_from, self.last_index)
+        self._persist_from = self.last_index + 1
+        hi = min(self.commit, self._handed + self.cfg.max_apply_batch)
+        if hi > self._handed:
+            rd.committed_entries = self.entries(self._handed + 1, hi)
+            self._handed = hi
+        rd.messages, self._msgs = self._msgs, []
+        rd.send_first = (self.role == LEADER and vote_kept and rd.snapshot is None and rd.truncate_from is None)
+        return rd
+
+    def advance(self, rd: Ready) -> None:
+        """Confirm that ``rd`` was persisted, sent and applied."""
+        if rd.snapshot is not None:
+            self.applied = max(self.applied, rd.snapshot.index)
+        if rd.committed_entries:
+            self.applied = max(self.applied, rd.committed_entries[-1].index)
+
+    def compact(self, index: int) -> tuple[int, int] | None:
+        """Drop entries up to ``index`` (at most ``applied``); returns the new (snap index, term)."""
+        index = min(index, self.applied)
+        if index <= self.snap_index:
+            return None
+        term = self.term_at(index)
+        assert term is not None
+        del self._log[: index - self.snap_index]
+        self.snap_index, self.snap_term = index, term
+        return index, term

@@ -1,0 +1,1097 @@
+"""``ReplicaNode``: runs a ``RaftCore`` inside a service process (threads, SQLite, HTTP).
+
+Threads, all owned and joined by ``stop()``:
+
+- the event loop: runs the core's timers (ticks, sleeping until the next one falls due) and takes
+  every turn no other thread could. A *turn* drains an inbox of peer messages and proposals, ticks,
+  then handles the core's ``Ready``: persist (durably) -> send -> apply -> advance. Turns are taken
+  under one lock, the only way to touch the core, the log store and (for writes) the state machine;
+  whoever puts an input in the inbox takes the turn itself when the lock is free (``_drive``), so
+  a proposal, an append and its answer are handled on the thread that brought them, not handed to
+  the loop thread and woken there (a hand-off each). A thread that finds the lock taken leaves its
+  input to the holder, which looks at the inbox again once it lets go, so concurrent inputs still
+  share one turn (one append, one synced write);
+- one sender per peer: coalesces queued messages into one frame on a long-lived connection
+  (``pygmy.replication.transport``; drops on error: Raft retransmits), and streams snapshots to that
+  peer in chunks (``pygmy.replication.snapshots``);
+- the frame server's accept thread and one reader per connected peer: they put what arrives in the
+  inbox;
+- one notifier: runs leader listeners, so a listener may itself call ``propose``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import secrets
+import shutil
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import urllib3
+from flask import Blueprint, Response, jsonify, request
+from prometheus_client import Histogram
+
+from pygmy.kit import codec
+from pygmy.kit.web import secret_refusal
+from pygmy.replication.core import (
+    CANDIDATE,
+    PERSIST,
+    SEND,
+    SNAPSHOT,
+    CoreConfig,
+    Entry,
+    Message,
+    RaftCore,
+    Ready,
+)
+from pygmy.replication.log_store import LogStore
+from pygmy.replication.snapshots import Incoming, stream_frames
+from pygmy.replication.statemachine import Pin, StateMachine
+from pygmy.replication.storage import describe, is_storage_fault
+from pygmy.replication.transport import RAFT_CHANNEL, Channel, FrameClient, FrameServer, raft_address
+
+log = logging.getLogger("pygmy.replication")
+#: Longest a leader not yet sure of its lease waits for it before refusing a read index.
+LEADER_READ_WAIT = 0.25
+#: First wait before reloading after a fault; doubles up to 1 s, back to this once working again.
+_FAULT_BACKOFF_MIN = 0.05
+#: Turns one thread takes in a row for inputs that keep arriving before it leaves the rest to the
+#: loop thread: a frame reader or a proposer lends itself to the node only for a while.
+_INLINE_TURNS = 3
+
+COMMIT_SECONDS = Histogram(
+    "pygmy_replica_commit_seconds", "Time from a proposal on the leader to its commit and local apply",
+    ["service"], buckets=(0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 1),
+)
+
+
+class NotLeader(Exception):
+    """This replica cannot take the write; retry on ``leader_name`` (None while unknown)."""
+
+    def __init__(self, leader: str | None, url: str | None) -> None:
+        super().__init__(f"not the leader (leader: {leader})")
+        self.leader_name, self.leader_url = leader, url
+
+
+class ProposalTimeout(Exception):
+    """The outcome is unknown: the command may still commit later (retry with an idempotency key).
+
+    ``index`` is the log index the command was appended at (None if it is not known): whoever must
+    act once the outcome is known (the catalog's invalidation holds) waits for that index.
+    """
+
+    def __init__(self, message: str, index: int | None = None) -> None:
+        super().__init__(message)
+        self.index = index
+
+
+class ReadIndexUnavailable(Exception):
+    """No read index could be had (no leader, or it is not sure it still leads): try another replica."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicationConfig(CoreConfig):
+    """The core's knobs plus the driver's: clock, log compaction, transport."""
+
+    tick_ms: float = 10.0
+    #: Applied entries kept in the log for lagging followers; older ones are compacted away.
+    keep_entries: int = 10_000
+    #: ... but no more than replaying costs less than copying the state: a follower further behind
+    #: gets a snapshot, which costs the state's size, not the entries it missed. One applied command
+    #: costs about as much as sending and installing this many bytes of state (docs/performance.md,
+    #: "Catch-up: replaying or copying the state"); 0: keep ``keep_entries`` whatever the state's size.
+    replay_bytes_per_entry: int = 2048
+    #: Never fewer than this many, however small the state (a follower a moment behind, after a
+    #: pause or a brief partition, catches up from the log, not by a snapshot).
+    min_keep_entries: int = 1_000
+    #: Compact only once this many more entries accumulated (amortises the DELETE).
+    compact_slack: int = 2_000
+    #: And by size: applied entries are compacted away once the log holds more than
+    #: ``keep_bytes + compact_slack_bytes`` of commands, down to ``keep_bytes`` (batched entries of
+    #: hundreds of buys each would otherwise keep hundreds of MiB on disk and in memory).
+    keep_bytes: int = 16 * 2**20
+    compact_slack_bytes: int = 4 * 2**20
+    connect_timeout: float = 0.2
+    #: Longest a frame may take to leave (a peer that stopped reading: the connection is dropped).
+    send_timeout: float = 0.5
+    #: Longest one chunk of a snapshot may take to leave.
+    snapshot_send_timeout: float = 10.0
+    #: A snapshot streams, then installs, for seconds at a million books: the core waits this long
+    #: for its acknowledgement before sending it again (a repeat queued while a stream is under way
+    #: is dropped: the stream answers it).
+    snapshot_timeout_ticks: int = 1000
+    #: Cap on messages per frame (heartbeats and appends are coalesced up to it).
+    max_batch_messages: int = 64
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ReplicationConfig:
+        """Defaults overridden by ``PYGMY_RAFT_<FIELD>`` variables (e.g. ``PYGMY_RAFT_TICK_MS=5``),
+        so experiments can tune timing without code changes."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(f"PYGMY_RAFT_{f.name.upper()}")
+            if raw is None:
+                continue
+            default = f.default
+            if isinstance(default, bool):
+                values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
+            elif isinstance(default, float):
+                values[f.name] = float(raw)
+            else:
+                values[f.name] = int(raw)
+        return cls(**values)
+
+class _Proposal:
+    __slots__ = ("command", "done", "settled", "index", "term", "result", "error")
+
+    def __init__(self, command: dict[str, Any]) -> None:
+        self.command = command
+        self.done = threading.Event()
+        self.settled = threading.Event()  # the loop has seen our "forget": ``index`` is final
+        self.index = 0
+        self.term = 0
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        self.result, self.error = result, error
+        self.done.set()
+
+
+class _Stopping(Exception):
+    """The node stops: a snapshot stream in progress is abandoned."""
+
+
+class _Sender:
+    """Delivers messages to one peer on its own thread, so a slow peer delays nobody else."""
+
+    def __init__(self, node: ReplicaNode, peer: str, address: tuple[str, int]) -> None:
+        self.node, self.peer = node, peer
+        self.queue: queue.Queue[Message | None] = queue.Queue()
+        self.client = FrameClient(address, node.secret, node.name, RAFT_CHANNEL, node.config.connect_timeout)
+        self.thread = threading.Thread(target=self._run, name=f"raft-send-{node.name}->{peer}", daemon=True)
+        self._stop = False
+
+    def offer(self, m: Message) -> None:
+        """From the event loop: straight onto the wire when that cannot block and nothing is queued
+        (no thread hand-off on the commit path), else to the sender thread."""
+        if m.type != SNAPSHOT and self.queue.empty() and self.client.send_nowait({"messages": [m.to_dict()]}):
+            return
+        self.queue.put(m)
+
+    def _run(self) -> None:
+        """Supervised: an unexpected error costs the batch in hand (Raft retransmits), not the thread."""
+        cfg = self.node.config
+        while not self._stop:
+            first = self.queue.get()
+            if first is None:
+                break
+            batch = [first]
+            self._drain(batch, cfg.max_batch_messages)
+            try:
+                rest = [m for m in batch if m.type != SNAPSHOT]
+                if rest:
+                    self._send(rest, cfg.send_timeout)
+                snaps = [m for m in batch if m.type == SNAPSHOT]
+                if snaps and not self._stop:
+                    self._stream_snapshot(snaps[-1])  # the core's repeats of one request: one is enough
+            except _Stopping:
+                break
+            except Exception as exc:
+                self.node.loop_faults["sender"] += 1
+                self.node.last_loop_fault = f"sender to {self.peer}: {type(exc).__name__}: {exc}"
+                log.exception("%s -> %s: sending failed; dropping the batch", self.node.name, self.peer)
+        self.client.close()
+
+    def _send(self, msgs: list[Message], timeout: float) -> None:
+        try:
+            self.client.send({"messages": [m.to_dict() for m in msgs]}, timeout)
+        except OSError as exc:
+            log.debug("%s -> %s: %s", self.node.name, self.peer, exc)
+
+    def _stream_snapshot(self, m: Message) -> None:
+        """Copy the state to a file and stream it in chunks, then the message (see
+        ``pygmy.replication.snapshots``). Heartbeats and appends queued meanwhile go out between chunks,
+        so the peer keeps hearing from its leader. A failure drops the stream: the core sends the
+        snapshot again once its acknowledgement is overdue."""
+        node, cfg = self.node, self.node.config
+        if node._stopping.is_set():
+            return
+        path = node.snapshot_out / f"{self.peer}.db"
+        try:
+            pin, term = node._pin_state()
+            try:
+                if not term:
+                    return  # the pinned index's term is not known here yet: the core asks again
+                m.snapshot_index, m.snapshot_term = pin.index, term
+                pin.write(path)
+            finally:
+                pin.close()
+            sid = f"{m.term}-{m.snapshot_index}-{secrets.token_hex(4)}"
+            log.info("%s: streaming a snapshot at index %d to %s (%d bytes)", node.name, m.snapshot_index,
+                     self.peer, path.stat().st_size)
+            connects = None
+            for frame in stream_frames(sid, path):
+                self._between_chunks()
+                if "snapshot" in frame:
+                    frame["messages"] = [m.to_dict()]
+                self.client.send(frame, cfg.snapshot_send_timeout)
+                if connects is None:
+                    connects = self.client.connects
+                elif self.client.connects != connects:
+                    # A frame went out on a new connection: the peer may read the two connections'
+                    # chunks out of order and drop the stream, so it is not worth finishing.
+                    raise ConnectionResetError("the connection was replaced during the stream")
+        except (OSError, sqlite3.Error) as exc:
+            log.warning("%s: the snapshot stream to %s broke: %s", node.name, self.peer, exc)
+        finally:
+            path.unlink(missing_ok=True)
+
+    def _between_chunks(self) -> None:
+        """Send what the loop queued for this peer meanwhile (another snapshot request is the one
+        being served); stop the stream if the node is stopping."""
+        queued: list[Message] = []
+        self._drain(queued, self.queue.qsize() + 1)
+        if self._stop:
+            raise _Stopping
+        msgs = [m for m in queued if m.type != SNAPSHOT]
+        if msgs:  # as patient as a chunk: a timeout here would reset the connection mid-stream
+            self._send(msgs, self.node.config.snapshot_send_timeout)
+
+    def _drain(self, batch: list[Message], limit: int) -> None:
+        """Move what is queued into ``batch``, up to ``limit`` messages; a stop request sets ``_stop``."""
+        while len(batch) < limit:
+            try:
+                m = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if m is None:
+                self._stop = True
+                return
+            batch.append(m)
+
+
+class _ReadIndexBatcher:
+    """A follower's read index, asked of the leader once for every batch of concurrent reads.
+
+    A read may use only an answer the leader gave *after* the read arrived (an answer already on
+    its way may predate a write acknowledged before the read began), so callers wait for the next
+    round to start; all callers waiting then share it. At most one round is in flight.
+    """
+
+    def __init__(self, node: ReplicaNode) -> None:
+        self.node = node
+        #: urllib3, not Requests: nothing of a session is wanted here, and a service process that
+        #: never imports Requests starts faster (``pygmy.cluster.cli``).
+        self.http = urllib3.PoolManager(num_pools=8, maxsize=4, block=False, retries=False)
+        self._cond = threading.Condition()
+        self._started = 0  # rounds started
+        self._done = 0  # rounds finished
+        self._busy = False
+        self._value = 0
+        self._error: str | None = None
+
+    def get(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            target = self._started + 1
+            while self._done < target:
+                if not self._busy:
+                    self._busy = True
+                    self._started += 1
+                    mine = self._started
+                    self._cond.release()
+                    try:
+                        value, error = self._ask(max(0.05, deadline - time.monotonic()))
+                    finally:
+                        self._cond.acquire()
+                    self._busy, self._done, self._value, self._error = False, mine, value, error
+                    self._cond.notify_all()
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ReadIndexUnavailable(f"{self.node.name}: no read index within {timeout:.3g}s")
+                self._cond.wait(left)
+            if self._error is not None:
+                raise ReadIndexUnavailable(self._error)
+            return self._value
+
+    def _ask(self, timeout: float) -> tuple[int, str | None]:
+        leader = self.node.leader()
+        if leader is None:
+            return 0, f"{self.node.name} knows no leader"
+        name, url = leader
+        if name == self.node.name:
+            try:
+                return self.node.wait_read_index(min(timeout, LEADER_READ_WAIT)), None
+            except ReadIndexUnavailable as exc:
+                return 0, str(exc)
+        try:
+            r = self.http.request("GET", url + "/raft/read_index", headers={"Authorization": f"Bearer {self.node.secret}"},
+                                  timeout=urllib3.Timeout(connect=self.node.config.connect_timeout,
+                                                          read=min(timeout, 1.0)), redirect=False)
+            if r.status != 200:
+                return 0, f"{name} gave no read index: HTTP {r.status}"
+            return int(codec.loads(r.data)["index"]), None
+        except (urllib3.exceptions.HTTPError, ValueError, KeyError, TypeError) as exc:
+            return 0, f"{name} gave no read index: {type(exc).__name__}"
+
+
+class ReplicaNode:
+    """One replica of a Raft group; see the module docstring for its threads."""
+
+    def __init__(
+        self,
+        name: str,
+        peers: Mapping[str, str],
+        state_machine: StateMachine,
+        data_dir: Path | str,
+        secret: str,
+        config: ReplicationConfig | None = None,
+        *,
+        seed: int | None = None,
+        listen: tuple[str, int] | None = None,
+        addresses: Mapping[str, tuple[str, int]] | None = None,
+    ) -> None:
+        """``peers`` are the replicas' HTTP URLs; ``addresses`` their peer transport addresses
+        (default: derived from the URLs, ``transport.raft_address``) and ``listen`` where this one
+        accepts its peers (default: its own address)."""
+        if name not in peers:
+            raise ValueError(f"{name} is not among the peers {list(peers)}")
+        self.name = name
+        self.peers = dict(peers)
+        self.url = self.peers[name]
+        self.sm = state_machine
+        self.secret = secret
+        self.config = config or ReplicationConfig()
+        #: Entries kept by count at the last look (``keep_entries()``); 0: not looked yet.
+        self._keep = 0
+        self.data_dir = Path(data_dir)
+        self.store = LogStore(self.data_dir / "raft.db")
+        #: Snapshots: received ones land in ``snapshots/in``, copies for peers in ``snapshots/out``;
+        #: both emptied at start (a crash may leave a stream half-written in either).
+        self._incoming = Incoming(self.data_dir / "snapshots" / "in")
+        self._stepped_snapshots: list[Path] = []
+        self.snapshot_out = self.data_dir / "snapshots" / "out"
+        shutil.rmtree(self.snapshot_out, ignore_errors=True)
+        self.snapshot_out.mkdir(parents=True, exist_ok=True)
+        self._seed = seed
+        self.core = self._load_core()
+        #: (kind, value, when it arrived): ticks that fell due before an input arrived are handled
+        #: before it (``_turn``), so a timer counts only time that passed after it.
+        self._inbox: queue.Queue[tuple[str, Any, float]] = queue.Queue()
+        #: Held for a turn (``_turn``): whoever holds it owns the core, the log store and the applier.
+        self._core_lock = threading.Lock()
+        self._turn_thread: int | None = None  # the thread taking a turn (propose() must not be it)
+        #: Wakes the loop thread: a stop, an error in a turn, a timer made earlier by another thread's
+        #: turn, or inputs a busy thread left to it.
+        self._wake = threading.Event()
+        self._loop_sleeps_until = 0.0  # the loop thread's next timer (monotonic), as it last saw it
+        self._wake_at = 0.0  # when the core's next timer falls due, as of the last turn
+        #: A turn's error, for the loop thread to handle (a fault, then a reload from disk); no other
+        #: thread takes a turn while it is set.
+        self._broken: BaseException | None = None
+        self._next_tick = 0.0  # when (monotonic) the core's next tick falls due
+        self._proposals: dict[int, _Proposal] = {}
+        self._apply_cond = threading.Condition()
+        #: The core's commit index as of the last ``Ready``, set *before* its messages go out, so a
+        #: read index taken on the leader covers every entry any follower may already have applied.
+        self._commit_seen = 0
+        self._apply_lock = threading.Lock()
+        self._view: dict[str, Any] = {}
+        self._lease_until = 0.0
+        #: (term, monotonic time we became its leader, the core's ``election_quiet`` in that term)
+        self._leader_since: tuple[int, float, int] = (-1, 0.0, 0)
+        #: Why the node is not working (a storage fault it is retrying), or None. While set it is no
+        #: leader, serves no reads, fails health checks and acknowledges nothing.
+        self.fault: str | None = None
+        #: Faults the node survived, by kind: ``storage`` (a full or failing disk: expected under
+        #: such faults), ``error`` (any other exception in a turn: a bug, which the supervisor hides
+        #: from clients but ``/status``, ``/metrics`` and the tests' teardown check do not) and
+        #: ``sender`` (a sender thread's unexpected error). Never reset.
+        self.loop_faults: dict[str, int] = {"storage": 0, "error": 0, "sender": 0}
+        #: The last fault's description, kept after the node works again (``fault`` is cleared).
+        self.last_loop_fault: str | None = None
+        self._fault_at = 0.0
+        self._fault_backoff = _FAULT_BACKOFF_MIN
+        self.snapshots_installed = 0
+        self._caught_up = False
+        self._was_leader = False
+        self._apply_listeners: list[Callable[[int, Any, Any], None]] = []
+        self._leader_listeners: list[Callable[[bool, int], None]] = []
+        self._notify: queue.Queue[tuple[bool, int] | None] = queue.Queue()
+        addresses = dict(addresses) if addresses else {p: raft_address(url) for p, url in self.peers.items()}
+        self._senders = {p: _Sender(self, p, addresses[p]) for p in self.peers if p != name}
+        self._listen = listen or addresses[name]
+        self._server: FrameServer | None = None
+        self._channels = {RAFT_CHANNEL: Channel(self._on_frame, frozenset(p for p in self.peers if p != name))}
+        self._stopping = threading.Event()
+        self._loop_thread = threading.Thread(target=self._run, name=f"raft-loop-{name}", daemon=True)
+        self._notify_thread = threading.Thread(
+            target=self._run_notifier, name=f"raft-notify-{name}", daemon=True
+        )
+        self._started = False
+        self.commit_seconds = COMMIT_SECONDS.labels(name)
+        self.elections = 0
+        self.leader_changes = 0
+        self.catch_up_seconds: float | None = None
+        self._created = time.monotonic()
+        self._last_raw_role: str | None = None
+        self._last_leader: str | None = None
+        self._refresh_view()
+        self._read_index = _ReadIndexBatcher(self)
+        self.blueprint = self._make_blueprint()
+
+    @property
+    def faults(self) -> int:
+        """Faults of the event loop, storage or other (each cost a reload from disk)."""
+        return self.loop_faults["storage"] + self.loop_faults["error"]
+
+    def _load_core(self) -> RaftCore:
+        """A core from what is on disk: at start, and again after a fault (an in-process restart)."""
+        persisted = self.store.load()
+        if persisted.installing is not None:
+            idx, term = persisted.installing
+            if self.sm.applied_index() >= idx:
+                # The state machine was restored but the log store not updated: finish the install.
+                self.store.save(snapshot=(idx, term))
+            else:
+                self.store.abort_install()
+            persisted = self.store.load()
+        self._applied = self.sm.applied_index()
+        self._durable_vote = (persisted.hard_state.term, persisted.hard_state.vote)
+        core = RaftCore(
+            self.name,
+            list(self.peers),
+            hard_state=persisted.hard_state,
+            entries=persisted.entries,
+            snapshot=persisted.snapshot,
+            applied=self._applied,
+            config=self.config,
+            rng=self._seed,
+        )
+        #: The index and term of the last entry the state machine applied (under the apply lock):
+        #: what a snapshot pinned by a sender thread, away from the core, is labelled with.
+        self._applied_at = (self._applied, core.term_at(self._applied) or 0)
+        return core
+
+    def _pin_state(self) -> tuple[Pin, int]:
+        """The state held still for a snapshot, and the term of its last applied entry (0: unknown).
+        Microseconds under the apply lock; the copy is made afterwards, by the caller."""
+        with self._apply_lock:
+            pin = self.sm.pin()
+            index, term = self._applied_at
+        return pin, (term if index == pin.index else 0)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        self._count_ticks_from_now()
+        self._server = FrameServer(*self._listen, self.secret, self._channels, name=self.name)
+        self._server.start()
+        for s in self._senders.values():
+            s.thread.start()
+        self._notify_thread.start()
+        self._loop_thread.start()
+
+    def stop(self) -> None:
+        """Stop and join every thread; pending proposals fail with ProposalTimeout."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        if self._started:
+            if self._server is not None:
+                self._server.stop()
+            self._wake.set()  # the loop thread sees _stopping; other threads take no turn now
+            self._loop_thread.join(timeout=10)
+            for s in self._senders.values():
+                s.queue.put(None)
+            for s in self._senders.values():
+                s.thread.join(timeout=10)
+            self._notify.put(None)
+            self._notify_thread.join(timeout=10)
+        self._read_index.http.clear()
+        # A turn another thread began before the stop ends first (one stuck in a disk write is not
+        # waited for longer than the loop thread was); none begins after: they check _stopping.
+        locked = self._core_lock.acquire(timeout=10)
+        try:
+            while True:  # proposals that arrived after the loop ended
+                try:
+                    kind, value, _ = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "propose":
+                    value.finish(error=ProposalTimeout(f"{self.name} stopped"))
+            for p in list(self._proposals.values()):
+                p.finish(error=ProposalTimeout(f"{self.name} stopped"))
+            self._proposals.clear()
+            with self._apply_cond:
+                self._apply_cond.notify_all()
+            self._incoming.close()
+            self.store.close()
+        finally:
+            if locked:
+                self._core_lock.release()
+
+    # -- public API ------------------------------------------------------------------------------
+    def propose(self, command: dict[str, Any], timeout: float) -> Any:
+        """Replicate ``command``; returns ``state_machine.apply``'s result once committed and applied
+        here. Raises NotLeader (not written), or ProposalTimeout (outcome unknown)."""
+        if threading.current_thread() is self._loop_thread or self._turn_thread == threading.get_ident():
+            raise RuntimeError("propose() called from a replication turn (e.g. an apply listener)")
+        if self._stopping.is_set() or not self._started:
+            raise ProposalTimeout(f"{self.name} is not running")
+        if not self.is_leader():
+            raise NotLeader(*(self.leader() or (None, None)))
+        prop = _Proposal(command)
+        started = time.perf_counter()
+        self._submit("propose", prop)
+        if not prop.done.wait(timeout):
+            self._submit("forget", prop)
+            prop.settled.wait(1.0)  # the loop answers in a tick; a stalled loop leaves it unknown
+            raise ProposalTimeout(f"{self.name}: not committed within {timeout:.3g}s",
+                                  index=(prop.index or None) if prop.settled.is_set() else None)
+        if prop.error is not None:
+            raise prop.error
+        self.commit_seconds.observe(time.perf_counter() - started)
+        return prop.result
+
+    def wait_applied(self, index: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._apply_cond:
+            while self._applied < index:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stopping.is_set():
+                    return False
+                self._apply_cond.wait(left)
+            return True
+
+    def applied_index(self) -> int:
+        return self._applied
+
+    def is_leader(self) -> bool:
+        return self._view.get("role") == "leader" and self.fault is None
+
+    def term(self) -> int:
+        return int(self._view.get("term", 0))
+
+    def leadership_start(self) -> float | None:
+        """When (monotonic) this node became the leader of its current term; None if it does not lead it."""
+        term, since, _ = self._leader_since
+        return since if self.is_leader() and term == self.term() else None
+
+    def leader_lease_until(self) -> float:
+        """Until when (monotonic) our leader lease holds: no other leader can exist before then."""
+        return self._lease_until
+
+    def vote_quiet_s(self) -> float:
+        """How long, at least, before we became leader every earlier leader's lease had ended (0 when
+        we do not lead). Each leader's lease lasts ``effective_lease_ticks`` from a message a majority
+        heard; a majority voted for us, so one of our voters heard it, and it told us in its vote how
+        many ticks it had heard no leader (``election_quiet``, the least of our voters'). Less one
+        tick: a count starts at the first tick after the hearing, which may come at once. Usually
+        ``election_ticks_min - effective_lease_ticks - 1`` ticks (90 ms by default) or more, since a
+        follower of a live leader votes no sooner; less (a longer wait) from a voter that had dropped
+        its leader for a newer term; as much as a whole lease when the voters had long heard nothing."""
+        c = self.config
+        term, _, quiet = self._leader_since
+        if not self.is_leader() or term != self.term():
+            return 0.0
+        return max(0, quiet - c.effective_lease_ticks() - 1) * c.tick_ms / 1000.0
+
+    def leader(self) -> tuple[str, str] | None:
+        name = self._view.get("leader")
+        return None if name is None else (name, self.peers[name])
+
+    def can_serve_reads(self) -> bool:
+        """Whether local reads reflect every acknowledged write (leader) or a caught-up follower."""
+        view = self._view
+        if self.fault is not None:
+            return False
+        if view.get("role") == "leader":
+            return time.monotonic() < self._lease_until and self._applied >= view["term_start"]
+        return view.get("role") == "follower" and view.get("leader") is not None
+
+    def read_index(self) -> int:
+        """On the leader: an index every linearizable read must wait for (Raft's ReadIndex).
+
+        Confirmed by the leader lease instead of a heartbeat round: while it holds, no other leader
+        can have committed anything, so our commit index covers every acknowledged write.
+        """
+        if not self.can_serve_reads() or not self.is_leader():
+            raise ReadIndexUnavailable(f"{self.name} is not a leader sure of its lease")
+        return max(self._commit_seen, self._applied)
+
+    def wait_read_index(self, timeout: float) -> int:
+        """``read_index()``, waiting up to ``timeout`` while we lead but are not yet sure of it: a new
+        leader's first heartbeat round, or a lease that lapsed for a moment (a busy machine), is a
+        wait of a few ticks, not a reason to refuse the read. A node that stops leading refuses."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.read_index()
+            except ReadIndexUnavailable:
+                if not self.is_leader() or time.monotonic() >= deadline:
+                    raise
+            if self._stopping.wait(min(self.config.tick_ms / 1000.0, max(0.0, deadline - time.monotonic()))):
+                raise ReadIndexUnavailable(f"{self.name} is stopping")
+
+    def linearizable_index(self, timeout: float) -> int:
+        """The read index for a read arriving now, here: our own on the leader, else the leader's
+        (batched). Raises ReadIndexUnavailable."""
+        if self.is_leader():
+            return self.wait_read_index(timeout)
+        return self._read_index.get(timeout)
+
+    def status(self) -> dict[str, Any]:
+        view = self._view
+        applied, digest = self.sm.applied_and_digest()  # one read of the same state: O(1), no lock
+        fault = self.fault
+        return {
+            "name": self.name,
+            "url": self.url,
+            "role": "failed" if fault else view["role"],
+            "term": view["term"],
+            "leader": None if fault else view["leader"],
+            #: A leader says whether its leader lease holds: one whose lease lapsed may already
+            #: have been replaced by a leader of a newer term it has not heard of.
+            "leader_lease": bool(view["role"] == "leader" and not fault and time.monotonic() < self._lease_until),
+            "error": fault,
+            #: Faults survived since start, by kind, and the last one: nonzero ``error`` or
+            #: ``sender`` means a bug the supervisor kept from clients.
+            "loop_faults": dict(self.loop_faults),
+            "last_loop_fault": self.last_loop_fault,
+            "commit_index": max(view["commit"], applied),
+            "applied_index": applied,
+            "state_digest": digest,
+        }
+
+    def add_channel(self, name: str, handle: Callable[[str, Any], Any]) -> None:
+        """Serve another kind of frame connection on the peer port (before ``start``): the catalog's
+        lease renewals. ``handle(client_name, frame)`` runs on the connection's reader thread."""
+        if self._started:
+            raise RuntimeError("channels are added before start()")
+        self._channels[name] = Channel(handle)
+
+    def add_leader_listener(self, cb: Callable[[bool, int], None]) -> None:
+        """``cb(is_leader, term)`` on every leadership change, from the node's notifier thread."""
+        self._leader_listeners.append(cb)
+
+    def add_apply_listener(self, cb: Callable[[int, Any, Any], None]) -> None:
+        """``cb(index, command, result)`` after each applied command (not no-ops), in the turn that
+        applied it (on whichever thread took it) before the proposer is answered; it must be quick
+        and must not call ``propose``."""
+        self._apply_listeners.append(cb)
+
+    # -- HTTP ------------------------------------------------------------------------------------
+    def _make_blueprint(self) -> Blueprint:
+        bp = Blueprint(f"raft_{self.name}", __name__)
+
+        @bp.get("/raft/read_index")
+        def raft_read_index() -> tuple[Response, int]:
+            refused = secret_refusal(request.headers.get("Authorization"), f"Bearer {self.secret}".encode())
+            if refused is not None:
+                return jsonify({"error": {"code": refused[0], "message": refused[1]}}), refused[0]
+            try:
+                # Within the asking follower's own wait (its READ_WAIT is longer than this).
+                return jsonify({"index": self.wait_read_index(LEADER_READ_WAIT), "term": self.term()}), 200
+            except ReadIndexUnavailable as exc:
+                return jsonify({"error": {"code": 503, "message": str(exc)}}), 503
+
+        return bp
+
+    def _parse(self, raw: list[Any]) -> list[Message]:
+        """Well-formed messages from a member, addressed to us; anything else is ignored."""
+        out = []
+        for d in raw:
+            try:
+                m = Message.from_dict(d)
+            except (KeyError, ValueError, TypeError, AttributeError):
+                continue
+            if m.src in self.peers and m.src != self.name and m.dst == self.name:
+                out.append(m)
+        return out
+
+    def _on_frame(self, peer: str, frame: Any) -> None:
+        """A frame from an authenticated connection (a reader thread): its messages from ``peer`` to us
+        go to the event loop; anything else is ignored, as a lost message would be. A snapshot
+        message goes only with the stream it closes, and only if the whole stream arrived."""
+        if not isinstance(frame, dict):
+            return
+        if "chunk" in frame:
+            self._incoming.chunk(peer, frame["chunk"])
+            return
+        raw = frame.get("messages")
+        if not isinstance(raw, list):
+            return
+        msgs = [m for m in self._parse(raw) if m.src == peer]
+        snaps = [m for m in msgs if m.type == SNAPSHOT]
+        if snaps:
+            msgs = [m for m in msgs if m.type != SNAPSHOT]
+            path = self._incoming.finish(peer, frame.get("snapshot")) if len(snaps) == 1 else None
+            if path is not None:
+                snaps[0].payload = path
+                msgs.append(snaps[0])
+        if msgs:
+            self._submit("msgs", msgs)
+
+    # -- event loop ------------------------------------------------------------------------------
+    def _submit(self, kind: str, value: Any) -> None:
+        """Put an input in the inbox (stamped with when it arrived) and see it handled."""
+        self._inbox.put((kind, value, time.monotonic()))
+        self._drive()
+
+    def _drive(self) -> None:
+        """Take the next turn on this thread if nobody holds the core; if somebody does, it looks at
+        the inbox again once it lets go, so the input is not left behind. After a few turns in a row
+        (inputs keep coming), or while the node stops or recovers from a fault, the loop thread
+        takes over."""
+        for _ in range(_INLINE_TURNS):
+            if self._inbox.empty():
+                return
+            if not self._core_lock.acquire(blocking=False):
+                return
+            try:
+                if self._broken is not None or self._stopping.is_set():
+                    break
+                self._turn_thread = threading.get_ident()
+                self._turn()
+                if self._wake_at < self._loop_sleeps_until:
+                    self._wake.set()  # e.g. elected: its heartbeats fall due before what the loop waits for
+            except BaseException as exc:
+                self._broken = exc  # before the lock is let go, as in ``_loop``
+                if not isinstance(exc, Exception):
+                    raise
+                break
+            finally:
+                self._turn_thread = None
+                self._core_lock.release()
+        else:
+            if self._inbox.empty():
+                return  # nothing left over for the loop thread
+        self._wake.set()
+
+    def _run(self) -> None:
+        """The event loop, supervised: an error in a turn, on any thread (a full disk, any bug),
+        never leaves a replica up with a frozen view. The node drops its in-memory state, as a crash
+        would, and reloads from disk after a backoff; Raft is built to survive exactly that. It
+        retries until the fault clears (space returns), then catches up as after a restart. Other
+        threads take no turn meanwhile (``_broken``); their inputs wait in the inbox."""
+        while True:
+            try:
+                self._loop()
+                return
+            except Exception as exc:
+                with self._core_lock:
+                    self._broken = exc
+                    self._enter_fault(exc)
+            while True:
+                if self._stopping.wait(self._fault_backoff):
+                    return
+                self._fault_backoff = min(self._fault_backoff * 2, 1.0)
+                try:
+                    with self._core_lock:
+                        self.core = self._load_core()
+                        self._caught_up = False
+                        self._refresh_view()
+                        # A turn another thread takes next must not count the backoff against the
+                        # new core (an election at once).
+                        self._count_ticks_from_now()
+                        self._broken = None
+                    break
+                except Exception as exc:
+                    with self._core_lock:
+                        self._enter_fault(exc)
+            log.warning("%s: reloaded from disk after a fault; rejoining as a follower", self.name)
+
+    def _enter_fault(self, exc: BaseException) -> None:
+        first = self.fault is None
+        storage = is_storage_fault(exc)
+        self.fault = describe(exc) if storage else f"replication loop error: {type(exc).__name__}: {exc}"
+        self.loop_faults["storage" if storage else "error"] += 1
+        self.last_loop_fault = self.fault
+        self._fault_at = time.monotonic()
+        if first:
+            log.error("%s: %s; stepping down, serving nothing, retrying", self.name, self.fault, exc_info=exc)
+        self._lease_until = 0.0
+        self._view = {**self._view, "role": "failed", "leader": None}
+        for prop in list(self._proposals.values()):
+            prop.finish(error=ProposalTimeout(f"{self.name}: {self.fault}; outcome unknown", index=prop.index))
+        self._proposals.clear()
+        if self._was_leader:
+            self._was_leader = False
+            self._notify.put((False, int(self._view.get("term", 0))))
+
+    def _loop(self) -> None:
+        """Turns whenever the core's next timer falls due (an idle replica wakes at its heartbeats,
+        not every tick) or another thread wakes it; raises the error of a turn taken elsewhere."""
+        while not self._stopping.is_set():
+            with self._core_lock:
+                if self._broken is not None:
+                    raise self._broken
+                self._wake.clear()  # under the lock: a wake after this is seen below
+                try:
+                    self._turn()
+                except BaseException as exc:
+                    # Marked before the lock is let go: a half-handled Ready (entries sent, not
+                    # written) must not be built on by another thread's turn, such as an
+                    # acknowledgement counting this leader's unwritten entry towards a majority.
+                    self._broken = exc
+                    raise
+                self._loop_sleeps_until = self._wake_at
+            if not self._inbox.empty():
+                continue  # left by a thread that found the lock taken
+            self._wake.wait(max(0.0, self._loop_sleeps_until - time.monotonic()))
+
+    def _turn(self) -> None:
+        """With the core lock held: every input queued so far (each after the ticks that fell due
+        before it arrived), the ticks due now, then the core's ``Ready``."""
+        tick_s = self.config.tick_ms / 1000.0
+        for _ in range(10_000):
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            # The ticks due before an input arrived come first: a follower that slept through ten
+            # ticks and then hears from its leader must count none of them after hearing, or it
+            # would vote for a successor while that leader's lease still holds.
+            self._tick_until(item[2])
+            self._handle_input(item)
+        now = time.monotonic()
+        self._tick_until(now)
+        self._process_ready(self._next_tick - tick_s)
+        self._wake_at = self._next_tick + (self.core.ticks_until_timer() - 1) * tick_s
+        if self.fault is not None and self._caught_up and now - self._fault_at >= self.config.election_ticks_max * tick_s:
+            # Only once it has caught up with a leader (or leads), which takes writing what it
+            # missed, and an election timeout without a new fault: a follower with a full disk
+            # that merely had nothing to write for a while is not working again.
+            log.warning("%s: working again after %s", self.name, self.fault)
+            self.fault = None
+            self._fault_backoff = _FAULT_BACKOFF_MIN
+
+    def _count_ticks_from_now(self) -> None:
+        """The first tick falls due one tick from now: at start, and for a core reloaded after a
+        fault (before any turn: ``_tick_until`` would count the time before as ticks)."""
+        self._next_tick = time.monotonic() + self.config.tick_ms / 1000.0
+
+    def _tick_until(self, until: float) -> None:
+        """Advance the core by every tick due by ``until`` (monotonic), in one call. Far behind (a stall
+        longer than two election timeouts), the rest are dropped rather than stormed: fewer ticks
+        than time passed only make every timer later, never earlier."""
+        tick_s = self.config.tick_ms / 1000.0
+        if until < self._next_tick:
+            return
+        due = min(int((until - self._next_tick) / tick_s) + 1, 2 * self.config.election_ticks_max)
+        self.core.tick(due)  # one call: the ticks that only count are counted at once
+        self._next_tick += due * tick_s
+        if until >= self._next_tick:
+            self._next_tick = until + tick_s
+
+    def _handle_input(self, item: tuple[str, Any, float]) -> None:
+        kind, value, _ = item
+        if kind == "msgs":
+            for m in value:
+                self.core.step(m)
+                if m.type == SNAPSHOT and isinstance(m.payload, Path):
+                    self._stepped_snapshots.append(m.payload)
+        elif kind == "propose":
+            prop: _Proposal = value
+            index = self.core.propose(prop.command)
+            if index is None:
+                prop.finish(error=NotLeader(*(self._leader_tuple() or (None, None))))
+            else:
+                prop.index, prop.term = index, self.core.term
+                self._proposals[index] = prop
+        elif kind == "forget":
+            prop = value
+            if self._proposals.get(prop.index) is prop:
+                del self._proposals[prop.index]
+            prop.settled.set()
+
+    def _leader_tuple(self) -> tuple[str, str] | None:
+        name = self.core.leader
+        return None if name is None else (name, self.peers[name])
+
+    def _process_ready(self, tick_wall: float) -> None:
+        rd = self.core.ready()
+        if self._stepped_snapshots:  # received files the core ignored (stale) or superseded
+            for path in self._stepped_snapshots:
+                if rd.snapshot is None or path is not rd.snapshot.data:
+                    self._incoming.discard(path)
+            self._stepped_snapshots = []
+        if not rd.is_empty():
+            self._commit_seen = self.core.commit
+            # A follower acknowledges only what is on its disk; a leader's appends go out before
+            # its own write, and its commit news after its apply (Ready.steps, which the
+            # simulator in tests/replication follows too).
+            for step in rd.steps():
+                if step == PERSIST:
+                    self._persist(rd)
+                elif step == SEND:
+                    self._send(rd.messages)
+                else:  # APPLY
+                    self._apply(rd.committed_entries)
+            self.core.advance(rd)
+            self._maybe_compact()
+        self._refresh_view(tick_wall)
+
+    def _persist(self, rd: Ready) -> None:
+        snap = rd.snapshot
+        if snap is not None:
+            if snap.data is None:
+                raise RuntimeError("snapshot message without payload")
+            try:
+                self.store.begin_install(snap.index, snap.term)
+                with self._apply_lock:
+                    self.sm.restore(snap.index, snap.data)
+                    self._applied_at = (snap.index, snap.term)
+            finally:  # installed, or lost with the rest of what the loop held (it reloads from disk)
+                self._incoming.discard(snap.data)
+            self.snapshots_installed += 1
+            log.info("%s: installed a snapshot at index %d (its log was behind the leader's compaction)",
+                     self.name, snap.index)
+            for index, prop in list(self._proposals.items()):
+                if index <= snap.index:
+                    prop.finish(error=ProposalTimeout("replaced by a snapshot; outcome unknown"))
+                    del self._proposals[index]
+            self._set_applied(snap.index)
+        hs = rd.hard_state
+        if hs is not None and (hs.term, hs.vote) == self._durable_vote and not (
+                rd.entries or rd.truncate_from is not None or snap is not None):
+            # Only the commit index moved. Raft needs term and vote durable, not commit (a restarted
+            # replica relearns it from the leader), so this costs no synced transaction in the
+            # middle of every round; it is written whenever the hard state goes out with entries.
+            hs = None
+        self.store.save(hs, rd.entries, rd.truncate_from, None if snap is None else (snap.index, snap.term))
+        if hs is not None:
+            self._durable_vote = (hs.term, hs.vote)
+        if rd.truncate_from is not None:
+            # Our uncommitted suffix was replaced by another leader's: those commands are lost.
+            for index, prop in list(self._proposals.items()):
+                if index >= rd.truncate_from:
+                    prop.finish(error=NotLeader(*(self._leader_tuple() or (None, None))))
+                    del self._proposals[index]
+
+    def _send(self, msgs: list[Message]) -> None:
+        for m in msgs:
+            sender = self._senders.get(m.dst)
+            if sender is not None:
+                sender.offer(m)
+
+    def _apply(self, entries: list[Entry]) -> None:
+        todo = [e for e in entries if e.index > self._applied]
+        if not todo:
+            return
+        with self._apply_lock:  # a storage fault raises: the loop's supervisor retries the batch
+            outcomes = self.sm.apply_many([(e.index, e.command) for e in todo])
+            self._applied_at = (todo[-1].index, todo[-1].term)
+        self._set_applied(todo[-1].index)  # readers see the batch once it is committed, as a whole
+        for e, (result, error) in zip(todo, outcomes, strict=True):
+            if error is not None:  # a deterministic command failure: the same on every replica
+                log.error("%s: applying entry %d failed", self.name, e.index, exc_info=error)
+            if e.command is not None and error is None:
+                for cb in self._apply_listeners:
+                    try:
+                        cb(e.index, e.command, result)
+                    except Exception:
+                        log.exception("%s: apply listener failed", self.name)
+            prop = self._proposals.pop(e.index, None)
+            if prop is not None:
+                if prop.term != e.term:
+                    prop.finish(error=NotLeader(*(self._leader_tuple() or (None, None))))
+                else:
+                    prop.finish(result, error)
+
+    def _set_applied(self, index: int) -> None:
+        with self._apply_cond:
+            self._applied = index
+            self._apply_cond.notify_all()
+
+    def keep_entries(self) -> int:
+        """Applied entries worth keeping for lagging followers, from the state's size now (one
+        ``PRAGMA`` per call): ``keep_entries`` at most, ``min_keep_entries`` at least."""
+        cfg = self.config
+        size = self.sm.size_bytes() if cfg.replay_bytes_per_entry > 0 else None
+        if size is None:
+            return cfg.keep_entries
+        return max(min(cfg.min_keep_entries, cfg.keep_entries),
+                   min(cfg.keep_entries, size // cfg.replay_bytes_per_entry))
+
+    def _maybe_compact(self) -> None:
+        """Compact applied entries by count and by size, whichever asks for more. The count kept
+        follows the state's size, read again only when the log has grown past the last count kept
+        plus the slack (the state's size changes slowly; a read per turn would not be free)."""
+        cfg, core = self.config, self.core
+        upto = 0
+        if core.applied - core.snap_index > self._keep + cfg.compact_slack:
+            self._keep = self.keep_entries()
+            if core.applied - core.snap_index > self._keep + cfg.compact_slack:
+                upto = core.applied - self._keep
+        if self.store.log_bytes > cfg.keep_bytes + cfg.compact_slack_bytes:
+            upto = max(upto, self.store.index_keeping(cfg.keep_bytes))
+        if min(upto, core.applied) > core.snap_index:
+            res = core.compact(upto)
+            if res is not None:
+                self.store.compact(*res)
+
+    def _refresh_view(self, tick_wall: float | None = None) -> None:
+        core = self.core
+        is_leader = core.is_leader()
+        if not self._caught_up:
+            target = core.first_leader_commit
+            if is_leader or (target is not None and self._applied >= target):
+                self._caught_up = True
+        role = core.public_role
+        if role == "follower" and not self._caught_up:
+            role = "recovering"
+        self._count_transitions(core.role, core.leader, role)
+        if is_leader and tick_wall is not None:
+            self._lease_until = tick_wall + core.lease_remaining() * self.config.tick_ms / 1000.0
+        elif not is_leader:
+            self._lease_until = 0.0
+        self._view = {
+            "role": role,
+            "term": core.term,
+            "leader": core.leader,
+            "commit": core.commit,
+            "term_start": core.term_start_index,
+        }
+        if is_leader != self._was_leader:
+            self._was_leader = is_leader
+            if is_leader:
+                self._leader_since = (core.term, time.monotonic(), core.election_quiet)
+            self._notify.put((is_leader, core.term))
+
+    def _count_transitions(self, raw_role: str, leader: str | None, role: str) -> None:
+        """Elections started, leader changes seen, time to catch up: counted where they happen."""
+        if raw_role == CANDIDATE and self._last_raw_role != CANDIDATE:
+            self.elections += 1  # a real election (term + 1), not a pre-vote
+        if leader is not None and leader != self._last_leader:
+            if self._last_leader is not None:
+                self.leader_changes += 1  # the first leader learnt after start is no failover
+            self._last_leader = leader
+        self._last_raw_role = raw_role
+        if self.catch_up_seconds is None and role in ("leader", "follower"):
+            self.catch_up_seconds = time.monotonic() - self._created
+
+    def _run_notifier(self) -> None:
+        """Supervised: a listener's error is logged and the next change is still delivered."""
+        while True:
+            item = self._notify.get()
+            if item is None:
+                return
+            for cb in list(self._leader_listeners):
+                try:
+                    cb(*item)
+                except Exception:
+                    log.exception("%s: leader listener failed", self.name)

@@ -1,0 +1,246 @@
+"""What every replica of a replicated tier serves, whatever its business: health, status, leadership.
+
+Catalog and order build their Flask apps on ``ReplicaRuntime``; it owns the replication node and
+turns its exceptions into HTTP answers (421 with the leader's name, 503 while not ready).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from flask import Flask, Response, jsonify, request
+
+from pygmy.kit.config import ClusterConfig
+from pygmy.kit.logs import request_id_scope, valid_request_id
+from pygmy.kit.metrics import FRAME_LATENCY
+from pygmy.kit.web import ApiError, access_log, create_base_app, error_body, fail, require_secret
+from pygmy.replication.metrics import ReplicaCollector
+from pygmy.replication.node import (
+    NotLeader,
+    ProposalTimeout,
+    ReadIndexUnavailable,
+    ReplicaNode,
+    ReplicationConfig,
+)
+from pygmy.replication.router import LEADER_HEADER
+from pygmy.replication.statemachine import StateMachine
+from pygmy.replication.transport import RAFT_PORT_OFFSET
+
+log = logging.getLogger(__name__)
+
+#: Longest a read waits for its replica to apply an index the caller already saw.
+READ_WAIT = 0.5
+#: A request's time budget on a frame channel when the frame gives none (as ``X-Request-Timeout-Ms``).
+FRAME_DEADLINE = 5.0
+
+#: ``handle(body, deadline)``: the answer body of a request served as a frame (``ReplicaRuntime.serve_frames``).
+FrameHandler = Callable[[dict[str, Any], float], dict[str, Any]]
+
+
+class Periodic:
+    """A replica's periodic duty (the catalog's restocking, the order leader's key expiry): ``work``
+    every ``every`` seconds while ``due``, on a thread of its own that ``stop`` ends. Supervised: a
+    failed round (no quorum, a full disk, a bug) is logged and the next one retries."""
+
+    def __init__(self, name: str, every: float) -> None:
+        self.name, self.every = name, every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def due(self) -> bool:
+        return True
+
+    def work(self) -> None:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            if not self.due():
+                continue
+            try:
+                self.work()
+            except Exception as exc:  # the next round tries again
+                log.warning("%s: a round failed (retried in %.0f s): %s", self.name, self.every, exc)
+
+
+class ReplicaRuntime:
+    def __init__(self, tier: str, k: int, config: ClusterConfig, state_machine: StateMachine) -> None:
+        self.tier, self.k, self.config = tier, k, config
+        self.name = f"{tier}-{k}"
+        self.secret = config.secret()
+        self.sm = state_machine
+        self.peers = config.peers(tier)
+        self.node = ReplicaNode(
+            name=self.name, peers=self.peers, state_machine=state_machine,
+            data_dir=config.replica_dir(self.name), secret=self.secret, config=ReplicationConfig.from_env(),
+            listen=(config.bind_address(self.name), config.listen_port(tier, k) + RAFT_PORT_OFFSET),
+        )
+        self.guard = require_secret(self.secret)
+        #: Frame requests being served (``serve_frames``), and whether new ones are refused (``drain``).
+        self._frames = threading.Condition()
+        self._frames_in_flight = 0
+        self._draining = False
+
+    def create_app(self) -> Flask:
+        app = create_base_app(self.name, lambda: [ReplicaCollector(self.name, self.node)],
+                              limits=self.config.limits(self.tier))
+
+        @app.after_request
+        def _name_the_leader(resp: Response) -> Response:
+            leader = self.node.leader()
+            if leader is not None:
+                resp.headers[LEADER_HEADER] = leader[0]
+            return resp
+
+        @app.errorhandler(NotLeader)
+        @app.errorhandler(ProposalTimeout)
+        def _replication_error(exc: NotLeader | ProposalTimeout) -> Response:
+            code, body = self._replication_error(exc)
+            resp = jsonify(body)
+            resp.status_code = code
+            return resp
+
+        @app.get("/health")
+        def health() -> Response:
+            """Fails while the node is faulted (e.g. its disk is full), so routers and orchestrators skip it."""
+            if self.node.fault is not None:
+                fail(503, f"{self.name}: {self.node.fault}")
+            return jsonify({"name": self.name, "status": "ok"})
+
+        @app.get("/status")
+        def status() -> Response:
+            return jsonify({**self.node.status(), "admission": app.wsgi_app.snapshot()})  # type: ignore[attr-defined]
+
+        @app.get("/verify")
+        @self.guard
+        def verify() -> Response:
+            """The maintained digest against one recomputed from every row: O(data), from one read
+            snapshot, without the apply lock (``pygmy verify`` asks every replica)."""
+            applied, digest, recomputed = self.node.sm.full_digest()
+            return jsonify({"name": self.name, "applied_index": applied, "state_digest": digest,
+                            "recomputed": recomputed, "ok": digest == recomputed})
+
+        if self.node.blueprint is not None:
+            app.register_blueprint(self.node.blueprint)
+        return app
+
+    def serve_frames(self, channel: str, path: str, handle: FrameHandler) -> None:
+        """Serve the HTTP route ``path``'s work on ``channel`` of the peer transport as well, for the
+        services' own calls many times a second (a frontend worker's buys, an order leader's
+        decrements): a frame on an open connection costs about a fifth of an HTTP request through
+        urllib3, Gunicorn and Flask. The route and the channel call the same ``handle``.
+
+        A request frame is ``{"body", "timeout_ms", "request_id"}``; the answer ``{"status", "body"}``,
+        with the errors the route would give (421 with the leader's name, 503, 4xx). No admission
+        cap here: a caller sends one request at a time per connection (``FrameClient.call``), so what
+        is in flight is bounded by the callers' processes. Each request is timed in
+        ``pygmy_frame_request_seconds`` and logged like an HTTP write, with its request id."""
+        def on_frame(peer: str, frame: Any) -> dict[str, Any]:
+            started = time.perf_counter()
+            if not isinstance(frame, dict) or not isinstance(frame.get("body"), dict):
+                return {"status": 400, "body": error_body(400, "a request frame is {body: {...}, timeout_ms}")}
+            budget = frame.get("timeout_ms")
+            own = time.monotonic() + FRAME_DEADLINE
+            given = isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0
+            deadline = min(own, time.monotonic() + budget / 1000) if given else own
+            with self._frames:
+                if self._draining:  # 503 without "overloaded": routers try the next replica
+                    return {"status": 503, "body": error_body(503, f"{self.name} is stopping")}
+                self._frames_in_flight += 1
+            try:
+                with request_id_scope(valid_request_id(frame.get("request_id"))):
+                    status, body = self._answer(handle, frame["body"], deadline)
+                    elapsed = time.perf_counter() - started
+                    FRAME_LATENCY.labels(self.name, path).observe(elapsed)
+                    access_log.info("%s %s %s", "FRAME", path, status, extra={
+                        "method": "FRAME", "path": path, "status": status, "peer": peer,
+                        "duration_ms": round(elapsed * 1000, 3)})
+            finally:
+                with self._frames:
+                    self._frames_in_flight -= 1
+                    self._frames.notify_all()
+            return {"status": status, "body": body}
+
+        self.node.add_channel(channel, on_frame)
+
+    def _answer(self, handle: FrameHandler, body: dict[str, Any], deadline: float) -> tuple[int, dict[str, Any]]:
+        """``handle``'s answer, or its error as the HTTP app's error handlers would give it."""
+        try:
+            return 200, handle(body, deadline)
+        except ApiError as exc:
+            extra = {k: v for k, v in exc.extra.items() if k != "retry_after"}
+            return exc.code, error_body(exc.code, exc.message, **extra)
+        except (NotLeader, ProposalTimeout) as exc:
+            return self._replication_error(exc)
+        except Exception:
+            log.exception("%s: a frame request failed", self.name)
+            return 500, error_body(500, "internal error")
+
+    def _replication_error(self, exc: NotLeader | ProposalTimeout) -> tuple[int, dict[str, Any]]:
+        """421 naming the leader (routers go there), or 503 for a write whose commit was not seen."""
+        if isinstance(exc, NotLeader):
+            return 421, error_body(421, f"{self.name} is not the {self.tier} leader",
+                                   leader=exc.leader_name, leader_url=exc.leader_url)
+        return 503, error_body(503, f"{self.name}: write not committed in time (no majority?); "
+                                    "its outcome is unknown: retry with the same idempotency key")
+
+    def drain(self, timeout: float = 10.0) -> int:
+        """Refuse new frame requests and wait, at most ``timeout`` seconds, for those being served to
+        finish while the node still runs: what Gunicorn's graceful stop does for HTTP requests in
+        flight (its worker exit hook calls this first). How many were still running at the end."""
+        end = time.monotonic() + timeout
+        with self._frames:
+            self._draining = True
+            while self._frames_in_flight and time.monotonic() < end:
+                self._frames.wait(end - time.monotonic())
+            return self._frames_in_flight
+
+    def start(self) -> None:
+        self.node.start()
+
+    def stop(self) -> None:
+        self.node.stop()
+
+    # -- helpers for the service's handlers --------------------------------------------------------
+    def propose(self, command: dict[str, Any], timeout: float = 5.0) -> Any:
+        return self.node.propose(command, timeout)
+
+    def ensure_readable(self) -> None:
+        """Refuse reads (503, the router tries another replica) unless this replica's state is fresh
+        enough for a linearizable read: applied up to the leader's commit index as of now.
+
+        Every read, on the leader or a follower, waits for the read index (Raft's ReadIndex; the
+        leader's own under its lease, a follower's asked of the leader in batches), so no read
+        returns less than a read or a write that finished before it began. ``?min_index=N`` asks
+        for at least N besides (a version the caller saw); ``?leader=1`` asks for the leader itself.
+        """
+        raw = request.args.get("min_index", "0")
+        # isascii: "²".isdigit() is true but int("²") fails; 18 digits: an index fits SQLite.
+        min_index = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 18 else 0
+        if request.args.get("leader"):
+            self.leader_only()
+        if not self.node.is_leader() and not self.node.can_serve_reads():  # a leader may wait for its lease
+            fail(503, f"{self.name} is not ready to serve reads")
+        try:
+            index = self.node.linearizable_index(READ_WAIT)
+        except ReadIndexUnavailable as exc:
+            fail(503, f"{self.name} cannot serve a linearizable read right now: {exc}")
+        wanted = max(index, min_index)
+        if not self.node.wait_applied(wanted, READ_WAIT):
+            fail(503, f"{self.name} has not yet applied index {wanted}")
+
+    def leader_only(self) -> None:
+        if not self.node.is_leader():
+            leader = self.node.leader()
+            raise NotLeader(*(leader or (None, None)))

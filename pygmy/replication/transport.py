@@ -1,0 +1,340 @@
+"""Framed transport between services: long-lived TCP connections carrying length-prefixed JSON.
+
+Why not HTTP: a Raft round or a cache hold over Flask + Requests cost about a millisecond of CPU per
+message on each side (Werkzeug parsing, Requests' session machinery, a thread hand-off per request),
+and a buy made a dozen such hops; an idle cluster spent half a core on heartbeats and lease renewals.
+A frame on an open connection costs an encode (``pygmy.kit.codec``, orjson) and one ``sendall``.
+
+Wire format: each frame is a 4-byte big-endian length and that many bytes of UTF-8 JSON. A client
+opens with a hello frame ``{"hello": <its name>, "secret": <the cluster secret>, "channel": <c>}``;
+the server checks the secret in constant time, that it serves channel ``c`` and, if the channel is
+for members only (Raft's), that the name is one; it answers ``{"ok": true}``, or an error frame and
+closes the connection, so without the secret nothing is read past the hello (the same secret guards
+the HTTP endpoints). Then the client sends frames and the channel's handler may answer any frame
+with one of its own, in order, on the same connection.
+
+A connection that fails in any way is closed and the frames on it are lost: both users tolerate
+that (Raft retransmits; a cache hold that is not acknowledged is waited out).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from pygmy.kit import codec
+
+log = logging.getLogger(__name__)
+
+_HEADER = struct.Struct(">I")
+#: Largest frame accepted: appends of thousands of batched commands (snapshots go in 1 MiB chunks).
+MAX_FRAME = 1 << 30
+#: A new connection must say hello within this long.
+HELLO_TIMEOUT = 2.0
+#: Channels (what a connection carries): Raft between the replicas of a tier (members only); cache
+#: lease renewals from frontend workers to the catalog leader; holds and releases from the catalog
+#: leader to each frontend worker's own listener; a frontend worker's buys to the order leader, and its
+#: decrements from there to the catalog leader (``ReplicaRuntime.serve_frames``).
+RAFT_CHANNEL, SUBSCRIBE_CHANNEL, PUSH_CHANNEL = "raft", "subscribe", "push"
+BUYS_CHANNEL, DECREMENTS_CHANNEL = "buys", "decrements"
+#: Where a replica listens for its peers: its HTTP port plus this (catalog-1 on 8101 listens on 8151).
+RAFT_PORT_OFFSET = 50
+
+Handler = Callable[[str, Any], Any]
+
+
+@dataclass(frozen=True)
+class Channel:
+    """What a server does with the frames of one kind of connection: ``handle(peer_name, frame)``
+    runs on the connection's reader thread, and a non-None result goes back as the reply frame."""
+
+    handle: Handler
+    #: The only names a client may say hello as on this channel (None: any name).
+    members: frozenset[str] | None = None
+
+
+class Abandoned(OSError):
+    """A ``call`` gave up waiting because its ``stalled`` check said the answer is no longer
+    worth waiting for (the connection is closed; the peer may still act on the frame)."""
+
+    def __init__(self, message: str, reason: Any = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class FrameError(OSError):
+    """The peer broke the framing (too long, not JSON) or refused us: the connection is unusable."""
+
+
+def raft_address(url: str) -> tuple[str, int]:
+    """The peer transport address of the replica serving HTTP at ``url``."""
+    parts = urlsplit(url)
+    if parts.hostname is None or parts.port is None:
+        raise ValueError(f"a peer URL needs a host and a port: {url!r}")
+    return parts.hostname, parts.port + RAFT_PORT_OFFSET
+
+
+def subscriber_address(url: str) -> tuple[str, int]:
+    """``tcp://host:port`` (where a frontend worker takes cache pushes) as an address."""
+    parts = urlsplit(url)
+    if parts.scheme != "tcp" or parts.hostname is None or parts.port is None:
+        raise ValueError(f"expected tcp://host:port, got {url!r}")
+    return parts.hostname, parts.port
+
+
+def encode(obj: Any) -> bytes:
+    data = codec.dumps(obj)
+    return _HEADER.pack(len(data)) + data
+
+
+_WELCOME = encode({"ok": True})
+
+
+def read_frame(stream: Any) -> Any:
+    """The next frame from a buffered socket reader; None at a clean end of stream."""
+    header = stream.read(_HEADER.size)
+    if not header:
+        return None
+    if len(header) < _HEADER.size:
+        raise FrameError("connection closed inside a frame header")
+    (length,) = _HEADER.unpack(header)
+    if length > MAX_FRAME:
+        raise FrameError(f"frame of {length} bytes is over the limit")
+    data = stream.read(length)
+    if len(data) < length:
+        raise FrameError("connection closed inside a frame")
+    try:
+        return codec.loads(data)
+    except ValueError as exc:
+        raise FrameError(f"frame is not JSON: {exc}") from None
+
+
+def _close(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked reading it
+    sock.close()
+
+
+class FrameServer:
+    """Accepts authenticated connections on its ``channels`` (more may be added before ``start``).
+    ``stop()`` closes the listening socket and every connection and joins every thread it started."""
+
+    def __init__(self, host: str, port: int, secret: str, channels: Mapping[str, Channel], *, name: str) -> None:
+        self.name = name
+        self.channels = dict(channels)
+        self._expected = secret.encode()
+        self._sock = socket.create_server((host, port), backlog=128)  # SO_REUSEADDR: rebinds after a crash
+        self.address = self._sock.getsockname()[:2]
+        self._lock = threading.Lock()
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._accept_loop, name=f"frames-accept-{name}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            conns = list(self._conns.items())
+        _close(self._sock)
+        self._thread.join(timeout=5)
+        for sock, thread in conns:
+            _close(sock)
+            thread.join(timeout=5)
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # the listening socket was closed by stop()
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            thread = threading.Thread(target=self._serve, args=(conn,), name=f"frames-conn-{self.name}",
+                                      daemon=True)
+            with self._lock:
+                if self._stopping:
+                    conn.close()
+                    return
+                self._conns[conn] = thread
+            thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            stream = conn.makefile("rb")
+            conn.settimeout(HELLO_TIMEOUT)
+            hello = read_frame(stream)
+            hello = hello if isinstance(hello, dict) else {}
+            given, peer, channel = hello.get("secret"), hello.get("hello"), self.channels.get(hello.get("channel"))
+            refusal = None
+            if not isinstance(given, str) or not isinstance(peer, str) or not hmac.compare_digest(
+                    given.encode("utf-8", "replace"), self._expected):
+                refusal = "wrong internal secret"
+            elif channel is None:
+                refusal = f"no channel {hello.get('channel')!r} here"
+            elif channel.members is not None and peer not in channel.members:
+                refusal = f"{peer!r} is not a member"
+            if refusal is not None:
+                log.warning("%s: refused a connection: %s", self.name, refusal)
+                conn.sendall(encode({"error": {"code": 403, "message": refusal}}))
+                return
+            assert channel is not None
+            conn.sendall(_WELCOME)
+            conn.settimeout(None)  # a quiet peer is not a dead one; a new connection replaces it
+            while True:
+                frame = read_frame(stream)
+                if frame is None:
+                    return
+                reply = channel.handle(peer, frame)
+                if reply is not None:
+                    conn.sendall(encode(reply))
+        except (OSError, ValueError, AttributeError) as exc:
+            log.debug("%s: connection ended: %s", self.name, exc)
+        except Exception:
+            log.exception("%s: frame handler failed; closing the connection", self.name)
+        finally:
+            with self._lock:
+                self._conns.pop(conn, None)
+            _close(conn)
+
+
+class FrameClient:
+    """One long-lived connection to a ``FrameServer``, opened on first use and again after any error.
+
+    Thread-safe: one caller at a time sends (and, for ``call``, reads the reply)."""
+
+    def __init__(self, address: tuple[str, int], secret: str, name: str, channel: str,
+                 connect_timeout: float = 0.2) -> None:
+        self.address, self.name = address, name
+        self._hello = encode({"hello": name, "secret": secret, "channel": channel})
+        self.connect_timeout = connect_timeout
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._stream: Any = None
+        self._partial = b""  # the rest of a frame ``send_nowait`` could not finish: goes out first
+        self.connects = 0
+
+    def _connection(self) -> socket.socket:
+        if self._sock is None:
+            sock = socket.create_connection(self.address, timeout=self.connect_timeout)
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.sendall(self._hello)
+                stream = sock.makefile("rb")
+                answer = read_frame(stream)  # within the connect timeout: a stopped peer is found here
+            except (OSError, ValueError) as exc:
+                sock.close()
+                raise FrameError(f"{self.address}: no welcome: {exc}") from None
+            if answer != {"ok": True}:
+                sock.close()
+                raise FrameError(f"{self.address} refused us: {answer}")
+            self._sock, self._stream = sock, stream
+            self.connects += 1
+        return self._sock
+
+    def _write(self, data: bytes, timeout: float) -> None:
+        """Under the lock: whatever ``send_nowait`` left of a frame, then ``data``."""
+        sock = self._connection()
+        sock.settimeout(timeout)
+        if self._partial:
+            sock.sendall(self._partial)
+            self._partial = b""
+        sock.sendall(data)
+
+    def send(self, obj: Any, timeout: float) -> None:
+        """Send one frame; raises OSError (the connection is closed, the frame maybe lost)."""
+        data = encode(obj)
+        with self._lock:
+            try:
+                self._write(data, timeout)
+            except OSError:
+                self._reset()
+                raise
+
+    def send_nowait(self, obj: Any) -> bool:
+        """Send one frame now if that cannot block: the connection is open and idle and the kernel
+        takes at least part of it (the rest goes out before the next frame). False: nothing was
+        sent; use ``send`` from a thread that may wait. Saves a thread hand-off per message."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            sock = self._sock
+            if sock is None or self._partial:
+                return False
+            data = encode(obj)
+            try:
+                sock.settimeout(0.0)
+                sent = sock.send(data)
+            except BlockingIOError:
+                return False
+            except OSError:
+                self._reset()
+                return False
+            self._partial = data[sent:]
+            return True
+        finally:
+            self._lock.release()
+
+    def call(self, obj: Any, timeout: float, stalled: Callable[[], Any] | None = None,
+             first_check: float = 0.25, check_every: float = 0.1) -> Any:
+        """Send one frame and return the server's reply frame; raises OSError on any failure.
+
+        ``stalled``: asked once no reply has begun for ``first_check`` seconds, then every
+        ``check_every`` seconds until one does; a true answer
+        abandons the wait (``Abandoned`` carrying it). A stopped peer keeps its connection open and
+        never answers, and only a look elsewhere (has another replica taken over?) can tell that
+        from a peer that is slow at its work."""
+        data = encode(obj)
+        with self._lock:
+            try:
+                self._write(data, timeout)
+                if stalled is not None:
+                    self._await_reply(timeout, stalled, first_check, check_every)
+                reply = read_frame(self._stream)
+                if reply is None:
+                    raise FrameError("connection closed before the reply")
+                return reply
+            except OSError:
+                self._reset()
+                raise
+            except ValueError as exc:
+                self._reset()
+                raise FrameError(str(exc)) from None
+
+    def _await_reply(self, timeout: float, stalled: Callable[[], Any], first_check: float,
+                     check_every: float) -> None:
+        """Under the lock, after a request went out: until its reply starts to arrive, by ``timeout``
+        (``TimeoutError``), or until ``stalled()`` gives a reason to stop waiting (``Abandoned``).
+        Replies come one per request, so no bytes of another frame sit in the stream's buffer."""
+        assert self._sock is not None
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN)
+        end = time.monotonic() + timeout
+        wait = first_check
+        while not poller.poll(max(0.0, min(wait, end - time.monotonic())) * 1000):
+            wait = check_every
+            if time.monotonic() >= end:
+                raise TimeoutError(f"{self.address}: no reply in {timeout:.2f} s")
+            reason = stalled()
+            if reason:
+                raise Abandoned(f"{self.address}: stopped waiting for a reply: {reason}", reason)
+
+    def _reset(self) -> None:
+        if self._sock is not None:
+            _close(self._sock)
+        self._sock = self._stream = None
+        self._partial = b""
+
+    def close(self) -> None:
+        with self._lock:
+            self._reset()

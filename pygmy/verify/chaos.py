@@ -1,0 +1,346 @@
+"""A randomized nemesis run: clients through both frontends while real faults come and go.
+
+``python -m pygmy.verify.chaos --duration 600 --seed 7`` (``make chaos DURATION=600 SEED=7``) starts a
+cluster of 3+3 replicas and 2 frontends x 2 workers, each service in its own network namespace with a
+small tmpfs data disk per replica, and runs for ``duration`` seconds:
+
+- clients: admin updates (with ``Idempotency-Key``, retried with the same key until answered), buys
+  (with a key and retried the same way, or without a key and not retried), lookups, searches and
+  reads of orders that were acknowledged, alternating between the two frontends;
+- the nemesis (``pygmy.verify.nemesis``): isolated leaders, a frontend that reaches only a minority,
+  majority/minority splits, one-way cuts, delay, loss, SIGSTOP, SIGKILL and full disks, one at a time
+  in seeded shuffled rounds.
+
+Every operation is recorded with invoke and complete times and its outcome. After the nemesis heals
+everything and the replicas converge, the run records each replica's final state, then
+``pygmy.verify.chaos_check`` judges the files (it can be rerun on them alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from pygmy import ROOT
+from pygmy.cluster.local import LocalCluster, free_port_base
+from pygmy.kit.config import ClusterConfig
+from pygmy.verify import chaos_check, lincheck, nemesis
+from pygmy.verify.linearizability import DEFINITE_FAILURES, Workload
+
+RESULTS = ROOT / "experiments" / "results" / "chaos"
+#: How long a client keeps retrying one update or keyed buy (same key) before calling it unknown.
+RETRY_FOR = 30.0
+#: Seconds clients go on after the nemesis stopped: retries find out what became of their operations.
+DRAIN = 8.0
+#: Seconds of load on the healed cluster after the last fault.
+SETTLE = 5.0
+
+
+@dataclass
+class ChaosWorkload(Workload):
+    """The linearizability workload plus buys retried under one key, keyless buys, searches and
+    reads of acknowledged orders; buys and updates keep retrying through faults."""
+
+    searchers: int = 1
+    order_readers: int = 2
+    keyless_every: int = 4  # one buy in this many goes without Idempotency-Key
+    acked: list[tuple[int, int]] = field(default_factory=list)  # (order number, complete time)
+    #: Books that start with this little stock and whose writers change only the cost: buyers sell
+    #: them out, so the run also checks "no oversell" at zero stock under faults (409s).
+    scarce: dict[int, int] = field(default_factory=lambda: {6: 20, 7: 20})
+
+    def __post_init__(self) -> None:
+        auth = {"Authorization": f"Bearer {self.token}"}
+        with requests.Session() as s:
+            for item, stock in self.scarce.items():
+                now = s.get(f"{self.urls[0]}/lookup/{item}", timeout=self.timeout).json()["stock"]
+                r = s.post(f"{self.urls[0]}/update/{item}", json={"stock_delta": stock - now}, headers=auth,
+                           timeout=self.timeout)
+                r.raise_for_status()
+        super().__post_init__()
+
+    def targets(self) -> list[Any]:
+        return super().targets() + [self._searcher] * self.searchers + [self._order_reader] * self.order_readers
+
+    def run(self, seconds: float, drain: float = DRAIN) -> lincheck.History:
+        self._stop_at = time.monotonic() + seconds
+        return super().run(seconds, drain)
+
+    def _send(self, send: Any) -> requests.Response | None:
+        """``send(attempt)`` until a definite answer (the same key every time), for up to
+        ``RETRY_FOR`` seconds, and no longer than ``DRAIN`` seconds past the end of the run."""
+        deadline = min(time.monotonic() + RETRY_FOR, self._stop_at + DRAIN)
+        for attempt in itertools.count():
+            r = send(attempt)
+            if r is not None and r.status_code < 500:
+                return r
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        return None
+
+    def _delta(self, item: int, i: int) -> int:
+        return 0 if item in self.scarce else super()._delta(item, i)
+
+    def _buyer(self, k: int) -> None:
+        client = next(self._clients)
+        rng = random.Random(k)
+        with requests.Session() as s:
+            for i in itertools.count():
+                if self._stop.is_set():
+                    return
+                item = self.items[(i + k) % len(self.items)]
+                keyless = rng.randrange(self.keyless_every) == 0
+                key = None if keyless else f"chaos-b-{uuid.uuid4().hex}"
+                op = self.history.invoke(client, "buy", item, {"quantity": 1, "key": key})
+
+                def send(a: int, item: int = item, key: str | None = key, i: int = i) -> requests.Response | None:
+                    return self._call(s, "POST", f"{self._url(k, i + a)}/buy/{item}", json={"quantity": 1},
+                                      headers={"Idempotency-Key": key} if key else {})
+
+                r = send(0) if keyless else self._send(send)
+                if r is None or r.status_code >= 500:
+                    self.history.unknown(op)
+                elif r.status_code == 200:
+                    order = r.json()
+                    self.history.ok(op, {"ok": True, "order_number": order["order_number"]})
+                    self.acked.append((order["order_number"], time.monotonic_ns()))
+                elif r.status_code == 409:
+                    self.history.ok(op, {"ok": False, "out_of_stock": True})
+                else:
+                    self.history.drop(op)
+                    self.errors.append(f"buy {item}: {r.status_code} {r.text[:200]}")
+
+    def _searcher(self, k: int) -> None:
+        client = next(self._clients)
+        with requests.Session() as s:
+            for i in itertools.count():
+                if self._stop.wait(0.05):
+                    return
+                topic = ("distributed systems", "graduate school")[i % 2]
+                op = self.history.invoke(client, "search", 0, {"topic": topic})
+                r = self._call(s, "GET", f"{self._url(k, i)}/search/{topic}")
+                if r is not None and r.status_code == 200:
+                    self.history.ok(op, {"count": len(r.json()["items"])})
+                elif r is not None and r.status_code in DEFINITE_FAILURES:
+                    self.history.drop(op)
+                    self.errors.append(f"search {topic}: {r.status_code} {r.text[:200]}")
+                else:
+                    self.history.unknown(op)
+
+    def _order_reader(self, k: int) -> None:
+        """Reads an acknowledged order; the checker flags a 404 for an order acknowledged before."""
+        client = next(self._clients)
+        rng = random.Random(1000 + k)
+        with requests.Session() as s:
+            for i in itertools.count():
+                if self._stop.wait(0.05):
+                    return
+                if not self.acked:
+                    continue
+                number = self.acked[-1 - min(len(self.acked) - 1, int(rng.expovariate(0.2)))][0]
+                op = self.history.invoke(client, "order", 0, {"order_number": number})
+                r = self._call(s, "GET", f"{self._url(k, i)}/orders/{number}")
+                if r is not None and r.status_code in (200, 404):
+                    body = r.json()
+                    self.history.ok(op, {"status": r.status_code, "item": body.get("item_number"),
+                                         "quantity": body.get("quantity")})
+                else:
+                    self.history.unknown(op)
+
+
+# -- the final state, read from every replica ----------------------------------------------------------
+def replica_status(config: ClusterConfig, name: str) -> dict[str, Any] | None:
+    try:
+        return requests.get(f"{config.peers(name.rsplit('-', 1)[0])[name]}/status", timeout=2).json()
+    except (requests.RequestException, ValueError):
+        return None
+
+
+def leader_of(config: ClusterConfig, tier: str) -> str | None:
+    best: tuple[int, str] | None = None
+    for name in config.peers(tier):
+        st = replica_status(config, name)
+        if st and st.get("role") == "leader" and (best is None or st["term"] > best[0]):
+            best = (st["term"], name)
+    return best[1] if best else None
+
+
+def converged(config: ClusterConfig) -> dict[str, list[dict[str, Any]]] | None:
+    """Every replica's status if every tier has a leader and all its replicas are at one applied
+    index with one digest, else None."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for tier in ("catalog", "order"):
+        sts = [replica_status(config, name) for name in config.peers(tier)]
+        if any(st is None or st.get("error") for st in sts):
+            return None
+        if sum(st["role"] == "leader" for st in sts) != 1 or len({(st["applied_index"], st["state_digest"])
+                                                                    for st in sts}) != 1:
+            return None
+        out[tier] = sts
+    return out
+
+
+def final_state(config: ClusterConfig, secret: str, items: list[int], max_order: int,
+                timeout: float = 90) -> dict[str, Any]:
+    """Wait until the replicas agree and stay put for 3 s (the order leader's sweeper finishes
+    intents left by faults within a few seconds), then read every book and order from every replica."""
+    deadline = time.monotonic() + timeout
+    last, since = None, time.monotonic()
+    while True:
+        st = converged(config)
+        key = None if st is None else {t: (s[0]["applied_index"], s[0]["state_digest"]) for t, s in st.items()}
+        if key is None or key != last:
+            last, since = key, time.monotonic()
+        elif time.monotonic() - since >= 3.0:
+            break
+        if time.monotonic() > deadline:
+            return {"converged": False, "status": {n: replica_status(config, n) for n in config.names()
+                                                   if not n.startswith("frontend")}}
+        time.sleep(0.3)
+    auth = {"Authorization": f"Bearer {secret}"}
+    replicas: dict[str, Any] = {}
+    with requests.Session() as s:
+        for tier, sts in st.items():
+            for status in sts:
+                url, entry = status["url"], {"status": status}
+                if tier == "catalog":
+                    entry["books"] = {str(i): s.get(f"{url}/books/{i}", headers=auth, timeout=5).json() for i in items}
+                else:
+                    orders = {}
+                    for n in range(1, max_order + 50):
+                        r = s.get(f"{url}/orders/{n}", headers=auth, timeout=5)
+                        if r.status_code == 200:
+                            orders[str(n)] = r.json()
+                        elif r.status_code != 404:
+                            raise RuntimeError(f"{status['name']} /orders/{n}: {r.status_code} {r.text[:200]}")
+                    entry["orders"] = orders
+                entry["verify"] = s.get(f"{url}/verify", headers=auth, timeout=60).json()
+                replicas[status["name"]] = entry
+    return {"converged": True, "replicas": replicas}
+
+
+def run(duration: float, seed: int, out: Path, kinds: tuple[str, ...] = nemesis.KINDS,
+        env: dict[str, str] | None = None, hold: tuple[float, float] | None = None) -> Path:
+    """One chaos run; writes history.json, nemesis.json and final.json to ``out`` and returns it.
+    ``hold``: how long each fault lasts (s, uniform), if not the nemesis' default."""
+    missing = nemesis.missing_tools()
+    if missing:
+        raise RuntimeError(f"the nemesis needs {', '.join(missing)} (network namespaces and iptables)")
+    lincheck.build_checker()
+    nemesis.build_toxiproxy()
+    out.mkdir(parents=True, exist_ok=True)
+    prefix, subnet = nemesis.fresh_addressing("c")
+    config = ClusterConfig(port_base=free_port_base(), frontends=2, frontend_workers=2, netns=prefix,
+                           netns_subnet=subnet)
+    items = list(range(1, 8))
+    with tempfile.TemporaryDirectory(prefix="pygmy-chaos-") as tmp:
+        data = Path(tmp) / "data"
+        config.data_dir = str(data)
+        disks = [config.replica_dir(n) for n in config.names() if not n.startswith("frontend")]
+        with nemesis.tmpfs_disks(disks), nemesis.Network(config, out) as net:
+            cluster = LocalCluster(data, config.port_base, [
+                "--frontends", "2", "--frontend-workers", "2", "--netns", config.netns,
+                "--netns-subnet", config.netns_subnet], env)
+            try:
+                cluster.start(reset=True)
+                urls = [config.frontend_url(1), config.frontend_url(2)]
+                load = ChaosWorkload(urls, cluster.admin_token(), items)
+
+                def pid(name: str) -> int | None:
+                    try:
+                        return int((data / "run" / f"{name}.pid").read_text())
+                    except (OSError, ValueError):
+                        return None
+
+                nem = nemesis.Nemesis(net, lambda tier: leader_of(config, tier), cluster.kill, cluster.restart,
+                                      pid, config.replica_dir, seed=seed, kinds=kinds,
+                                      **({"hold": hold} if hold else {}))
+                nem.start()
+                stopper = threading.Timer(duration, nem.stop)
+                stopper.start()
+                try:  # clients go on a little after the nemesis stops (a healed network resolves retries)
+                    history = load.run(duration + SETTLE)
+                finally:
+                    stopper.cancel()
+                    nem.stop()
+                net.heal()
+                for name in config.names():  # anything the nemesis left down comes back
+                    if pid(name) is None or not _alive(pid(name)):
+                        cluster.restart(name)
+                max_order = max((n for n, _ in load.acked), default=0)
+                final = final_state(config, cluster.secret(), items, max_order)
+            finally:
+                logs = cluster.logs_tail(lines=60)
+                cluster.stop()
+            # Every database whole, after all the full disks and kills.
+            final["integrity"] = nemesis.integrity({n: config.replica_dir(n) for n in config.names()})
+        history.save(out / "history.json")
+        (out / "nemesis.json").write_text(json.dumps({
+            "seed": seed, "duration": duration, "kinds": list(kinds),
+            "windows": nemesis.describe_windows(nem.windows), "errors": nem.errors,
+            "client_errors": load.errors[:100], "cache": dict(load.cache)}, indent=1))
+        (out / "final.json").write_text(json.dumps(final, indent=1))
+        if not final["converged"]:
+            (out / "logs.txt").write_text(logs)
+    return out
+
+
+def _alive(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--duration", type=float, default=600.0)
+    p.add_argument("--seed", type=int, default=None, help="nemesis seed (default: random, printed)")
+    p.add_argument("--out", type=Path, default=None, help="result directory (default experiments/results/chaos/seed-S)")
+    p.add_argument("--kinds", default=",".join(nemesis.KINDS), help="comma-separated fault kinds")
+    p.add_argument("--plot", action="store_true", help="also draw the run's timeline (timeline.png)")
+    return p
+
+
+def execute(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[int, Path]:
+    """Run and judge: the checker's exit status (0 no anomaly, 1 anomalies, 2 could not run) and
+    the run's directory."""
+    seed = args.seed if args.seed is not None else random.randrange(1_000_000)
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    unknown = set(kinds) - set(nemesis.KINDS)
+    if unknown:
+        p.error(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(nemesis.KINDS)}")
+    out = args.out or RESULTS / f"seed-{seed}"
+    print(f"chaos: {args.duration:.0f} s, seed {seed}, faults {', '.join(kinds)}; results in {out}", flush=True)
+    try:
+        run(args.duration, seed, out, kinds)
+    except RuntimeError as exc:
+        print(f"chaos: {exc}", file=sys.stderr)
+        return 2, out
+    return chaos_check.main([str(out)] + (["--plot"] if args.plot else [])), out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    return execute(p, p.parse_args(argv))[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

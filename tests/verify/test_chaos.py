@@ -1,0 +1,43 @@
+"""Quick nemesis runs on real processes in network namespaces, judged by the chaos checker.
+
+One clean run with every fault kind must find no anomaly; one run of a deliberately broken build
+(``stale-leader``: a leader that neither checks its lease nor steps down when cut off) must be caught,
+so the checker is shown to fail when a guarantee breaks. ``make chaos`` is the long version.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from harness import cluster_env
+
+from pygmy.verify import chaos, chaos_check, nemesis
+
+pytestmark = [pytest.mark.skipif(bool(nemesis.missing_tools()), reason=f"needs {nemesis.missing_tools()}"),
+              # The nemesis fills disks: replicas count storage faults and log them, nothing else.
+              pytest.mark.allow_faults("storage", logs=[r"disk full: database or disk is full"])]
+
+
+
+def test_a_quick_run_with_every_fault_finds_no_anomaly(tmp_path: Path) -> None:
+    out = chaos.run(40, seed=11, out=tmp_path / "run")
+    result = chaos_check.check(out)
+    assert result["ok"], chaos_check.summary(result)
+    assert set(result["faults"]) == set(nemesis.KINDS), result["faults"]  # every kind was applied
+    ok = sum(v for k, v in result["by_outcome"].items() if not k.endswith("/unknown"))
+    assert ok > 1000 and result["by_outcome"].get("buy/ok", 0) > 50, result["by_outcome"]
+    assert result["by_outcome"].get("buy/out_of_stock", 0) > 0, "two books are meant to sell out"
+    final = json.loads((out / "final.json").read_text())
+    assert final["converged"] and len(final["integrity"]) == 12  # 6 replicas x (log, state), all checked
+
+
+def test_the_checker_catches_an_isolated_leader_serving_stale_reads(tmp_path: Path) -> None:
+    env = cluster_env(PYGMY_MUTATION="stale-leader")
+    # Isolations of 2-3 s: long enough that a new leader takes writes while the old one still answers.
+    out = chaos.run(20, seed=3, out=tmp_path / "run", kinds=("isolate-catalog-leader",), env=env, hold=(2.0, 3.0))
+    result = chaos_check.check(out)
+    assert not result["ok"], "a leader serving reads while cut off from its peers went unseen"
+    assert "linearizable" in result["anomalies_by_kind"], chaos_check.summary(result)
+    assert chaos_check.main([str(out)]) == 1

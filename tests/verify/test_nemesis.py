@@ -1,0 +1,93 @@
+"""The nemesis' network faults do what they say, between real namespaces, and leave nothing behind.
+
+Needs root, iproute2 and iptables (``.ci/run`` installs them); skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pygmy.kit.config import ClusterConfig
+from pygmy.verify import nemesis
+
+pytestmark = pytest.mark.skipif(bool(nemesis.missing_tools()), reason=f"needs {nemesis.missing_tools()}")
+
+CONNECT = "import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=0.5).close()"
+LISTEN = "import socket, sys, time; s = socket.create_server((sys.argv[1], int(sys.argv[2]))); time.sleep(120)"
+
+
+@pytest.fixture
+def net(tmp_path: Path) -> Iterator[nemesis.Network]:
+    prefix, subnet = nemesis.fresh_addressing("t")
+    config = ClusterConfig(port_base=9000, catalog_replicas=2, order_replicas=1, frontends=1,
+                           netns=prefix, netns_subnet=subnet)
+    servers = []
+    with nemesis.Network(config, tmp_path) as n:
+        for name in n.names:  # something listening on every service's address and port
+            servers.append(subprocess.Popen(["ip", "netns", "exec", n.ns(name), sys.executable, "-c", LISTEN,
+                                             config.address(name), str(n.port(name))]))
+        try:
+            for name in n.names:
+                assert wait_reachable(n, n.names[0] if name != n.names[0] else n.names[1], name)
+            yield n
+        finally:
+            for p in servers:
+                p.kill()
+                p.wait()
+    assert nemesis.sh("ip", "netns", "list").stdout.count(config.netns) == 0
+    assert config.netns not in nemesis.sh("ip", "link").stdout
+
+
+def reaches(n: nemesis.Network, src: str, dst: str) -> bool:
+    """Whether ``src`` can open a TCP connection to ``dst``'s service port (within 0.5 s)."""
+    return subprocess.run(["ip", "netns", "exec", n.ns(src), sys.executable, "-c", CONNECT,
+                           n.config.address(dst), str(n.port(dst))], capture_output=True, timeout=30).returncode == 0
+
+
+def wait_reachable(n: nemesis.Network, src: str, dst: str) -> bool:
+    return any(reaches(n, src, dst) for _ in range(20))
+
+
+def test_a_cut_stops_both_directions_and_only_that_link(net: nemesis.Network) -> None:
+    a, b, c = "catalog-1", "catalog-2", "order-1"
+    assert reaches(net, a, b) and reaches(net, b, a)
+    net.cut(a, b)
+    assert not reaches(net, a, b) and not reaches(net, b, a)
+    assert reaches(net, a, c) and reaches(net, c, b) and reaches(net, "frontend-1", a)
+    net.heal()
+    assert reaches(net, a, b) and reaches(net, b, a)
+
+
+def test_a_one_way_cut_stops_only_requests_from_one_side(net: nemesis.Network) -> None:
+    a, b = "catalog-1", "catalog-2"
+    net.cut_one_way(a, b)
+    assert not reaches(net, a, b)
+    assert reaches(net, b, a)  # b's connection to a, and a's replies on it, go through
+    net.heal()
+    assert reaches(net, a, b)
+
+
+def test_total_loss_on_a_replica_spares_the_host(net: nemesis.Network) -> None:
+    a = "order-1"
+    net.lossy(a, 1.0)
+    assert not reaches(net, "catalog-1", a) and not reaches(net, a, "frontend-1")
+    probe = subprocess.run([sys.executable, "-c", CONNECT, net.config.address(a), str(net.port(a))], timeout=30)
+    assert probe.returncode == 0, "the host (clients, the nemesis' probes) still reaches it"
+    net.heal()
+    assert reaches(net, "catalog-1", a)
+
+
+def test_heal_is_idempotent_and_removes_every_rule(net: nemesis.Network) -> None:
+    net.cut("catalog-1", "order-1")
+    net.cut_one_way("frontend-1", "catalog-2")
+    net.lossy("catalog-2", 0.5)
+    net.heal()
+    net.heal()
+    for name in net.names:
+        rules = nemesis.sh("ip", "netns", "exec", net.ns(name), "iptables", "-S").stdout
+        assert "DROP" not in rules, (name, rules)
