@@ -7,10 +7,10 @@ import time
 from typing import Any
 
 from flask import Flask, Response, jsonify, request
+
 from pygmy.catalog import books as catalogue
 from pygmy.catalog.invalidation import Invalidator
 from pygmy.catalog.state import CatalogState
-
 from pygmy.kit.cachekeys import book_key
 from pygmy.kit.config import ClusterConfig
 from pygmy.kit.web import (

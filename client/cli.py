@@ -14,7 +14,6 @@ import uuid
 from typing import Any
 
 from pygmy.client.api import DEFAULT_URL, PygmyClient, PygmyError
-
 from pygmy.kit.config import ClusterConfig
 
 #: Retries of requests safe to repeat after a 503 or no answer (backoff, Retry-After, a budget).

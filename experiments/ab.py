@@ -31,11 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from pygmy.catalog.books import synthetic
+from pygmy.cluster.local import ROOT, LocalCluster
 from pygmy.experiments import harness as h
 from pygmy.experiments import recovery
 from pygmy.experiments.writepath import BOOKS, STOCK, TOPICS, cluster_cpu_s, measured_load, warm
-
-from pygmy.cluster.local import ROOT, LocalCluster
 
 LOADS = {"mix": h.MIX_40_40_20, "buy": {"buy": 1.0}}
 

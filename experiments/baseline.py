@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 import requests
+
 from pygmy.experiments import harness as h
 
 BOOK = {"item_number": 1, "title": "How to get a good grade in 677 in 20 minutes a day",

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from pygmy.experiments import baseline, failover, invalidation, recovery
 from pygmy.experiments import harness as h
 

@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from pygmy.catalog.books import synthetic
+from pygmy.cluster.local import LocalCluster, free_port_base
 from pygmy.experiments import baseline
 from pygmy.experiments import harness as h
-
-from pygmy.cluster.local import LocalCluster, free_port_base
 
 ZIPF = 1.0
 

@@ -16,7 +16,6 @@ from typing import Any
 
 from pygmy.experiments import harness as h
 from pygmy.experiments import report
-
 from pygmy.verify import chaos, nemesis
 
 

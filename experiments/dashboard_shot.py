@@ -18,13 +18,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from pygmy.client.api import PygmyClient, PygmyError
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
+from pygmy.client.api import PygmyClient, PygmyError
 from pygmy.cluster.local import start_cluster
 
 

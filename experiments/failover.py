@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import requests
+
 from pygmy.experiments import baseline
 from pygmy.experiments import harness as h
 

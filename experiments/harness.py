@@ -33,9 +33,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+
 from pygmy.catalog.books import DEFAULT_BOOKS  # noqa: E402
 from pygmy.client.api import PygmyClient, PygmyError  # noqa: E402
-
 from pygmy.cluster.local import LocalCluster, free_port_base  # noqa: E402
 
 PACKAGE = Path(__file__).resolve().parent

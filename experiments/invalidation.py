@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
 from pygmy.experiments import baseline
 from pygmy.experiments import harness as h
 

@@ -58,13 +58,13 @@ from typing import Any, NamedTuple
 
 import aiohttp
 import numpy as np
+
 from pygmy.catalog.books import synthetic
 from pygmy.client.api import PygmyClient, PygmyError
-from pygmy.experiments import harness as h
-from pygmy.experiments.writepath import cluster_cpu_s
-
 from pygmy.cluster import launcher
 from pygmy.cluster.local import LocalCluster
+from pygmy.experiments import harness as h
+from pygmy.experiments.writepath import cluster_cpu_s
 
 BOOKS = 1000
 TOPICS = 50

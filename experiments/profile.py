@@ -20,10 +20,9 @@ import time
 from pathlib import Path
 
 from pygmy.catalog.books import synthetic
+from pygmy.cluster.local import LocalCluster
 from pygmy.experiments import harness as h
 from pygmy.experiments.writepath import BOOKS, STOCK, TOPICS, cache_counters, cluster_cpu_s, warm
-
-from pygmy.cluster.local import LocalCluster
 
 LOADS = {"buy": {"buy": 1.0}, "mix": h.MIX_40_40_20, "idle": None}
 

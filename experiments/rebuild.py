@@ -23,10 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from pygmy.catalog.books import synthetic
-from pygmy.experiments import harness as h
-
 from pygmy.cluster.launcher import group_members
 from pygmy.cluster.local import LocalCluster
+from pygmy.experiments import harness as h
 
 #: The leader keeps this few applied entries, so a replica that lost everything needs a snapshot.
 KEEP_ENTRIES, SLACK = 50, 20

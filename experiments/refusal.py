@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import requests
-from pygmy.experiments import harness as h
 
 from pygmy.cluster.local import ROOT, free_port_base
+from pygmy.experiments import harness as h
 
 SERVER = """
 import sys, time

@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 import numpy as np
+
 from pygmy.experiments import baseline
 from pygmy.experiments import harness as h
 

@@ -27,12 +27,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import requests
-from pygmy.catalog.books import synthetic
-from pygmy.experiments import harness as h
-from pygmy.order.app import MAX_BUYS
 
+from pygmy.catalog.books import synthetic
 from pygmy.cluster.launcher import group_members
 from pygmy.cluster.local import LocalCluster
+from pygmy.experiments import harness as h
+from pygmy.order.app import MAX_BUYS
 
 TOPICS = 50
 _PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -32,12 +32,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pygmy.catalog.books import synthetic
-from pygmy.experiments import baseline
-from pygmy.experiments import harness as h
 
+from pygmy.catalog.books import synthetic
 from pygmy.cluster.launcher import group_members
 from pygmy.cluster.local import LocalCluster
+from pygmy.experiments import baseline
+from pygmy.experiments import harness as h
 
 BOOKS = 1000
 TOPICS = 50

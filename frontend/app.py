@@ -15,11 +15,11 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 from flask import Flask, Response, g, jsonify, request
+
 from pygmy.frontend import dashboard, openapi
 from pygmy.frontend.cache import ReadCache
 from pygmy.frontend.statusview import StatusView
 from pygmy.frontend.subscription import Subscription
-
 from pygmy.kit import metrics
 from pygmy.kit.admission import RETRY_AFTER, parse_timeout_ms
 from pygmy.kit.cachekeys import book_key, search_key

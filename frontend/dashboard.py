@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from flask import Flask, Response, jsonify, send_from_directory
-from pygmy.frontend.statusview import StatusView
 
+from pygmy.frontend.statusview import StatusView
 from pygmy.kit import control, metrics
 from pygmy.kit.config import ClusterConfig
 from pygmy.kit.web import fail, json_body

@@ -22,7 +22,6 @@ from collections.abc import Callable
 from typing import Any
 
 from pygmy.frontend.cache import ReadCache
-
 from pygmy.replication.router import ChannelRouter, TierUnavailable
 from pygmy.replication.transport import PUSH_CHANNEL, Channel, FrameServer
 

@@ -22,11 +22,11 @@ from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
 from flask import Flask, Response, jsonify
-from pygmy.order.state import CONFIRMED, FAILED, PENDING, OrderState, confirmed
 
 from pygmy.kit import metrics
 from pygmy.kit.config import ClusterConfig
 from pygmy.kit.web import ApiError, fail, int_field, json_body, parse_item, request_deadline
+from pygmy.order.state import CONFIRMED, FAILED, PENDING, OrderState, confirmed
 from pygmy.replication.batching import Combiner, CombinerTimeout
 from pygmy.replication.node import NotLeader, ProposalTimeout
 from pygmy.replication.router import ChannelRouter, Reply, Sightings, TierRouter, TierUnavailable

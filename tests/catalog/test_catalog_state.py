@@ -12,8 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pygmy.catalog.state as state_mod
 import pytest
+
+import pygmy.catalog.state as state_mod
 from pygmy.catalog.state import CatalogState, book_dict, build_seed, cents, error
 
 BOOKS = [

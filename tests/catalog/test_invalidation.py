@@ -14,9 +14,10 @@ import threading
 import time
 from typing import Any
 
-import pygmy.catalog.invalidation as inv_mod
 import pytest
 from harness import FakeLeadership
+
+import pygmy.catalog.invalidation as inv_mod
 from pygmy.catalog.invalidation import Invalidator
 from pygmy.frontend.subscription import MARGIN
 

@@ -15,12 +15,12 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import pygmy.catalog.invalidation as inv_mod
 import pytest
 from harness import FakeLeadership
 from prometheus_client import REGISTRY
-from pygmy.catalog.invalidation import LEASE, Invalidator
 
+import pygmy.catalog.invalidation as inv_mod
+from pygmy.catalog.invalidation import LEASE, Invalidator
 from pygmy.kit.cachekeys import book_key, search_key
 from pygmy.replication.node import ProposalTimeout
 from pygmy.replication.transport import PUSH_CHANNEL, Channel, FrameServer

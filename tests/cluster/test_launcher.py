@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import requests
 from harness import Cluster, free_port_base, pygmy
+
 from pygmy.catalog.books import DEFAULT_BOOKS
 from pygmy.catalog.state import CatalogState
 from pygmy.client.api import PygmyError
-
 from pygmy.cluster import launcher
 from pygmy.kit.config import ClusterConfig
 

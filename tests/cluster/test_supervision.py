@@ -14,7 +14,6 @@ from pygmy.catalog.app import Restocker
 from pygmy.frontend.cache import ReadCache
 from pygmy.frontend.subscription import Subscription
 from pygmy.order.app import BuyProcessor
-
 from pygmy.replication.router import Reply
 
 

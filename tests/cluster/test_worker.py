@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import requests
-from pygmy.experiments.refusal import serve_gated
 
 from pygmy.cluster.worker import _request_head, asks_to_close, said_closing
+from pygmy.experiments.refusal import serve_gated
 
 
 @pytest.fixture

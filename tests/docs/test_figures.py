@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from pygmy.experiments import report
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import subprocess
 
-from pygmy.experiments.ab import checkout
-
 from pygmy.cluster.local import ROOT
+from pygmy.experiments.ab import checkout
 
 
 def test_a_revision_is_checked_out_beside_this_tree_and_removed_afterwards() -> None:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from pygmy.experiments import baseline, report
 from pygmy.experiments import harness as h
 

@@ -9,7 +9,6 @@ from pathlib import Path
 from pygmy.catalog.state import CatalogState
 from pygmy.experiments.growth import sample
 from pygmy.order.state import OrderState
-
 from pygmy.replication.core import Entry
 from pygmy.replication.log_store import LogStore
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from pygmy.experiments import harness as h
 from pygmy.experiments import overload
 from pygmy.experiments.overload import Answer, check

@@ -11,9 +11,9 @@ from typing import Any
 
 import requests
 from harness import Cluster
+
 from pygmy.client.api import PygmyError
 from pygmy.frontend.app import create_app
-
 from pygmy.kit.admission import Deferred
 
 

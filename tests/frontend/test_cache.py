@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+
 from pygmy.frontend.cache import ReadCache
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from harness import Cluster, start_cluster
+
 from pygmy.experiments.dashboard_shot import (
     browser,
     chromium_paths,

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+
 from pygmy.frontend import statusview
 from pygmy.frontend.statusview import StatusView
 

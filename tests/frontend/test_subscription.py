@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+
 from pygmy.catalog.invalidation import LEASE
 from pygmy.frontend import subscription
 from pygmy.frontend.cache import ReadCache

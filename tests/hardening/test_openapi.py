@@ -9,8 +9,8 @@ from pathlib import Path
 
 import requests
 from harness import Cluster
-from pygmy.frontend.app import create_app
 
+from pygmy.frontend.app import create_app
 from pygmy.kit.config import ClusterConfig
 
 SCHEMATHESIS = Path(sys.executable).parent / "schemathesis"

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from flask import Flask, jsonify, request
 from harness import StandIn
-from pygmy.client.api import DEADLINE_HEADER, PygmyClient, PygmyError
 
+from pygmy.client.api import DEADLINE_HEADER, PygmyClient, PygmyError
 from pygmy.kit.retry import RetryBudget, backoff, retry_after
 
 

@@ -90,7 +90,6 @@ def _mutate(name: str) -> None:
     from contextlib import contextmanager
 
     import pygmy.catalog.invalidation as inv
-
     from pygmy.replication.node import ReplicaNode
 
     if name == "invalidate-after-apply":

@@ -9,6 +9,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from harness import Cluster
+
 from pygmy.client.api import PygmyClient, PygmyError
 
 

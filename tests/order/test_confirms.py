@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import pytest
+
 from pygmy.order import app as order_app
 
 

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import requests
 from harness import Cluster, start_cluster
-from pygmy.order.app import KeyExpirer, unix
-from pygmy.order.state import OrderState
 
 from pygmy.cluster.launcher import running
+from pygmy.order.app import KeyExpirer, unix
+from pygmy.order.state import OrderState
 from pygmy.replication.router import Reply
 
 WINDOW = 3600.0

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from pygmy.order.state import CONFIRMED, FAILED, PENDING, OrderState, confirmed, order_dict
 
 AT = "2026-01-02T03:04:05.678+00:00"

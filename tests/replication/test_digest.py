@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from pygmy.catalog.books import DEFAULT_BOOKS
 from pygmy.catalog.state import CatalogState
 from pygmy.order.state import OrderState

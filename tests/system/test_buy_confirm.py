@@ -14,6 +14,7 @@ from pathlib import Path
 
 import requests
 from harness import Cluster, cluster_env, pygmy, start_cluster
+
 from pygmy.client.api import PygmyClient, PygmyError
 
 ORDERS = [f"order-{k}" for k in (1, 2, 3)]

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import requests
 from harness import Cluster, cluster_env, free_port_base, pygmy
+
 from pygmy.client.api import PygmyClient, PygmyError
 
 INITIAL_STOCK = 1000

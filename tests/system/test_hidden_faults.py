@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 from harness import FAULTS_AT_STOP, cluster_env, hidden_faults, start_cluster
-from pygmy.client.api import PygmyError
 
+from pygmy.client.api import PygmyError
 from pygmy.cluster.local import LocalCluster
 
 

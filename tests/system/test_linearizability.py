@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 from harness import Cluster, cluster_env, start_cluster
-from pygmy.experiments import harness as h
 
+from pygmy.experiments import harness as h
 from pygmy.verify import lincheck
 from pygmy.verify.linearizability import Verdict, run_and_check
 

@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 import requests
 from harness import cluster_env, pygmy, read_answer, send_whole_buys, start_cluster
-from pygmy.client.api import PygmyClient, PygmyError
 
+from pygmy.client.api import PygmyClient, PygmyError
 from pygmy.cluster.local import LocalCluster
 
 LIMIT = 2

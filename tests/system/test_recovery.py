@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import requests
 from harness import Cluster, free_port_base
-from pygmy.catalog.books import synthetic
 from test_faults import leader, wait_converged
+
+from pygmy.catalog.books import synthetic
 
 
 def follower_of(c: Cluster, tier: str) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import requests
 from harness import Cluster, start_cluster
+
 from pygmy.catalog.books import DEFAULT_BOOKS
 
 AMOUNT = 4
