@@ -79,6 +79,9 @@ class HardState:
     term: int = 0
     vote: str | None = None
     commit: int = 0
+    #: The election window (ticks) the last leader heard announced: a restarted follower still keeps
+    #: out of elections that long, as the leases counted on its acknowledgements assumed.
+    floor: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +110,9 @@ class Message:
     ``leader_commit`` is the leader's real commit (for the follower's "recovering" status) and ``ctx``
     the leader's tick when it sent the request, echoed back so the leader lease counts from send time.
     ``quiet`` (a granted vote) = ticks since the voter last heard from a leader or was one.
+    ``floor`` (from a leader) = the election window it announces: its followers keep out of
+    elections that long after hearing from it, and its lease counts on that; (a granted vote) the
+    window the voter last heard announced, so a new leader knows how long the old lease lasted.
     """
 
     type: str
@@ -125,6 +131,7 @@ class Message:
     snapshot_term: int = 0
     ctx: int = 0
     quiet: int = 0
+    floor: int = 0
     payload: Any = None
 
     _INT_FIELDS = (
@@ -138,6 +145,7 @@ class Message:
         "snapshot_term",
         "ctx",
         "quiet",
+        "floor",
     )
 
     def to_dict(self) -> dict[str, Any]:
@@ -197,16 +205,59 @@ class CoreConfig:
     check_quorum: bool = True
     #: A snapshot not acknowledged within this many ticks is sent again.
     snapshot_timeout_ticks: int = 300
+    #: The longest election window a leader may announce (``Timing``): the slowest network the
+    #: timers follow, and the longest a tier can go without a leader after a crash.
+    election_ticks_cap: int = 1000
+    #: Worst relative clock-rate difference between two replicas, in percent: a lease longer than
+    #: the configured one gives up this share of the extra ticks (a follower's clock may run fast).
+    drift_percent: int = 1
 
-    def effective_idle_heartbeat_ticks(self) -> int:
+    def effective_idle_heartbeat_ticks(self, election_ticks: int | None = None) -> int:
         if self.idle_heartbeat_ticks is not None:
             return self.idle_heartbeat_ticks
-        return max(self.heartbeat_ticks, 2 * self.election_ticks_min // 3)
+        return max(self.heartbeat_ticks, 2 * (election_ticks or self.election_ticks_min) // 3)
 
-    def effective_lease_ticks(self) -> int:
+    def effective_lease_ticks(self, floor: int | None = None) -> int:
+        """The lease of a leader whose followers keep out of elections ``floor`` ticks (the
+        configured minimum if None) after hearing from it: the configured margin below the
+        window, and ``drift_percent`` of whatever the window has beyond the configured one."""
         if self.lease_ticks is not None:
-            return self.lease_ticks
-        return max(1, self.election_ticks_min - 2 * self.heartbeat_ticks)
+            base = self.lease_ticks
+        else:
+            base = max(1, self.election_ticks_min - 2 * self.heartbeat_ticks)
+        extra = max(0, (floor or self.election_ticks_min) - self.election_ticks_min)
+        drift = -(-extra * self.drift_percent // 100)  # rounded up
+        return base + extra - drift
+
+    def problems(self) -> list[str]:
+        """What makes these settings unsafe or unable to elect (empty: none): checked at start."""
+        out = []
+        if not 0 < self.election_ticks_min <= self.election_ticks_max:
+            out.append("need 0 < election_ticks_min <= election_ticks_max")
+        if self.heartbeat_ticks < 1 or self.heartbeat_ticks >= self.election_ticks_min:
+            out.append("need 1 <= heartbeat_ticks < election_ticks_min: followers would time out between heartbeats")
+        if self.effective_lease_ticks() >= self.election_ticks_min:
+            out.append("need lease_ticks < election_ticks_min: a follower could elect another leader "
+                       "while this one still serves reads from its lease")
+        if self.effective_idle_heartbeat_ticks() >= self.election_ticks_min:
+            out.append("need idle_heartbeat_ticks < election_ticks_min: an idle leader would lose its followers")
+        if self.election_ticks_cap < self.election_ticks_min:
+            out.append("need election_ticks_cap >= election_ticks_min")
+        if not 0 <= self.drift_percent < 50:
+            out.append("need 0 <= drift_percent < 50")
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """What the driver measured the network to need (``pygmy.replication.timers``), in ticks: each
+    is raised to the configured value, never below it. A leader announces ``election_ticks`` as its
+    followers' election window (``Message.floor``) and heartbeats every ``heartbeat_ticks``; an
+    append unanswered after ``probe_ticks`` counts as lost."""
+
+    heartbeat_ticks: int = 0
+    election_ticks: int = 0
+    probe_ticks: int = 0
 
 
 @dataclass
@@ -299,13 +350,27 @@ class RaftCore:
         self.peers = sorted(set(peers))
         self.others = [p for p in self.peers if p != node_id]
         self.cfg = config or CoreConfig()
-        if not 0 < self.cfg.election_ticks_min <= self.cfg.election_ticks_max:
-            raise ValueError("need 0 < election_ticks_min <= election_ticks_max")
+        if self.cfg.problems():
+            raise ValueError("; ".join(self.cfg.problems()))
         self._rng = rng if isinstance(rng, random.Random) else random.Random(rng)
         self._quorum = len(self.peers) // 2 + 1
         hs = hard_state or HardState()
         self.term = hs.term
         self.vote = hs.vote
+        #: The election window (ticks) the leader we last heard announced, or we announce as leader;
+        #: 0: the configured ``election_ticks_min``. Durable (``HardState.floor``).
+        self.floor = hs.floor
+        #: What the driver measured the network to need (``set_timing``).
+        self._timing = Timing()
+        #: As leader: (tick, window announced from then on), oldest first; the lease counted on an
+        #: acknowledgement uses the least window announced since the message acknowledged was sent.
+        self._floors: list[tuple[int, int]] = []
+        #: As leader: the furthest tick any lease we reported reached (a lower window waits for it).
+        self._lease_reach = 0
+        #: Campaigns since we last heard from a leader or led (``_reset_timeout`` backs off on them),
+        #: and the tick the last one began.
+        self._campaigns = 0
+        self._campaign_started = 0
         self.snap_index, self.snap_term = snapshot
         self._log: list[Entry] = list(entries)
         for offset, e in enumerate(self._log):
@@ -325,17 +390,18 @@ class RaftCore:
         self._heartbeat_elapsed = 0
         self._timeout = 0
         self._votes: dict[str, bool] = {}
-        #: Of the votes granted to this candidate, each voter's ``quiet`` when it voted.
-        self._vote_quiet: dict[str, int] = {}
-        #: As leader, the least ``quiet`` of the majority that elected it: every earlier leader's
-        #: lease ended ``election_quiet - lease ticks - 1`` ticks or more before it won (docs/architecture.md).
-        self.election_quiet = 0
+        #: Of the votes granted to this candidate, each voter's ``quiet`` and ``floor`` when it voted.
+        self._vote_quiet: dict[str, tuple[int, int]] = {}
+        #: As leader: every earlier leader's lease ended this many ticks or more before we won, less
+        #: one (docs/replication.md). Each of our voters heard its leader last ``quiet`` ticks ago,
+        #: and that leader's lease lasted at most the lease of the window it announced.
+        self.election_gap = 0
         self._prs: dict[str, Progress] = {}
         self._msgs: list[Message] = []
         self._persist_from = self.last_index + 1
         self._truncated = False
         self._snapshot_in: Snapshot | None = None
-        self._prev_hs = HardState(self.term, self.vote, self.commit)
+        self._prev_hs = HardState(self.term, self.vote, self.commit, self.floor)
         #: The first leader commit index this node heard of since it started (None: none yet).
         self.first_leader_commit: int | None = None
         #: Index of this leader's no-op; reads are only safe once it is applied.
@@ -393,10 +459,71 @@ class RaftCore:
         """Ticks for which a majority is known to have heard from this leader (0: no lease)."""
         if self.role != LEADER:
             return 0
-        heard = sorted((pr.last_heard for pr in self._prs.values()), reverse=True)
-        heard.insert(0, self.now)  # self
-        quorum_heard = heard[self._quorum - 1]
-        return max(0, quorum_heard + self.cfg.effective_lease_ticks() - self.now)
+        ends = sorted((pr.last_heard + self._lease_after(pr.last_heard) for pr in self._prs.values()),
+                      reverse=True)
+        ends.insert(0, self.now + self.cfg.effective_lease_ticks(self.floor))  # self
+        end = ends[self._quorum - 1]
+        self._lease_reach = max(self._lease_reach, end)
+        return max(0, end - self.now)
+
+    def _lease_after(self, sent: int) -> int:
+        """The lease an acknowledgement of a message sent at tick ``sent`` gives: that of the least
+        window announced since (a follower keeps out of elections for the window of the last
+        message it heard, and a window may have been lowered after this one went out)."""
+        least = self._window()
+        for since, window in reversed(self._floors):
+            least = min(least, window)
+            if since < sent:  # in force when it went (one announced in the same tick may have come after)
+                break
+        return self.cfg.effective_lease_ticks(least)
+
+    def _window(self) -> int:
+        """Ticks a follower keeps out of elections after hearing from its leader (and a leader
+        waits for a majority to answer): the configured minimum or the window the leader announced."""
+        return max(self.cfg.election_ticks_min, self.floor)
+
+    def _heartbeat(self) -> int:
+        return max(self.cfg.heartbeat_ticks, self._timing.heartbeat_ticks)
+
+    def _probe(self) -> int:
+        """Ticks without progress after which a leader takes appends in flight for lost."""
+        return max(2 * self._heartbeat(), self._timing.probe_ticks)
+
+    def timers(self) -> dict[str, int]:
+        """The timers in force here, in ticks: heartbeat interval (as leader), election window, the
+        lease that window gives, and the lost-append timeout."""
+        return {"heartbeat": self._heartbeat(), "election": self._window(),
+                "lease": self.cfg.effective_lease_ticks(self.floor), "probe": self._probe()}
+
+    def set_timing(self, timing: Timing) -> None:
+        """Follow what the driver measured the network to need. As leader, announce the new window
+        at once (the next heartbeat or append carries it); as follower, it counts if we lead."""
+        self._timing = timing
+        if self.role == LEADER:
+            self._announce(self._wanted_window())
+
+    def _as_floor(self, window: int) -> int:
+        """0 for the configured window: heartbeats on a LAN carry no floor, as before there was one."""
+        return 0 if window <= self.cfg.election_ticks_min else window
+
+    def _wanted_window(self) -> int:
+        return min(max(self.cfg.election_ticks_min, self._timing.election_ticks), self.cfg.election_ticks_cap)
+
+    def _announce(self, window: int) -> None:
+        """Announce ``window`` from now on. A lower one only as far as every lease end already
+        given stays safe: a follower that hears it keeps out of elections that much less, from
+        then, so the leases counted so far must end by the lease it gives from now."""
+        if window < self._window():
+            while window < self._window() and self.now + self.cfg.effective_lease_ticks(window) < self._lease_reach:
+                window += 1
+        if window == self._window():
+            return
+        self.floor = self._as_floor(window)
+        self._floors.append((self.now, window))
+        if len(self._floors) > 8:  # windows older than every acknowledgement we count no longer matter
+            oldest = min((pr.last_heard for pr in self._prs.values()), default=self.now)
+            while len(self._floors) > 1 and self._floors[1][0] < oldest:
+                self._floors.pop(0)
 
     def has_quorum_contact(self) -> bool:
         """True on a leader that a majority has acknowledged recently enough for local reads."""
@@ -407,8 +534,16 @@ class RaftCore:
 
     # -- role changes ----------------------------------------------------------------------------
     def _reset_timeout(self) -> None:
+        """A random timeout in the configured range, stretched as the window is, and doubled for
+        each campaign after the fourth that brought no leader: an election can only succeed within
+        one timeout, so on a link slower than the configured ones the timeouts grow until it fits
+        (then the leader measures the link and announces a window for it). Not sooner: a LAN's
+        failed campaigns (a split vote, a partition) retry at the configured pace."""
         self._election_elapsed = 0
-        self._timeout = self._rng.randint(self.cfg.election_ticks_min, self.cfg.election_ticks_max)
+        window = self._window()
+        spread = (self.cfg.election_ticks_max - self.cfg.election_ticks_min) * window // self.cfg.election_ticks_min
+        timeout = self._rng.randint(window, window + spread) << min(max(0, self._campaigns - 4), 10)
+        self._timeout = min(timeout, max(window + spread, self.cfg.election_ticks_cap))
 
     def _become_follower(self, term: int, leader: str | None) -> None:
         if self.role == LEADER:
@@ -446,12 +581,23 @@ class RaftCore:
         self._poll()
 
     def _become_leader(self) -> None:
+        # The campaign that won took two round trips (pre-vote and vote): a window shorter than a
+        # few would lose the followers before their first answers, and the leadership with them.
+        # On a LAN it took a tick or two, far below the configured window.
+        won_with = min(2 * (self.now - self._campaign_started), self.cfg.election_ticks_cap)
         self.role = LEADER
         self.leader = self.id
+        self._campaigns = 0
         # Those who voted for us form a majority, and every leader's lease counted on a majority:
-        # one of us heard from it last, at least ``election_quiet`` ticks ago.
-        voters = [q for p, q in self._vote_quiet.items() if self._votes.get(p)]
-        self.election_quiet = min([self._quiet, *voters])
+        # one of us heard from it last, ``quiet`` ticks ago, and its lease lasted at most the lease
+        # of the window that message announced.
+        voters = [qf for p, qf in self._vote_quiet.items() if self._votes.get(p)]
+        self.election_gap = min(q - self.cfg.effective_lease_ticks(f) for q, f in [(self._quiet, self.floor), *voters])
+        # No shorter a window than the one we last heard announced: we have measured nothing yet.
+        window = max(self._window(), self._wanted_window(), won_with)
+        self.floor = self._as_floor(window)
+        self._floors = [(self.now, window)]
+        self._lease_reach = 0
         self._votes = {}
         self._vote_quiet = {}
         self._election_elapsed = 0
@@ -463,6 +609,8 @@ class RaftCore:
         self._maybe_commit()
 
     def _campaign(self) -> None:
+        self._campaigns += 1
+        self._campaign_started = self.now
         if self.cfg.pre_vote:
             self._become_pre_candidate()
         else:
@@ -484,9 +632,9 @@ class RaftCore:
         rejoining node cannot disrupt a healthy leader and the leader's read lease holds."""
         if not self.cfg.check_quorum:
             return False
-        if self.now < self.cfg.election_ticks_min:
+        if self.now < self._window():
             return True
-        return self.leader is not None and self._election_elapsed < self.cfg.election_ticks_min
+        return self.leader is not None and self._election_elapsed < self._window()
 
     # -- inputs ----------------------------------------------------------------------------------
     def tick(self, n: int = 1) -> None:
@@ -526,7 +674,7 @@ class RaftCore:
             if any(pr.state == SNAPSHOTTING for pr in self._prs.values()):
                 return 1  # a snapshot's resend timer counts every tick
             n = min(self._heartbeat_interval(self._idle()) - self._heartbeat_elapsed,
-                    self.cfg.election_ticks_min - self._election_elapsed)
+                    self._window() - self._election_elapsed)
         else:
             n = self._timeout - self._election_elapsed
         return max(1, n)
@@ -542,13 +690,13 @@ class RaftCore:
         they come ``idle_heartbeat_ticks / followers`` apart. Followers' election timers and the
         leader lease are reset by any message, so either rate keeps them."""
         if idle and self._prs:
-            return max(1, self.cfg.effective_idle_heartbeat_ticks() // len(self._prs))
-        return self.cfg.heartbeat_ticks
+            return max(1, self.cfg.effective_idle_heartbeat_ticks(self._window()) // len(self._prs))
+        return self._heartbeat()
 
     def _tick_leader(self) -> None:
         self._heartbeat_elapsed += 1
         self._election_elapsed += 1
-        if self._election_elapsed >= self.cfg.election_ticks_min:
+        if self._election_elapsed >= self._window():
             self._election_elapsed = 0
             if self.cfg.check_quorum:
                 active = 1 + sum(1 for pr in self._prs.values() if pr.recent_active)
@@ -583,6 +731,7 @@ class RaftCore:
                         commit=min(pr.match, self.commit),
                         leader_commit=self.commit,
                         ctx=self.now,
+                        floor=self.floor,
                     )
                 )
 
@@ -623,7 +772,8 @@ class RaftCore:
             if self.role == CANDIDATE:
                 self._votes[m.src] = m.success
                 if m.success:  # a duplicate answer may come later, with more quiet counted
-                    self._vote_quiet[m.src] = min(m.quiet, self._vote_quiet.get(m.src, m.quiet))
+                    quiet, floor = self._vote_quiet.get(m.src, (m.quiet, m.floor))
+                    self._vote_quiet[m.src] = (min(m.quiet, quiet), max(m.floor, floor))
                 self._poll()
         elif t == PRE_VOTE_RESP:
             if self.role == PRE_CANDIDATE and m.term == self.term + 1:
@@ -635,8 +785,12 @@ class RaftCore:
             if self.role != FOLLOWER:
                 self._become_follower(self.term, m.src)
             self.leader = m.src
-            self._election_elapsed = 0
             self._quiet = 0
+            self._campaigns = 0
+            if m.floor != self.floor:
+                self.floor = m.floor  # durable before we answer (HardState): leases count on it
+                self._reset_timeout()
+            self._election_elapsed = 0
             if self.first_leader_commit is None:
                 self.first_leader_commit = m.leader_commit
             if t == APPEND:
@@ -666,8 +820,9 @@ class RaftCore:
         if grant and not pre:
             self.vote = m.src
             self._election_elapsed = 0
+        counted = grant and not pre
         self._send(Message(PRE_VOTE_RESP if pre else VOTE_RESP, self.id, m.src, m.term, success=grant,
-                           quiet=self._quiet if grant and not pre else 0))
+                           quiet=self._quiet if counted else 0, floor=self.floor if counted else 0))
 
     def _handle_append(self, m: Message) -> None:
         if m.index < self.commit:
@@ -790,7 +945,7 @@ class RaftCore:
         elif (
             pr.state == REPLICATE
             and pr.match < self.last_index
-            and self.now - pr.last_progress >= 2 * self.cfg.heartbeat_ticks
+            and self.now - pr.last_progress >= self._probe()
         ):
             # Appends in flight were probably lost: resend from the last known match.
             pr.last_progress = self.now
@@ -834,6 +989,7 @@ class RaftCore:
                         commit=self.commit,
                         leader_commit=self.commit,
                         ctx=self.now,
+                        floor=self.floor,
                     )
                 )
                 pr.sent_commit = self.commit
@@ -863,6 +1019,7 @@ class RaftCore:
                 commit=self.commit,
                 leader_commit=self.commit,
                 ctx=self.now,
+                floor=self.floor,
             )
         )
 
@@ -878,7 +1035,7 @@ class RaftCore:
         if self.role == LEADER:
             self._flush()
         rd = Ready()
-        hs = HardState(self.term, self.vote, self.commit)
+        hs = HardState(self.term, self.vote, self.commit, self.floor)
         vote_kept = (hs.term, hs.vote) == (self._prev_hs.term, self._prev_hs.vote)
         if hs != self._prev_hs:
             rd.hard_state = hs

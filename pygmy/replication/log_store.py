@@ -59,7 +59,8 @@ class LogStore:
     def load(self) -> PersistedState:
         meta = self._meta()
         vote = meta.get("vote")
-        hs = HardState(int(meta.get("term") or 0), vote or None, int(meta.get("commit") or 0))
+        hs = HardState(int(meta.get("term") or 0), vote or None, int(meta.get("commit") or 0),
+                       int(meta.get("floor") or 0))
         snap = (int(meta.get("snapshot_index") or 0), int(meta.get("snapshot_term") or 0))
         installing = None
         if meta.get("installing_index"):
@@ -107,7 +108,8 @@ class LogStore:
                 c.execute("DELETE FROM raft_log WHERE idx >= ?", (truncate_from,))
             c.executemany("INSERT OR REPLACE INTO raft_log(idx, term, command) VALUES (?, ?, ?)", rows)
             if hard_state is not None:
-                self._set(term=hard_state.term, vote=hard_state.vote or "", commit=hard_state.commit)
+                self._set(term=hard_state.term, vote=hard_state.vote or "", commit=hard_state.commit,
+                          floor=hard_state.floor)
         # Sizes only once the transaction is in: a failed save leaves them as the disk is.
         if snapshot is not None:
             self._sizes.clear()

@@ -52,6 +52,20 @@ class ReplicaCollector(Collector):
                 if pr is not None:
                     lag.add_metric([self.name, peer], float(max(0, last - pr.match)))
         yield lag
+        timers = view.get("timers", {})
+        rtt = GaugeMetricFamily("pygmy_replica_rtt_seconds",
+                                "Leader only: each follower's measured heartbeat round trip (90th percentile)",
+                                labels=["service", "peer"])
+        for peer, ms in timers.get("rtt_ms", {}).items():
+            rtt.add_metric([self.name, peer], ms / 1000.0)
+        yield rtt
+        timer = GaugeMetricFamily("pygmy_replica_timer_seconds",
+                                  "Raft timers in force: heartbeat, election window, lease, probe",
+                                  labels=["service", "timer"])
+        for key in ("heartbeat", "election", "lease", "probe"):
+            if f"{key}_ms" in timers:
+                timer.add_metric([self.name, key], timers[f"{key}_ms"] / 1000.0)
+        yield timer
         elections = CounterMetricFamily("pygmy_replica_elections", "Elections this replica started",
                                         labels=["service"])
         elections.add_metric(svc, float(w.elections))

@@ -42,6 +42,8 @@ from pygmy.kit import codec
 from pygmy.kit.web import secret_refusal
 from pygmy.replication.core import (
     CANDIDATE,
+    HEARTBEAT,
+    HEARTBEAT_RESP,
     PERSIST,
     SEND,
     SNAPSHOT,
@@ -50,11 +52,13 @@ from pygmy.replication.core import (
     Message,
     RaftCore,
     Ready,
+    Timing,
 )
 from pygmy.replication.log_store import LogStore
 from pygmy.replication.snapshots import Incoming, stream_frames
 from pygmy.replication.statemachine import Pin, StateMachine
 from pygmy.replication.storage import describe, is_storage_fault
+from pygmy.replication.timers import Hold, RttMeter, derive
 from pygmy.replication.transport import RAFT_CHANNEL, Channel, FrameClient, FrameServer, raft_address
 
 log = logging.getLogger("pygmy.replication")
@@ -65,6 +69,8 @@ _FAULT_BACKOFF_MIN = 0.05
 #: Turns one thread takes in a row for inputs that keep arriving before it leaves the rest to the
 #: loop thread: a frame reader or a proposer lends itself to the node only for a while.
 _INLINE_TURNS = 3
+#: How often the loop derives the timers from the round trips measured (``ReplicaNode._retune``).
+RETUNE_EVERY = 1.0
 
 COMMIT_SECONDS = Histogram(
     "pygmy_replica_commit_seconds", "Time from a proposal on the leader to its commit and local apply",
@@ -129,6 +135,9 @@ class ReplicationConfig(CoreConfig):
     snapshot_timeout_ticks: int = 1000
     #: Cap on messages per frame (heartbeats and appends are coalesced up to it).
     max_batch_messages: int = 64
+    #: Follow the network: a leader times its heartbeats and stretches heartbeats, election window
+    #: and lease to the round trips (``pygmy.replication.timers``); False keeps the configured ones.
+    adapt: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ReplicationConfig:
@@ -384,6 +393,13 @@ class ReplicaNode:
         shutil.rmtree(self.snapshot_out, ignore_errors=True)
         self.snapshot_out.mkdir(parents=True, exist_ok=True)
         self._seed = seed
+        #: Round trips to each follower (timed on our heartbeats while we lead) and the timing they
+        #: ask for (``pygmy.replication.timers``), given to the core every ``RETUNE_EVERY``.
+        self._rtt = RttMeter()
+        self._timing_hold = Hold()
+        self._timing = Timing()
+        self._retune_at = 0.0
+        self._timers: dict[str, Any] = {}
         self.core = self._load_core()
         #: (kind, value, when it arrived): ticks that fell due before an input arrived are handled
         #: before it (``_turn``), so a timer counts only time that passed after it.
@@ -408,7 +424,7 @@ class ReplicaNode:
         self._apply_lock = threading.Lock()
         self._view: dict[str, Any] = {}
         self._lease_until = 0.0
-        #: (term, monotonic time we became its leader, the core's ``election_quiet`` in that term)
+        #: (term, monotonic time we became its leader, the core's ``election_gap`` in that term)
         self._leader_since: tuple[int, float, int] = (-1, 0.0, 0)
         #: Why the node is not working (a storage fault it is retrying), or None. While set it is no
         #: leader, serves no reads, fails health checks and acknowledges nothing.
@@ -467,7 +483,8 @@ class ReplicaNode:
                 self.store.abort_install()
             persisted = self.store.load()
         self._applied = self.sm.applied_index()
-        self._durable_vote = (persisted.hard_state.term, persisted.hard_state.vote)
+        hs = persisted.hard_state
+        self._durable_vote = (hs.term, hs.vote, hs.floor)
         core = RaftCore(
             self.name,
             list(self.peers),
@@ -478,6 +495,7 @@ class ReplicaNode:
             config=self.config,
             rng=self._seed,
         )
+        core.set_timing(self._timing)  # a core reloaded after a fault keeps what was measured
         #: The index and term of the last entry the state machine applied (under the apply lock):
         #: what a snapshot pinned by a sender thread, away from the core, is labelled with.
         self._applied_at = (self._applied, core.term_at(self._applied) or 0)
@@ -596,18 +614,18 @@ class ReplicaNode:
 
     def vote_quiet_s(self) -> float:
         """How long, at least, before we became leader every earlier leader's lease had ended (0 when
-        we do not lead). Each leader's lease lasts ``effective_lease_ticks`` from a message a majority
-        heard; a majority voted for us, so one of our voters heard it, and it told us in its vote how
-        many ticks it had heard no leader (``election_quiet``, the least of our voters'). Less one
+        we do not lead). Each leader's lease lasts the lease of the window it announced from a
+        message a majority heard; a majority voted for us, so one of our voters heard it, and it told
+        us in its vote how many ticks it had heard no leader and the window it last heard announced
+        (the core's ``election_gap``: the least, over our voters, of quiet less that lease). Less one
         tick: a count starts at the first tick after the hearing, which may come at once. Usually
         ``election_ticks_min - effective_lease_ticks - 1`` ticks (90 ms by default) or more, since a
         follower of a live leader votes no sooner; less (a longer wait) from a voter that had dropped
         its leader for a newer term; as much as a whole lease when the voters had long heard nothing."""
-        c = self.config
-        term, _, quiet = self._leader_since
+        term, _, gap = self._leader_since
         if not self.is_leader() or term != self.term():
             return 0.0
-        return max(0, quiet - c.effective_lease_ticks() - 1) * c.tick_ms / 1000.0
+        return max(0, gap - 1) * self.config.tick_ms / 1000.0
 
     def leader(self) -> tuple[str, str] | None:
         name = self._view.get("leader")
@@ -674,6 +692,9 @@ class ReplicaNode:
             "commit_index": max(view["commit"], applied),
             "applied_index": applied,
             "state_digest": digest,
+            #: The timers in force (ms) and, on a leader, the round trips they follow
+            #: (docs/replication.md, "Timers that follow the network").
+            "timers": view.get("timers", {}),
         }
 
     def add_channel(self, name: str, handle: Callable[[str, Any], Any]) -> None:
@@ -869,6 +890,8 @@ class ReplicaNode:
             self._handle_input(item)
         now = time.monotonic()
         self._tick_until(now)
+        if now >= self._retune_at:
+            self._retune(now)
         self._process_ready(self._next_tick - tick_s)
         self._wake_at = self._next_tick + (self.core.ticks_until_timer() - 1) * tick_s
         if self.fault is not None and self._caught_up and now - self._fault_at >= self.config.election_ticks_max * tick_s:
@@ -878,6 +901,22 @@ class ReplicaNode:
             log.warning("%s: working again after %s", self.name, self.fault)
             self.fault = None
             self._fault_backoff = _FAULT_BACKOFF_MIN
+
+    def _retune(self, now: float) -> None:
+        """Every ``RETUNE_EVERY``: the timing the measured round trips ask for (``timers``), held
+        against lowering too soon, to the core and to the peer connections' connect budgets."""
+        self._retune_at = now + RETUNE_EVERY
+        rtts = self._rtt.rtts(now)
+        needed = (len(self.peers) // 2 + 1) - 1
+        timing = self._timing_hold.update(now, derive(rtts, needed, self.config.tick_ms) if self.config.adapt else Timing())
+        if timing != self._timing:
+            self._timing = timing
+            self.core.set_timing(timing)
+        for peer, rtt in rtts.items():
+            sender = self._senders.get(peer)
+            if sender is not None:
+                sender.client.expect_rtt(rtt)
+        self._timers = self._timers_view(rtts)
 
     def _count_ticks_from_now(self) -> None:
         """The first tick falls due one tick from now: at start, and for a core reloaded after a
@@ -898,9 +937,11 @@ class ReplicaNode:
             self._next_tick = until + tick_s
 
     def _handle_input(self, item: tuple[str, Any, float]) -> None:
-        kind, value, _ = item
+        kind, value, arrived = item
         if kind == "msgs":
             for m in value:
+                if m.type == HEARTBEAT_RESP:
+                    self._rtt.answered(m.src, m.ctx, arrived)
                 self.core.step(m)
                 if m.type == SNAPSHOT and isinstance(m.payload, Path):
                     self._stepped_snapshots.append(m.payload)
@@ -966,15 +1007,15 @@ class ReplicaNode:
                     del self._proposals[index]
             self._set_applied(snap.index)
         hs = rd.hard_state
-        if hs is not None and (hs.term, hs.vote) == self._durable_vote and not (
+        if hs is not None and (hs.term, hs.vote, hs.floor) == self._durable_vote and not (
                 rd.entries or rd.truncate_from is not None or snap is not None):
-            # Only the commit index moved. Raft needs term and vote durable, not commit (a restarted
-            # replica relearns it from the leader), so this costs no synced transaction in the
-            # middle of every round; it is written whenever the hard state goes out with entries.
+            # Only the commit index moved. Raft needs term, vote and floor durable, not commit (a
+            # restarted replica relearns it from the leader), so this costs no synced transaction in
+            # the middle of every round; it is written whenever the hard state goes out with entries.
             hs = None
         self.store.save(hs, rd.entries, rd.truncate_from, None if snap is None else (snap.index, snap.term))
         if hs is not None:
-            self._durable_vote = (hs.term, hs.vote)
+            self._durable_vote = (hs.term, hs.vote, hs.floor)
         if rd.truncate_from is not None:
             # Our uncommitted suffix was replaced by another leader's: those commands are lost.
             for index, prop in list(self._proposals.items()):
@@ -983,7 +1024,10 @@ class ReplicaNode:
                     del self._proposals[index]
 
     def _send(self, msgs: list[Message]) -> None:
+        now = time.monotonic()
         for m in msgs:
+            if m.type == HEARTBEAT:
+                self._rtt.sent(m.dst, m.ctx, now)
             sender = self._senders.get(m.dst)
             if sender is not None:
                 sender.offer(m)
@@ -1065,12 +1109,22 @@ class ReplicaNode:
             "leader": core.leader,
             "commit": core.commit,
             "term_start": core.term_start_index,
+            "timers": self._timers,
         }
         if is_leader != self._was_leader:
             self._was_leader = is_leader
             if is_leader:
-                self._leader_since = (core.term, time.monotonic(), core.election_quiet)
+                self._leader_since = (core.term, time.monotonic(), core.election_gap)
             self._notify.put((is_leader, core.term))
+
+    def _timers_view(self, rtts: dict[str, float]) -> dict[str, Any]:
+        """For /status, made at each retune (not every turn: the view is refreshed on every one)."""
+        tick = self.config.tick_ms
+        out: dict[str, Any] = {f"{k}_ms": v * tick for k, v in self.core.timers().items()}
+        out["adapt"] = self.config.adapt
+        if self.core.is_leader():
+            out["rtt_ms"] = {p: round(r * 1000.0, 1) for p, r in sorted(rtts.items())}
+        return out
 
     def _count_transitions(self, raw_role: str, leader: str | None, role: str) -> None:
         """Elections started, leader changes seen, time to catch up: counted where they happen."""

@@ -41,6 +41,9 @@ _HEADER = struct.Struct(">I")
 MAX_FRAME = 1 << 30
 #: A new connection must say hello within this long.
 HELLO_TIMEOUT = 2.0
+#: The longest a client's connect budget grows to (``FrameClient``): two round trips of the slowest
+#: link the timers follow, within the server's wait for the hello.
+MAX_CONNECT = 2.0
 #: Channels (what a connection carries): Raft between the replicas of a tier (members only); cache
 #: lease renewals from frontend workers to the catalog leader; holds and releases from the catalog
 #: leader to each frontend worker's own listener; a frontend worker's buys to the order leader, and its
@@ -174,6 +177,9 @@ class FrameServer:
             stream = conn.makefile("rb")
             conn.settimeout(HELLO_TIMEOUT)
             hello = read_frame(stream)
+            if hello is None:  # closed before its hello: a client whose connect budget ran out
+                log.debug("%s: a connection closed before its hello", self.name)
+                return
             hello = hello if isinstance(hello, dict) else {}
             given, peer, channel = hello.get("secret"), hello.get("hello"), self.channels.get(hello.get("channel"))
             refusal = None
@@ -211,6 +217,12 @@ class FrameServer:
 class FrameClient:
     """One long-lived connection to a ``FrameServer``, opened on first use and again after any error.
 
+    Opening takes two round trips (TCP's handshake, then the hello and its welcome) within the
+    connect budget: ``connect_timeout`` on a LAN, stretched to what the link needs. A budget that
+    ran out doubles for the next try (up to ``MAX_CONNECT``), so a link slower than any budget set
+    in advance still reconnects; one that succeeded sets the next to twice what it took, and a
+    measured round trip (``expect_rtt``) to three of them.
+
     Thread-safe: one caller at a time sends (and, for ``call``, reads the reply)."""
 
     def __init__(self, address: tuple[str, int], secret: str, name: str, channel: str,
@@ -218,28 +230,47 @@ class FrameClient:
         self.address, self.name = address, name
         self._hello = encode({"hello": name, "secret": secret, "channel": channel})
         self.connect_timeout = connect_timeout
+        #: The budget of the next connection attempt (>= ``connect_timeout``).
+        self.connect_budget = connect_timeout
+        self._learned = connect_timeout  # what the link showed it needs: successes and round trips
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._stream: Any = None
         self._partial = b""  # the rest of a frame ``send_nowait`` could not finish: goes out first
         self.connects = 0
 
+    def expect_rtt(self, rtt: float) -> None:
+        """A round trip measured to this peer (seconds): the next connection gets three."""
+        self._learned = max(self.connect_timeout, min(MAX_CONNECT, 3 * rtt))
+        self.connect_budget = max(self.connect_budget, self._learned)
+
     def _connection(self) -> socket.socket:
         if self._sock is None:
-            sock = socket.create_connection(self.address, timeout=self.connect_timeout)
+            budget = self.connect_budget
+            started = time.monotonic()
+            try:
+                sock = socket.create_connection(self.address, timeout=budget)
+            except TimeoutError:
+                self.connect_budget = min(MAX_CONNECT, 2 * budget)
+                raise
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.settimeout(max(0.001, budget - (time.monotonic() - started)))
                 sock.sendall(self._hello)
                 stream = sock.makefile("rb")
-                answer = read_frame(stream)  # within the connect timeout: a stopped peer is found here
+                answer = read_frame(stream)  # within the connect budget: a stopped peer is found here
             except (OSError, ValueError) as exc:
                 sock.close()
-                raise FrameError(f"{self.address}: no welcome: {exc}") from None
+                if isinstance(exc, TimeoutError):
+                    self.connect_budget = min(MAX_CONNECT, 2 * budget)
+                raise FrameError(f"{self.address}: no welcome within {budget:.2f} s: {exc}") from None
             if answer != {"ok": True}:
                 sock.close()
                 raise FrameError(f"{self.address} refused us: {answer}")
             self._sock, self._stream = sock, stream
             self.connects += 1
+            took = time.monotonic() - started
+            self.connect_budget = max(self._learned, min(MAX_CONNECT, 2 * took))
         return self._sock
 
     def _write(self, data: bytes, timeout: float) -> None:

@@ -73,7 +73,9 @@ def scraped() -> dict[str, Metric]:
     from pygmy.replication.metrics import ReplicaCollector
 
     node = SimpleNamespace(
-        _view={"term": 3, "role": "leader", "commit": 9}, applied_index=lambda: 8,
+        _view={"term": 3, "role": "leader", "commit": 9, "timers": {
+            "heartbeat_ms": 50.0, "election_ms": 300.0, "lease_ms": 200.0, "probe_ms": 100.0,
+            "rtt_ms": {"catalog-2": 0.4, "catalog-3": 0.5}}}, applied_index=lambda: 8,
         core=SimpleNamespace(last_index=9, progress=lambda peer: SimpleNamespace(match=7)),
         name="catalog-1", peers={"catalog-1": "", "catalog-2": "", "catalog-3": ""},
         elections=1, leader_changes=1, loop_faults={"storage": 0, "error": 0, "sender": 0}, catch_up_seconds=0.5)

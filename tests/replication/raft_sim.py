@@ -166,7 +166,7 @@ class Cluster:
         self.votes: dict[tuple[int, str], str] = {}
         #: term -> the latest tick to which its leader's lease ever reached.
         self.lease_ends: dict[int, int] = {}
-        #: term -> (tick its leader was elected, the core's ``election_quiet``).
+        #: term -> (tick its leader was elected, the core's ``election_gap``).
         self.elections: dict[int, tuple[int, int]] = {}
         #: Crashes armed per node: the point in its next durable Ready where it dies.
         self.armed: dict[str, str] = {}
@@ -384,24 +384,24 @@ class Cluster:
             self.check_committed_durable()
 
     def check_lease(self, core: RaftCore) -> None:
-        """No leader's lease reaches past ``election_quiet - lease ticks - 1`` ticks before any later
-        leader's election: what a new catalog leader's wait (``ReplicaNode.vote_quiet_s``) and the
-        read lease count on. Checked whenever an election is seen or a lease grows."""
-        lease = core.cfg.effective_lease_ticks()
+        """No leader's lease reaches past ``election_gap - 1`` ticks before any later leader's
+        election: what a new catalog leader's wait (``ReplicaNode.vote_quiet_s``) and the read lease
+        count on, whatever windows the leaders announced. Checked whenever an election is seen or
+        a lease grows."""
         if core.term not in self.elections:
-            elected, quiet = self.elections[core.term] = (self.now, core.election_quiet)
+            elected, gap = self.elections[core.term] = (self.now, core.election_gap)
             ended = max((e for t, e in self.lease_ends.items() if t < core.term), default=None)
-            if ended is not None and ended > elected - quiet + lease + 1:
-                raise SafetyError(f"{core.id} elected at {elected} in t{core.term} with {quiet} ticks of "
-                                  f"quiet, but an earlier lease reached {ended}")
+            if ended is not None and ended > elected - gap + 1:
+                raise SafetyError(f"{core.id} elected at {elected} in t{core.term} counting on leases ended "
+                                  f"{gap - 1} ticks before, but an earlier lease reached {ended}")
         remaining = core.lease_remaining()
         end = self.now + remaining
         if remaining and end > self.lease_ends.get(core.term, end - 1):
             self.lease_ends[core.term] = end
-            for term, (elected, quiet) in self.elections.items():
-                if term > core.term and end > elected - quiet + lease + 1:
+            for term, (elected, gap) in self.elections.items():
+                if term > core.term and end > elected - gap + 1:
                     raise SafetyError(f"t{core.term}'s lease reached {end}, past what the leader of "
-                                      f"t{term} counted on ({quiet} ticks of quiet at {elected})")
+                                      f"t{term} counted on (leases ended {gap - 1} ticks before {elected})")
 
     def check_committed_durable(self) -> None:
         """Every entry observed committed is on the disks of a majority (crashed nodes count):

@@ -425,13 +425,30 @@ def test_conflict_hints_that_the_leaders_log_cannot_use() -> None:
 def test_construction_checks_its_arguments() -> None:
     with pytest.raises(ValueError, match=r"^c is not among the peers \['a', 'b'\]$"):
         RaftCore("c", ["a", "b"])
-    with pytest.raises(ValueError, match=r"^need 0 < election_ticks_min <= election_ticks_max$"):
+    with pytest.raises(ValueError, match=r"^need 0 < election_ticks_min <= election_ticks_max;"):
         RaftCore("a", ["a"], config=CoreConfig(election_ticks_min=0, election_ticks_max=5))
     with pytest.raises(ValueError, match=r"^need 0 < election_ticks_min <= election_ticks_max$"):
         RaftCore("a", ["a"], config=CoreConfig(election_ticks_min=6, election_ticks_max=5))
-    RaftCore("a", ["a"], config=CoreConfig(election_ticks_min=1, election_ticks_max=1))
+    RaftCore("a", ["a"], config=CoreConfig(heartbeat_ticks=1, election_ticks_min=2, election_ticks_max=2))
     with pytest.raises(ValueError, match=r"^log entries must be contiguous after the snapshot$"):
         RaftCore("a", ["a"], entries=[Entry(1, 1), Entry(3, 1)])
+
+
+@pytest.mark.parametrize(("settings", "problem"), [
+    ({"lease_ticks": 30}, "need lease_ticks < election_ticks_min"),
+    ({"heartbeat_ticks": 30}, "need 1 <= heartbeat_ticks < election_ticks_min"),
+    ({"idle_heartbeat_ticks": 31}, "need idle_heartbeat_ticks < election_ticks_min"),
+    ({"election_ticks_cap": 29}, "need election_ticks_cap >= election_ticks_min"),
+    ({"drift_percent": 50}, "need 0 <= drift_percent < 50"),
+])
+def test_unsafe_settings_are_refused_at_start(settings: dict[str, int], problem: str) -> None:
+    """A lease as long as the election window would let a follower elect another leader while this
+    one still reads locally: such settings never start a core."""
+    cfg = CoreConfig(election_ticks_min=30, election_ticks_max=60, **settings)
+    assert [p for p in cfg.problems() if p.startswith(problem)] != []
+    with pytest.raises(ValueError, match=problem):
+        RaftCore("a", ["a"], config=cfg)
+    assert CoreConfig().problems() == []
 
 
 def test_a_new_core_knows_no_leader_yet() -> None:
@@ -549,9 +566,10 @@ def test_a_new_leader_counts_the_least_quiet_of_the_majority_that_elected_it() -
     core.step(Message("vote_resp", "b", "a", 2, success=True, quiet=40))
     core.step(Message("vote_resp", "c", "a", 2, success=False))
     core.step(Message("vote_resp", "d", "a", 2, success=True, quiet=35))
-    assert core.is_leader() and core.election_quiet == 10  # its own: it started 10 ticks ago
+    lease = cfg.effective_lease_ticks()
+    assert core.is_leader() and core.election_gap == 10 - lease  # its own: it started 10 ticks ago
     core.step(Message("vote_resp", "e", "a", 2, success=True, quiet=1))
-    assert core.election_quiet == 10
+    assert core.election_gap == 10 - lease
 
 
 def test_a_leader_that_steps_down_counts_its_quiet_from_then() -> None:
@@ -962,7 +980,7 @@ def test_a_duplicate_vote_answer_keeps_the_least_quiet_of_that_voter() -> None:
     core.step(Message("vote_resp", "b", "a", 2, success=True, quiet=3))
     core.step(Message("vote_resp", "b", "a", 2, success=True, quiet=40))  # the same vote, again
     core.step(Message("vote_resp", "d", "a", 2, success=True, quiet=35))
-    assert core.is_leader() and core.election_quiet == 3
+    assert core.is_leader() and core.election_gap == 3 - cfg.effective_lease_ticks()
 
 
 def test_a_driver_that_sleeps_until_the_next_timer_resends_a_snapshot_in_time() -> None:

@@ -27,6 +27,14 @@ def test_vote_none_round_trips(tmp_path):
     assert store.load().hard_state == HardState(4, None, 0)
 
 
+def test_the_announced_election_window_round_trips(tmp_path):
+    """A restarted follower keeps out of elections as long as its last leader's lease assumed."""
+    store = LogStore(tmp_path / "raft.db")
+    store.save(HardState(4, "n1", 2, floor=300))
+    store.close()
+    assert LogStore(tmp_path / "raft.db").load().hard_state == HardState(4, "n1", 2, 300)
+
+
 def test_truncate_suffix(tmp_path):
     store = LogStore(tmp_path / "raft.db")
     store.save(None, entries(1, 10))

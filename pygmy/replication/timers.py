@@ -1,0 +1,97 @@
+"""Raft timers that follow the network: from the round trips a leader measures to its followers, the
+heartbeat interval, election window and lost-append timeout it should use (``core.Timing``).
+
+Pure, like the core: the node (``ReplicaNode``) times its heartbeats and feeds the samples in with
+its own clock readings; nothing here reads a clock. etcd's tuning guide is the anchor: a heartbeat
+about one round trip, an election timeout ten round trips or more. On loopback (a round trip well
+under a millisecond) every derived value is below the configured one, and the core keeps the
+configured one (it never goes below), so a LAN cluster runs exactly as configured.
+
+Loss over TCP does not lose a heartbeat, it delays it (a retransmission after a timeout of at least
+200 ms), so the samples' high percentile, not their median, measures what a window must absorb.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from pygmy.replication.core import Timing
+
+#: Samples kept per peer, and how old one may be.
+SAMPLES = 64
+SAMPLE_AGE = 60.0
+#: Which percentile of a peer's round trips the timers follow.
+PERCENTILE = 0.9
+#: Rounds trips per heartbeat, per election window and per lost-append timeout.
+HEARTBEAT_RTTS = 1.0
+ELECTION_RTTS = 10.0
+PROBE_RTTS = 2.0
+#: A lower timing is taken only once it has been asked for this long: raising is at once.
+HOLD = 30.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def derive(rtts: dict[str, float], needed: int, tick_ms: float) -> Timing:
+    """The timing for round trips ``rtts`` (seconds, per follower) when ``needed`` followers must
+    answer for a majority: the ``needed``-th nearest follower sets the pace (a far minority can
+    neither commit nor keep a leader, and must not slow the rest). No samples: no demand."""
+    if needed <= 0 or len(rtts) < needed:
+        return Timing()
+    rtt = sorted(rtts.values())[needed - 1]
+    ticks = rtt * 1000.0 / tick_ms
+    heartbeat = math.ceil(HEARTBEAT_RTTS * ticks)
+    return Timing(heartbeat_ticks=heartbeat, election_ticks=math.ceil(ELECTION_RTTS * ticks),
+                  probe_ticks=math.ceil(PROBE_RTTS * ticks) + heartbeat)
+
+
+@dataclass
+class RttMeter:
+    """Round trips to each peer, from heartbeats sent and their answers (the node's clock readings)."""
+
+    samples: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
+    #: (peer, the heartbeat's ctx) -> when it was sent.
+    _sent: dict[tuple[str, int], float] = field(default_factory=dict)
+
+    def sent(self, peer: str, ctx: int, now: float) -> None:
+        self._sent[(peer, ctx)] = now
+        if len(self._sent) > 16 * SAMPLES:  # answers that never came (a peer down, a lost frame)
+            for key in [k for k, t in self._sent.items() if now - t > SAMPLE_AGE]:
+                del self._sent[key]
+
+    def answered(self, peer: str, ctx: int, now: float) -> None:
+        at = self._sent.pop((peer, ctx), None)
+        if at is not None:
+            self.samples.setdefault(peer, deque(maxlen=SAMPLES)).append((now, now - at))
+
+    def rtts(self, now: float) -> dict[str, float]:
+        """Each peer's ``PERCENTILE`` round trip over its recent samples (seconds)."""
+        out = {}
+        for peer, window in self.samples.items():
+            recent = [rtt for at, rtt in window if now - at <= SAMPLE_AGE]
+            if recent:
+                out[peer] = percentile(recent, PERCENTILE)
+        return out
+
+
+@dataclass
+class Hold:
+    """Takes a higher timing at once and a lower one only once it has been asked for ``hold``
+    seconds, so one quiet minute after a slow one does not shrink the windows back and forth."""
+
+    hold: float = HOLD
+    _asked: deque[tuple[float, Timing]] = field(default_factory=deque)
+
+    def update(self, now: float, timing: Timing) -> Timing:
+        self._asked.append((now, timing))
+        while self._asked and now - self._asked[0][0] > self.hold:
+            self._asked.popleft()
+        asked = [t for _, t in self._asked]
+        return Timing(heartbeat_ticks=max(t.heartbeat_ticks for t in asked),
+                      election_ticks=max(t.election_ticks for t in asked),
+                      probe_ticks=max(t.probe_ticks for t in asked))
