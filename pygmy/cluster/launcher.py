@@ -417,6 +417,12 @@ def up(config: ClusterConfig, reset_state: bool = False, out: object = sys.stdou
     for n in names:
         config.pid_file(n).unlink(missing_ok=True)
     books = check_books(config.books) if config.books else None
+    from pygmy.replication.node import ReplicationConfig  # here: the launcher's other commands start faster
+
+    try:  # every replica would refuse them at start, each in its own log
+        ReplicationConfig.from_env()
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
     if reset_state:
         reset(config)
     prepare_seed(config, books, say)

@@ -156,7 +156,10 @@ class ReplicationConfig(CoreConfig):
                 values[f.name] = float(raw)
             else:
                 values[f.name] = int(raw)
-        return cls(**values)
+        config = cls(**values)
+        if config.problems():
+            raise ValueError("unsafe PYGMY_RAFT_* settings: " + "; ".join(config.problems()))
+        return config
 
 class _Proposal:
     __slots__ = ("command", "done", "settled", "index", "term", "result", "error")

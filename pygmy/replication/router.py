@@ -29,8 +29,14 @@ from pygmy.replication.transport import Abandoned, FrameClient, FrameError, raft
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT = 0.25
-#: Reads and writes to a replica; a paused leader must not eat the whole buy deadline.
+#: Reads and writes to a replica; a paused leader must not eat the whole buy deadline. The least an
+#: attempt gets: a replica whose answers take longer (a slow link, a loaded tier) gets what its
+#: answers showed it needs (``AttemptBudget``), up to MAX_ATTEMPT.
 READ_TIMEOUT = 1.0
+MAX_ATTEMPT = 5.0
+#: The most a connection to a replica may take to open, once the link showed it needs more than
+#: CONNECT_TIMEOUT (two round trips of the slowest link the Raft timers follow).
+MAX_CONNECT = 2.0
 STATUS_TIMEOUT = 0.5
 #: A frame request whose reply has not begun for STALL_AFTER makes its router look whether another
 #: replica leads now (a stopped leader keeps its connections open and answers nothing), and again
@@ -47,6 +53,44 @@ SILENT_FOR = 1.0
 LEADER_WAIT_CAP = 0.05
 #: Status codes that mean "try another replica": not leader, not ready, no quorum.
 RETRY_ELSEWHERE = {421, 503}
+
+
+class AttemptBudget:
+    """How long one attempt on one replica may take: at least READ_TIMEOUT, or what its answers
+    showed (a smoothed time plus four deviations, TCP's retransmission rule), doubled after an
+    attempt ran out (the link or the tier may just be slower than anything seen so far), back to
+    what answers show once one comes. The connect budget likewise doubles after a connect timed
+    out. Updated from many threads without a lock: a lost update only moves a bound a little."""
+
+    __slots__ = ("srtt", "rttvar", "stretch", "connect")
+
+    def __init__(self) -> None:
+        self.srtt = 0.0
+        self.rttvar = 0.0
+        self.stretch = 0.0
+        self.connect = CONNECT_TIMEOUT
+
+    def attempt(self) -> float:
+        return min(MAX_ATTEMPT, max(READ_TIMEOUT, self.srtt + 4 * self.rttvar, self.stretch))
+
+    def answered(self, took: float) -> None:
+        if self.srtt == 0.0:
+            self.srtt, self.rttvar = took, took / 2
+        else:
+            self.rttvar += (abs(self.srtt - took) - self.rttvar) / 4
+            self.srtt += (took - self.srtt) / 8
+        self.stretch = 0.0
+
+    def slow(self) -> bool:
+        """Its answers took a good part of READ_TIMEOUT: a timeout is more likely a slow link than
+        a stopped replica."""
+        return self.srtt + 4 * self.rttvar > READ_TIMEOUT / 4
+
+    def timed_out(self, used: float) -> None:
+        self.stretch = min(MAX_ATTEMPT, 2 * used)
+
+    def connect_timed_out(self) -> None:
+        self.connect = min(MAX_CONNECT, 2 * self.connect)
 
 
 class Sightings:
@@ -114,6 +158,8 @@ class _LeaderSeeker:
         self.names = list(peers)
         #: Bounds the retries that could add to an overload (see ``_to_leader``).
         self.budget = RetryBudget()
+        #: Per replica: how long an attempt may take (what its answers showed).
+        self.attempts = {n: AttemptBudget() for n in peers}
 
     @property
     def leader_hint(self) -> str | None:
@@ -155,8 +201,11 @@ class _LeaderSeeker:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TierUnavailable(self.tier, last)
+                budget = self.attempts[name]
+                timeout = min(budget.attempt(), remaining)
+                started = time.monotonic()
                 try:
-                    reply = attempt(name, min(READ_TIMEOUT, remaining))
+                    reply = attempt(name, timeout)
                 except Abandoned as exc:  # another replica leads now: go there (the key makes it safe)
                     last = f"{name}: {exc}"
                     self.leader_hint = exc.reason
@@ -164,9 +213,16 @@ class _LeaderSeeker:
                 except OSError as exc:  # HopError and the transport's errors
                     last = f"{name}: {type(exc).__name__}"
                     self.sightings.forget_leader(name)
-                    if _timed_out(exc) and not self.budget.try_retry():
-                        raise TierUnavailable(self.tier, f"{last} (retry budget spent)") from None
+                    if _timed_out(exc):
+                        if timeout < remaining and not self.sightings.silent(name):
+                            budget.timed_out(timeout)  # alive (it answers /status), only slow
+                        if not self.budget.try_retry():
+                            raise TierUnavailable(self.tier, f"{last} (retry budget spent)") from None
+                    elif getattr(exc, "connect_timed_out", False):
+                        budget.connect_timed_out()
                     continue
+                if reply.status not in RETRY_ELSEWHERE:
+                    budget.answered(time.monotonic() - started)
                 if reply.status not in RETRY_ELSEWHERE or overloaded(reply):
                     if reply.status not in RETRY_ELSEWHERE:
                         self.leader_hint = name
@@ -313,9 +369,10 @@ def batch_write(write: Callable[[dict[str, Any], float], Reply], items: list[tup
 class HopError(OSError):
     """A call to a replica got no answer (refused, reset, timed out): try another one."""
 
-    def __init__(self, message: str, timed_out: bool = False) -> None:
+    def __init__(self, message: str, timed_out: bool = False, connect_timed_out: bool = False) -> None:
         super().__init__(message)
         self.timed_out = timed_out
+        self.connect_timed_out = connect_timed_out
 
 
 class TierRouter(_LeaderSeeker):
@@ -356,10 +413,13 @@ class TierRouter(_LeaderSeeker):
         try:
             resp = self._pools[name].urlopen(
                 method, path, body=None if json is None else codec.dumps(json), headers=all_headers,
-                timeout=urllib3.Timeout(connect=CONNECT_TIMEOUT, read=timeout), redirect=False)
+                timeout=urllib3.Timeout(connect=self.attempts[name].connect, read=timeout), redirect=False)
         except urllib3.exceptions.HTTPError as exc:
+            reason = getattr(exc, "reason", None)
             raise HopError(f"{name}: {type(exc).__name__}",
-                           timed_out=isinstance(exc, urllib3.exceptions.ReadTimeoutError)) from exc
+                           timed_out=isinstance(exc, urllib3.exceptions.ReadTimeoutError),
+                           connect_timed_out=isinstance(exc, urllib3.exceptions.ConnectTimeoutError)
+                           or isinstance(reason, urllib3.exceptions.ConnectTimeoutError)) from exc
         self.sightings.clear(name)
         try:
             body = codec.loads(resp.data)
@@ -405,15 +465,24 @@ class TierRouter(_LeaderSeeker):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TierUnavailable(self.tier, last)
+                budget = self.attempts[name]
+                timeout = min(budget.attempt(), remaining)
+                started = time.monotonic()
                 try:
-                    reply = self._call(name, "GET", path, min(READ_TIMEOUT, remaining), params=params,
-                                       deadline=deadline)
+                    reply = self._call(name, "GET", path, timeout, params=params, deadline=deadline)
                 except HopError as exc:
                     last = str(exc)
                     self._avoid_for(name, 1.0)
-                    if exc.timed_out and not self.budget.try_retry():
-                        raise TierUnavailable(self.tier, f"{last} (retry budget spent)") from None
+                    if exc.timed_out:
+                        if timeout < remaining and budget.slow():
+                            budget.timed_out(timeout)  # it has been slow to answer, not silent
+                        if not self.budget.try_retry():
+                            raise TierUnavailable(self.tier, f"{last} (retry budget spent)") from None
+                    elif exc.connect_timed_out:
+                        budget.connect_timed_out()
                     continue
+                if reply.status not in RETRY_ELSEWHERE:
+                    budget.answered(time.monotonic() - started)
                 if reply.status not in RETRY_ELSEWHERE:
                     # A replica that served a read had its read index from the leader it names (or
                     # is it): so the next read goes there first. One that could not serve may name a

@@ -340,3 +340,16 @@ def test_up_ignores_the_settings_of_one_service(tmp_path: Path) -> None:
         assert client.buy(1, 1)["item_number"] == 1 and client.lookup(1)["item_number"] == 1
     finally:
         c.stop()
+
+
+@pytest.mark.parametrize(("setting", "says"), [
+    ({"PYGMY_RAFT_LEASE_TICKS": "30"}, "need lease_ticks < election_ticks_min"),
+    ({"PYGMY_RAFT_HEARTBEAT_TICKS": "40"}, "need 1 <= heartbeat_ticks < election_ticks_min"),
+])
+def test_up_refuses_unsafe_raft_settings_before_starting_anything(tmp_path: Path, setting: dict[str, str],
+                                                                  says: str) -> None:
+    """A lease as long as the election window would let a follower elect a second leader while the
+    first still reads from its lease: refused at once, named, with no service started."""
+    r = pygmy("up", "--data-dir", str(tmp_path / "d"), "--port-base", str(free_port_base()), env=setting)
+    assert r.returncode != 0 and says in r.stderr, r.stderr
+    assert not (tmp_path / "d" / "run").exists() or groups(tmp_path / "d") == {}

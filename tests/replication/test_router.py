@@ -263,3 +263,29 @@ def test_a_busy_leader_is_asked_about_itself_once_a_second_and_keeps_the_request
     status.answers["r2"] = {"role": "leader", "term": 4}  # a deposed leader that has not heard yet
     assert router._leader_elsewhere("r1") is None
     assert status.asked.count("r1") == 2
+
+
+def test_an_attempt_gets_what_the_answers_showed_and_more_after_running_out() -> None:
+    """A LAN replica keeps READ_TIMEOUT; one whose answers take 0.6-0.9 s (a slow link) gets room
+    for them; one attempt that ran out doubles the next, and an answer brings it back."""
+    from pygmy.replication.router import MAX_ATTEMPT, READ_TIMEOUT, AttemptBudget
+
+    lan = AttemptBudget()
+    for _ in range(20):
+        lan.answered(0.002)
+    assert lan.attempt() == READ_TIMEOUT and not lan.slow()
+    wan = AttemptBudget()
+    for took in [0.6, 0.9, 0.7, 0.8] * 5:
+        wan.answered(took)
+    assert READ_TIMEOUT < wan.attempt() < MAX_ATTEMPT and wan.slow()
+    wan.timed_out(wan.attempt())
+    stretched = wan.attempt()
+    assert stretched == min(MAX_ATTEMPT, 2 * stretched / 2) and stretched > READ_TIMEOUT
+    wan.answered(0.7)
+    assert wan.attempt() < stretched
+    wan.timed_out(MAX_ATTEMPT)
+    assert wan.attempt() == MAX_ATTEMPT
+    connect = AttemptBudget()
+    connect.connect_timed_out()
+    connect.connect_timed_out()
+    assert connect.connect == 4 * 0.25
