@@ -584,7 +584,8 @@ class RaftCore:
         # The campaign that won took two round trips (pre-vote and vote): a window shorter than a
         # few would lose the followers before their first answers, and the leadership with them.
         # On a LAN it took a tick or two, far below the configured window.
-        won_with = min(2 * (self.now - self._campaign_started), self.cfg.election_ticks_cap)
+        # Only once campaigns backed off (a slow link): a busy LAN's slow campaign is no reason.
+        won_with = min(2 * (self.now - self._campaign_started), self.cfg.election_ticks_cap) if self._campaigns > 4 else 0
         self.role = LEADER
         self.leader = self.id
         self._campaigns = 0

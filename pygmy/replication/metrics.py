@@ -54,7 +54,7 @@ class ReplicaCollector(Collector):
         yield lag
         timers = view.get("timers", {})
         rtt = GaugeMetricFamily("pygmy_replica_rtt_seconds",
-                                "Leader only: each follower's measured heartbeat round trip (90th percentile)",
+                                "Leader only: each follower's measured heartbeat round trip (median of the last 64)",
                                 labels=["service", "peer"])
         for peer, ms in timers.get("rtt_ms", {}).items():
             rtt.add_metric([self.name, peer], ms / 1000.0)

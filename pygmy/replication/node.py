@@ -915,10 +915,10 @@ class ReplicaNode:
         if timing != self._timing:
             self._timing = timing
             self.core.set_timing(timing)
-        for peer, rtt in rtts.items():
+        for peer, (_, tail) in rtts.items():
             sender = self._senders.get(peer)
             if sender is not None:
-                sender.client.expect_rtt(rtt)
+                sender.client.expect_rtt(tail)
         self._timers = self._timers_view(rtts)
 
     def _count_ticks_from_now(self) -> None:
@@ -1126,7 +1126,8 @@ class ReplicaNode:
         out: dict[str, Any] = {f"{k}_ms": v * tick for k, v in self.core.timers().items()}
         out["adapt"] = self.config.adapt
         if self.core.is_leader():
-            out["rtt_ms"] = {p: round(r * 1000.0, 1) for p, r in sorted(rtts.items())}
+            out["rtt_ms"] = {p: round(median * 1000.0, 1) for p, (median, _) in sorted(rtts.items())}
+            out["rtt_tail_ms"] = {p: round(tail * 1000.0, 1) for p, (_, tail) in sorted(rtts.items())}
         return out
 
     def _count_transitions(self, raw_role: str, leader: str | None, role: str) -> None:

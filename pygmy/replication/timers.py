@@ -7,8 +7,10 @@ about one round trip, an election timeout ten round trips or more. On loopback (
 under a millisecond) every derived value is below the configured one, and the core keeps the
 configured one (it never goes below), so a LAN cluster runs exactly as configured.
 
-Loss over TCP does not lose a heartbeat, it delays it (a retransmission after a timeout of at least
-200 ms), so the samples' high percentile, not their median, measures what a window must absorb.
+The median round trip sets the pace (a heartbeat of one, a window of ten); the tail sets a floor
+under the window: over TCP a loss does not lose a heartbeat, it delays it (a retransmission after
+a timeout of at least 200 ms), and a window must absorb that. A CPU-bound machine's scheduling
+hiccups land in the tail too, so the tail's weight is small: a busy LAN keeps its configured window.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ from pygmy.replication.core import Timing
 #: Samples kept per peer, and how old one may be.
 SAMPLES = 64
 SAMPLE_AGE = 60.0
-#: Which percentile of a peer's round trips the timers follow.
-PERCENTILE = 0.9
-#: Rounds trips per heartbeat, per election window and per lost-append timeout.
+#: The tail of a peer's round trips: this percentile.
+TAIL = 0.99
+#: Median round trips per heartbeat, per election window and per lost-append timeout (plus a
+#: heartbeat); tail round trips per election window.
 HEARTBEAT_RTTS = 1.0
 ELECTION_RTTS = 10.0
 PROBE_RTTS = 2.0
+ELECTION_TAILS = 2.0
 #: A lower timing is taken only once it has been asked for this long: raising is at once.
 HOLD = 30.0
 
@@ -37,17 +41,19 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def derive(rtts: dict[str, float], needed: int, tick_ms: float) -> Timing:
-    """The timing for round trips ``rtts`` (seconds, per follower) when ``needed`` followers must
-    answer for a majority: the ``needed``-th nearest follower sets the pace (a far minority can
-    neither commit nor keep a leader, and must not slow the rest). No samples: no demand."""
+def derive(rtts: dict[str, tuple[float, float]], needed: int, tick_ms: float) -> Timing:
+    """The timing for round trips ``rtts`` (seconds, per follower: median and tail) when ``needed``
+    followers must answer for a majority: the ``needed``-th nearest follower sets the pace (a far
+    minority can neither commit nor keep a leader, and must not slow the rest). No samples: no
+    demand."""
     if needed <= 0 or len(rtts) < needed:
         return Timing()
-    rtt = sorted(rtts.values())[needed - 1]
-    ticks = rtt * 1000.0 / tick_ms
-    heartbeat = math.ceil(HEARTBEAT_RTTS * ticks)
-    return Timing(heartbeat_ticks=heartbeat, election_ticks=math.ceil(ELECTION_RTTS * ticks),
-                  probe_ticks=math.ceil(PROBE_RTTS * ticks) + heartbeat)
+    median, tail = sorted(rtts.values())[needed - 1]
+    per_tick = 1000.0 / tick_ms
+    heartbeat = math.ceil(HEARTBEAT_RTTS * median * per_tick)
+    election = math.ceil(max(ELECTION_RTTS * median, ELECTION_TAILS * tail) * per_tick)
+    return Timing(heartbeat_ticks=heartbeat, election_ticks=election,
+                  probe_ticks=math.ceil(PROBE_RTTS * median * per_tick) + heartbeat)
 
 
 @dataclass
@@ -69,13 +75,13 @@ class RttMeter:
         if at is not None:
             self.samples.setdefault(peer, deque(maxlen=SAMPLES)).append((now, now - at))
 
-    def rtts(self, now: float) -> dict[str, float]:
-        """Each peer's ``PERCENTILE`` round trip over its recent samples (seconds)."""
+    def rtts(self, now: float) -> dict[str, tuple[float, float]]:
+        """Each peer's median and ``TAIL`` round trip over its recent samples (seconds)."""
         out = {}
         for peer, window in self.samples.items():
             recent = [rtt for at, rtt in window if now - at <= SAMPLE_AGE]
             if recent:
-                out[peer] = percentile(recent, PERCENTILE)
+                out[peer] = (percentile(recent, 0.5), percentile(recent, TAIL))
         return out
 
 

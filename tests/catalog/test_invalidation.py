@@ -229,7 +229,8 @@ def test_a_successor_waits_what_its_voters_quiet_leaves_of_a_lease() -> None:
     from pygmy.replication.node import ReplicaNode, ReplicationConfig
 
     def quiet_s(ticks: int, leading: bool = True) -> float:
-        node = SimpleNamespace(config=ReplicationConfig(), _leader_since=(4, 1.0, ticks),
+        config = ReplicationConfig()  # the core's election_gap: the voters' quiet less the lease
+        node = SimpleNamespace(config=config, _leader_since=(4, 1.0, ticks - config.effective_lease_ticks()),
                                is_leader=lambda: leading, term=lambda: 4)
         return ReplicaNode.vote_quiet_s(node)  # type: ignore[arg-type]
 

@@ -13,7 +13,7 @@ def test_a_revision_is_checked_out_beside_this_tree_and_removed_afterwards() -> 
                           check=True).stdout.strip()
     with checkout("HEAD") as tree:
         assert tree != ROOT
-        assert (tree / "cluster" / "local.py").is_file()
+        assert (tree / "pygmy" / "cluster" / "local.py").is_file()
         at = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True,
                             check=True).stdout.strip()
         assert at == head

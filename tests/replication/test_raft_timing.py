@@ -146,12 +146,15 @@ def test_the_window_a_leader_announces_is_capped() -> None:
 
 # -- derivation ------------------------------------------------------------------------------------
 def test_derive_follows_the_follower_a_majority_needs() -> None:
-    """Three replicas need one follower: the nearer sets the pace; five need two: the second."""
-    assert timers.derive({"b": 0.3, "c": 2.0}, needed=1, tick_ms=10) == Timing(30, 300, 90)
-    assert timers.derive({"b": 0.3, "c": 2.0, "d": 0.5, "e": 0.1}, needed=2, tick_ms=10) == Timing(30, 300, 90)
+    """Three replicas need one follower: the nearer sets the pace; five need two: the second. The
+    median sets heartbeat and window; a long tail (retransmissions after loss) widens the window."""
+    b, c, d, e = (0.3, 0.4), (2.0, 2.5), (0.5, 0.6), (0.1, 0.1)
+    assert timers.derive({"b": b, "c": c}, needed=1, tick_ms=10) == Timing(30, 300, 90)
+    assert timers.derive({"b": b, "c": c, "d": d, "e": e}, needed=2, tick_ms=10) == Timing(30, 300, 90)
+    assert timers.derive({"b": (0.001, 0.4)}, needed=1, tick_ms=10) == Timing(1, 80, 2)
     assert timers.derive({}, needed=1, tick_ms=10) == Timing()
-    # Loopback: every value below the configured ones, which the core keeps.
-    lan = timers.derive({"b": 0.0004, "c": 0.0005}, needed=1, tick_ms=10)
+    # Loopback, even with scheduling hiccups in the tail: below the configured ones, which stay.
+    lan = timers.derive({"b": (0.0004, 0.05), "c": (0.0005, 0.1)}, needed=1, tick_ms=10)
     core = make_leader(RaftCore("a", list("abc"), config=CoreConfig(), rng=1))
     before = core.timers()
     core.set_timing(lan)
@@ -164,7 +167,7 @@ def test_the_meter_pairs_answers_with_heartbeats_and_takes_a_high_percentile() -
         meter.sent("b", i, 100.0 + i)
         meter.answered("b", i, 100.0 + i + (0.5 if i == 9 else 0.1))
     meter.answered("b", 99, 200.0)  # never sent: ignored
-    assert meter.rtts(110.0) == {"b": pytest.approx(0.5)}
+    assert meter.rtts(110.0) == {"b": (pytest.approx(0.1), pytest.approx(0.5))}
     assert meter.rtts(100.0 + timers.SAMPLE_AGE + 20) == {}
 
 
@@ -302,8 +305,8 @@ def wan_run(adapt: bool, seed: int, base: int = 15) -> tuple[int, int, int]:
             c.propose(1)
         for node in c.nodes.values():
             if adapt and node.core.is_leader() and t % 50 == 0:
-                rtt = 2 * (base + 10) * 10 / 1000  # what the node's meter would see, in seconds
-                node.core.set_timing(timers.derive({p: rtt for p in node.core.others}, 1, 10))
+                median, tail = 2 * (base + 5) * 10 / 1000, 2 * (base + 10) * 10 / 1000  # as the meter sees
+                node.core.set_timing(timers.derive({p: (median, tail) for p in node.core.others}, 1, 10))
         c.tick(1)
         leader = c.leader()
         if leader is not None and leader.core.term != term:
