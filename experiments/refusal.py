@@ -8,7 +8,9 @@ of a refusal, free of everything else a surge brings. ``GET /hit`` is answered b
 shortcut (as the frontend answers a cached lookup), from the event loop with Pygmy's worker.
 ``python -m pygmy.experiments.refusal [--rounds 2]`` prints one line per worker class, kind and round,
 alternating the classes; ``--against DIR`` alternates instead between the worker of the checkout
-``DIR`` (e.g. ``git worktree add /tmp/before HEAD~1``) and this one's, both with this server.
+``DIR`` (e.g. ``git worktree add /tmp/before HEAD~1``) and this one's, both with this server, each on
+its own checkout's modules, named as its layout names them (``LAYOUTS``: before #41 they were
+top-level, ``cluster.worker``); the server stops at once if the worker it loads is not ``DIR``'s.
 
 ``serve_gated`` is also what ``tests/cluster/test_worker.py`` runs its real-Gunicorn checks on.
 """
@@ -36,16 +38,19 @@ from pygmy.cluster.local import ROOT, free_port_base
 from pygmy.experiments import harness as h
 
 SERVER = """
-import sys, time
+import importlib, json, sys, time
 from pathlib import Path
 from flask import jsonify
-from pygmy.cluster.serve import gunicorn_options, run_gunicorn
-from pygmy.kit.web import create_base_app
 
-port, gate_dir, worker_class = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+port, gate_dir, worker_class, root = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
+modules = json.loads(sys.argv[5])
+worker = importlib.import_module(modules["worker"])
+if not Path(worker.__file__).resolve().is_relative_to(root.resolve()):  # e.g. the installed pygmy's
+    sys.exit(f"the worker came from {worker.__file__}, not from {root}")
+serve, web = importlib.import_module(modules["serve"]), importlib.import_module(modules["web"])
 
 def create():
-    app = create_base_app("early-test", limits={"write": 1, "read": 8})
+    app = web.create_base_app("early-test", limits={"write": 1, "read": 8})
 
     @app.post("/hold")
     def hold():
@@ -68,12 +73,27 @@ def create():
         lambda environ: ("/hit", hit, []) if environ.get("PATH_INFO") == "/hit" else None)
     return app
 
-options = gunicorn_options(f"127.0.0.1:{port}", workers=1, threads=12, name="early-test")
+options = serve.gunicorn_options(f"127.0.0.1:{port}", workers=1, threads=12, name="early-test")
 options["loglevel"] = "warning"
-if worker_class:
-    options["worker_class"] = worker_class
-run_gunicorn(create, options)
+options["worker_class"] = worker_class or modules["worker"] + ".AdmissionWorker"
+serve.run_gunicorn(create, options)
 """
+#: Where a checkout keeps the modules the server runs on, by the file that tells its layout apart:
+#: one ``pygmy`` package since #41, top-level packages before it.
+LAYOUTS = {
+    "pygmy/cluster/worker.py": {"worker": "pygmy.cluster.worker", "serve": "pygmy.cluster.serve",
+                                "web": "pygmy.kit.web"},
+    "cluster/worker.py": {"worker": "cluster.worker", "serve": "cluster.serve", "web": "cluster.web"},
+}
+
+
+def modules_of(root: Path) -> dict[str, str]:
+    """The module names of the worker, ``serve`` and ``web`` in the checkout ``root``, by its layout."""
+    for marker, modules in LAYOUTS.items():
+        if (root / marker).is_file():
+            return modules
+    raise ValueError(f"{root} is not a Pygmy checkout of a known layout (none of {', '.join(LAYOUTS)})")
+
 
 BUY = b"POST /buy HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
 HIT = b"GET /hit HTTP/1.1\r\nHost: t\r\nAccept: application/json\r\n\r\n"
@@ -87,7 +107,9 @@ def serve_gated(gate_dir: Path, worker_class: str = "", root: Path = ROOT) -> It
     place held while the block runs: ``(port, worker pid, release file)``. Touching the release file
     frees the place; everything started is stopped on the way out."""
     port = free_port_base(1, 1)
-    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port), str(gate_dir), worker_class], cwd=root,
+    modules = json.dumps(modules_of(root))
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port), str(gate_dir), worker_class, str(root),
+                             modules], cwd=root,
                             env={**os.environ, "PYTHONPATH": str(root)},
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
@@ -99,7 +121,10 @@ def serve_gated(gate_dir: Path, worker_class: str = "", root: Path = ROOT) -> It
             with contextlib.suppress(requests.RequestException):
                 if requests.get(url + "/read", timeout=1).status_code == 200:
                     break
-            if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is not None:
+                said = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+                raise RuntimeError(f"the gated server stopped: {said[-2000:]}")
+            if time.monotonic() > deadline:
                 raise RuntimeError("the gated server did not start")
             time.sleep(0.1)
         holder = threading.Thread(target=requests.post, args=(url + "/hold",), kwargs={"timeout": 90})
