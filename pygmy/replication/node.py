@@ -71,6 +71,8 @@ _FAULT_BACKOFF_MIN = 0.05
 _INLINE_TURNS = 3
 #: How often the loop derives the timers from the round trips measured (``ReplicaNode._retune``).
 RETUNE_EVERY = 1.0
+#: A turn this late after its timer fell due means the process stood still (``_turn``).
+STALLED = 0.25
 
 COMMIT_SECONDS = Histogram(
     "pygmy_replica_commit_seconds", "Time from a proposal on the leader to its commit and local apply",
@@ -881,6 +883,10 @@ class ReplicaNode:
         """With the core lock held: every input queued so far (each after the ticks that fell due
         before it arrived), the ticks due now, then the core's ``Ready``."""
         tick_s = self.config.tick_ms / 1000.0
+        if time.monotonic() - self._wake_at > STALLED:
+            # This process stood still (SIGSTOP, a long GC, a starved CPU): heartbeats sent before
+            # were answered during it, and their round trips measure the stall, not the network.
+            self._rtt.forget_pending()
         for _ in range(10_000):
             try:
                 item = self._inbox.get_nowait()
@@ -1116,6 +1122,10 @@ class ReplicaNode:
         }
         if is_leader != self._was_leader:
             self._was_leader = is_leader
+            # Each leadership measures its own round trips: those of an earlier one are old, and
+            # may have been taken across this process's stall (a paused leader that resumed).
+            self._rtt = RttMeter()
+            self._timing_hold = Hold()
             if is_leader:
                 self._leader_since = (core.term, time.monotonic(), core.election_gap)
             self._notify.put((is_leader, core.term))

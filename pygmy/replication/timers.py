@@ -75,6 +75,10 @@ class RttMeter:
         if at is not None:
             self.samples.setdefault(peer, deque(maxlen=SAMPLES)).append((now, now - at))
 
+    def forget_pending(self) -> None:
+        """Drop the heartbeats still unanswered: their answers would time a stall of our own."""
+        self._sent.clear()
+
     def rtts(self, now: float) -> dict[str, tuple[float, float]]:
         """Each peer's median and ``TAIL`` round trip over its recent samples (seconds)."""
         out = {}
