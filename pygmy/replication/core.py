@@ -470,6 +470,8 @@ class RaftCore:
         """The lease an acknowledgement of a message sent at tick ``sent`` gives: that of the least
         window announced since (a follower keeps out of elections for the window of the last
         message it heard, and a window may have been lowered after this one went out)."""
+        if sent < self.now - 2 * self.cfg.election_ticks_cap:
+            return 0  # any lease it gave is long over (and the windows of then may be forgotten)
         least = self._window()
         for since, window in reversed(self._floors):
             least = min(least, window)
@@ -520,10 +522,12 @@ class RaftCore:
             return
         self.floor = self._as_floor(window)
         self._floors.append((self.now, window))
-        if len(self._floors) > 8:  # windows older than every acknowledgement we count no longer matter
-            oldest = min((pr.last_heard for pr in self._prs.values()), default=self.now)
-            while len(self._floors) > 1 and self._floors[1][0] < oldest:
-                self._floors.pop(0)
+        # Windows older than every acknowledgement we count no longer matter, nor do any older than
+        # the longest lease (an answer to a message sent before then gives a lease already over).
+        oldest = min((pr.last_heard for pr in self._prs.values()), default=self.now)
+        oldest = max(oldest, self.now - 2 * self.cfg.election_ticks_cap)
+        while len(self._floors) > 1 and self._floors[1][0] < oldest:
+            self._floors.pop(0)
 
     def has_quorum_contact(self) -> bool:
         """True on a leader that a majority has acknowledged recently enough for local reads."""
