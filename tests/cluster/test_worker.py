@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from pygmy.cluster.worker import _request_head, asks_to_close, said_closing
+from pygmy.cluster.worker import _Reader, _request_head, asks_to_close, said_closing
 from pygmy.experiments.refusal import serve_gated
 
 
@@ -101,6 +101,155 @@ def test_pipelined_partial_and_closing_requests_are_each_answered_once(full_writ
         assert headers.get("connection") == "close", "the answer did not say the connection closes"
         assert "server" not in headers, "refused by a pool thread, not by the event loop"
         assert sock.recv(100) == b"", "a refused request that asked to close left its connection open"
+
+
+HIT = b"GET /hit HTTP/1.1\r\nHost: t\r\n\r\n"  # the app's shortcut: answered by the event loop when it takes it
+
+
+def assert_hit_from_the_event_loop(host: str, port: int) -> None:
+    """A cache hit on a new connection is answered, and by the event loop (no ``Server`` header):
+    the worker still serves, and its parser still takes a plain request."""
+    with socket.create_connection((host, port), timeout=10) as sock:
+        sock.sendall(HIT)
+        status, headers, body, rest = read_answer(sock)
+    assert status == 200 and json.loads(body)["title"] == "a cached book" and rest == b""
+    assert "server" not in headers, "a plain cache hit went to a pool thread"
+
+
+def test_pipelined_requests_are_each_judged_by_their_own_method(full_writes: tuple[str, int, Path]) -> None:
+    """Each of two requests in one segment is judged as what it is. The method was once read after
+    the whole segment, the second request's: a hit followed by a buy was refused as a write, and a
+    buy followed by a hit was let through as a read (to be refused by a pool thread, with the hit
+    behind it left unanswered: gthread answers no request already read off the socket until more
+    bytes come)."""
+    host, port, _ = full_writes
+    with socket.create_connection((host, port), timeout=5) as sock:
+        sock.sendall(HIT + buy_request())
+        status, headers, body, rest = read_answer(sock)
+        assert status == 200 and json.loads(body)["title"] == "a cached book", f"the hit got {status}"
+        assert "server" not in headers
+        status, headers, body, rest = read_answer(sock, rest)
+        assert status == 503 and json.loads(body)["error"]["overloaded"] is True and rest == b""
+        assert "server" not in headers, "refused by a pool thread, not by the event loop"
+        sock.sendall(buy_request() + HIT)
+        status, headers, _, rest = read_answer(sock)
+        assert status == 503 and "server" not in headers, "the buy was not refused by the event loop"
+        status, headers, body, rest = read_answer(sock, rest)
+        assert status == 200 and json.loads(body)["title"] == "a cached book" and rest == b""
+        assert "server" not in headers
+
+
+def test_http_1_0_is_gunicorns_and_the_http_1_1_after_it_the_event_loops(full_writes: tuple[str, int, Path]) -> None:
+    host, port, _ = full_writes
+    http10 = b"GET /hit HTTP/1.0\r\nConnection: keep-alive\r\n\r\n"
+    with socket.create_connection((host, port), timeout=5) as sock:
+        # Alone: Gunicorn answers it (as HTTP/1.0 with keep-alive), and the next request on the same
+        # connection, plain HTTP/1.1, is the event loop's again.
+        sock.sendall(http10)
+        status, headers, _, rest = read_answer(sock)
+        assert status == 200 and rest == b"" and headers.get("connection") == "keep-alive"
+        assert headers.get("server", "").startswith("gunicorn"), "HTTP/1.0 answered by the event loop"
+        sock.sendall(HIT)
+        status, headers, _, rest = read_answer(sock)
+        assert status == 200 and "server" not in headers and rest == b""
+    with socket.create_connection((host, port), timeout=5) as sock:
+        # Followed by HTTP/1.1 in one segment: the version was once read after the whole segment,
+        # the second request's, and the HTTP/1.0 one was answered by the event loop as HTTP/1.1.
+        # (Gunicorn answers the second only when more bytes come: gthread does not look at what
+        # it has already read off the socket.)
+        sock.sendall(http10 + HIT)
+        status, headers, _, _ = read_answer(sock)
+        assert status == 200
+        assert headers.get("server", "").startswith("gunicorn"), "HTTP/1.0 answered by the event loop"
+
+
+@pytest.mark.parametrize("request_line", [
+    b"\r\nGET /hit HTTP/1.1",    # an empty line first (llhttp skips it; Gunicorn does not)
+    b"GET  /hit HTTP/1.1",        # two spaces after the method (llhttp takes runs of them)
+    b"GET /hit  HTTP/1.1",        # and before the version
+])
+def test_a_request_line_gunicorn_refuses_is_refused_with_400(full_writes: tuple[str, int, Path],
+                                                             request_line: bytes) -> None:
+    host, port, _ = full_writes
+    with socket.create_connection((host, port), timeout=5) as sock:
+        sock.sendall(request_line + b"\r\nHost: t\r\n\r\n")
+        status, headers, body, rest = read_answer(sock)
+        assert status == 400, f"{request_line!r} was answered {status}, not refused as Gunicorn refuses it"
+        assert json.loads(body)["error"]["message"].startswith("Invalid")  # Gunicorn's reason, as JSON
+        assert headers.get("connection") == "close" and rest == b"" and sock.recv(100) == b""
+    assert_hit_from_the_event_loop(host, port)  # and the parser was not left broken by it
+
+
+@pytest.mark.parametrize("data", [
+    b"GET /read HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n",
+    b"CONNECT t:443 HTTP/1.1\r\nHost: t:443\r\n\r\n",
+])
+def test_upgrade_and_connect_go_to_gunicorn_and_the_worker_serves_on(full_writes: tuple[str, int, Path],
+                                                                     data: bytes) -> None:
+    """httptools raises HttpParserUpgrade for these, which is not an HttpParserError: once uncaught,
+    it stopped the event loop, and every later request waited for an answer that never came."""
+    host, port, _ = full_writes
+    with socket.create_connection((host, port), timeout=10) as sock:
+        sock.sendall(data)
+        status, headers, _, _ = read_answer(sock)  # whatever Gunicorn and the app make of it
+        assert 200 <= status < 600 and headers.get("server", "").startswith("gunicorn")
+    assert_hit_from_the_event_loop(host, port)
+
+
+def test_the_event_loops_parser_serves_on_after_a_close_an_error_and_a_partial_request(
+        full_writes: tuple[str, int, Path]) -> None:
+    """The event loop keeps one parser from request to request; whatever leaves it unable to take a
+    new request as new (a request that closes its connection, an error, a request not wholly
+    there) must not leave the next connection's requests to Gunicorn."""
+    host, port, _ = full_writes
+    with socket.create_connection((host, port), timeout=5) as sock:
+        sock.sendall(b"GET /hit HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        status, headers, _, rest = read_answer(sock)
+        assert status == 200 and "server" not in headers and headers.get("connection") == "close"
+        assert rest == b"" and sock.recv(100) == b""
+    assert_hit_from_the_event_loop(host, port)
+    with socket.create_connection((host, port), timeout=5) as sock:
+        sock.sendall(b"GET /hit HTTP/1.1\r\nX-Nul: a\x00b\r\n\r\n")
+        assert read_answer(sock)[0] == 400
+    assert_hit_from_the_event_loop(host, port)
+    with socket.create_connection((host, port), timeout=5) as sock:
+        sock.sendall(HIT[:-2])  # the headers not yet ended: the event loop leaves it
+        time.sleep(0.3)
+        sock.sendall(HIT[-2:])
+        status, _, _, _ = read_answer(sock)
+        assert status == 200
+        sock.sendall(HIT)  # the same connection's next request
+        status, headers, _, _ = read_answer(sock)
+        assert status == 200 and "server" not in headers
+    assert_hit_from_the_event_loop(host, port)
+
+
+PLAIN = b"GET /lookup/1?x=2 HTTP/1.1\r\nHost: t\r\n\r\n"
+
+
+@pytest.mark.parametrize("before", [
+    PLAIN,                                                            # kept: llhttp waits as new
+    buy_request(),
+    b"GET / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n",      # llhttp takes nothing after it
+    b"GET / HTTP/1.0\r\n\r\n",                                        # nor after HTTP/1.0 without keep-alive
+    b"GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: t\r\n",                                 # unfinished: it would go on with the next
+    buy_request()[:-1],
+    b"GET / HTTP/1.1\r\n\r\nGET /b HT",                               # a pipelined request begun
+    PLAIN + PLAIN,
+    b"GET / HTTP/1.1\r\nX-Nul: a\x00b\r\n\r\n",                      # an error: llhttp stops for good
+    b"GET / HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n",
+    b"CONNECT t:443 HTTP/1.1\r\nHost: t\r\n\r\n",
+    b"\r\nGET / HTTP/1.1\r\n\r\n",
+])
+def test_one_reader_reads_each_next_request_as_new(before: bytes) -> None:
+    reader = _Reader()
+    reader.read(before)
+    for _ in range(2):
+        assert reader.read(PLAIN) == (b"GET", b"/lookup/1?x=2", {b"host": b"t"}, len(PLAIN), b"")
+        buy = buy_request(body=b'{"n": 1}')
+        assert reader.read(buy) == (b"POST", b"/buy", {b"host": b"t", b"content-type": b"application/json",
+                                                      b"content-length": b"8"}, len(buy), b'{"n": 1}')
 
 
 @pytest.mark.parametrize(("data", "expected"), [
