@@ -7,8 +7,8 @@ routers keep direct links. For each tier in turn (catalog, then order), and each
 six links of that tier get the shape (latency each way, ± jitter, loss on the caller's hop with an
 RTT-scaled retransmission timeout: see ``pygmy/verify/links.py`` for why and what it gets wrong), and
 every connection through them is cut once so that connections have to be made across the new
-links. After ``SETTLE`` s, client processes send updates and buys through the frontend at a steady
-open-loop rate for a window of ``WINDOW`` s, while every replica's ``/status`` is polled. Measured:
+links (``--keep-connections``: not). After ``SETTLE`` s, updates and buys go through the frontend at
+a steady open-loop rate for a window of ``WINDOW`` s, while every replica's ``/status`` is polled. Measured:
 the longest stretch with no acknowledged update, and with no acknowledged buy (window edges count),
 new terms in the window (the tier's highest term at its end less at its start), the share of polls
 in which the tier had no leader and in which its leader held its lease. Then, still on the slow
@@ -35,6 +35,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from typing import Any
 import numpy as np
 import requests
 
+from pygmy.client.api import PygmyClient
 from pygmy.cluster.local import LocalCluster, free_port_base
 from pygmy.experiments import harness as h
 from pygmy.kit.config import ClusterConfig
@@ -52,9 +54,8 @@ NAME = "wan"
 TIERS = ("catalog", "order")
 WINDOW = 15.0
 SETTLE = 2.0
-#: Updates and buys per second in all (half each), evenly spaced, from THREADS client threads per kind.
+#: Updates and buys per second in all (half each), evenly spaced, in a true open loop.
 RATE = 8
-THREADS = 4
 MIX = {"update": 0.5, "buy": 0.5}
 CLIENT_TIMEOUT = 10.0
 POLL = 0.2
@@ -181,51 +182,53 @@ def gaps(rec: h.Records, op: str, start: float, end: float) -> dict[str, Any]:
             "max_ms": float(np.max(lat) * 1000) if lat.size else None}
 
 
-def drive(c: LocalCluster, duration: float, seed: int,
-          on_start: Any = None) -> h.Records:
-    """``RATE // 2`` updates and as many buys a second, evenly spaced, for ``duration`` s (open loop:
-    each of ``THREADS`` threads per kind keeps its own schedule, and one that fell behind sends at once;
-    a request's start is its scheduled time). ``on_start(start_at, stop)`` as ``harness.run_load``'s."""
+def drive(c: LocalCluster, duration: float, seed: int, on_start: Any = None) -> h.Records:
+    """``RATE // 2`` updates and as many buys a second, evenly spaced, for ``duration`` s: a true open
+    loop (each request on a thread of its own at its scheduled time, whatever the others are doing;
+    its start is that time). ``on_start(start_at, stop)`` as ``harness.run_load``'s."""
     start_at = time.time() + 0.2
     end = [duration]
     rows: list[tuple[str, float, float, int]] = []
     lock = threading.Lock()
-    per = RATE / 2 / THREADS  # requests a second from each thread
+    local = threading.local()
+    token = c.admin_token()
+    url = c.cluster_config().frontend_url(1)
+    rng = random.Random(seed)
 
-    def client(op: str, k: int) -> None:
-        rng = random.Random(seed * 100 + k + (50 if op == "buy" else 0))
-        phase = k / (RATE / 2)
-        with c.client(timeout=CLIENT_TIMEOUT) as cl:
-            i = 0
-            while True:
-                scheduled = phase + i / per
-                if scheduled >= end[0]:
-                    return
-                time.sleep(max(0.0, start_at + scheduled - time.time()))
-                item = rng.randint(1, 7)
-                status = 200
-                try:
-                    if op == "buy":
-                        cl.buy(item, key=uuid.uuid4().hex)
-                    else:
-                        cl.update(item, stock_delta=1)
-                except h.PygmyError as exc:
-                    status = exc.status
-                with lock:
-                    rows.append((op, scheduled, time.time() - start_at - scheduled, status))
-                i += 1
+    def one(op: str, scheduled: float, item: int) -> None:
+        cl = getattr(local, "client", None)
+        if cl is None:
+            cl = local.client = PygmyClient(url, timeout=CLIENT_TIMEOUT, token=token)
+        status = 200
+        try:
+            if op == "buy":
+                cl.buy(item, key=uuid.uuid4().hex)
+            else:
+                cl.update(item, stock_delta=1)
+        except h.PygmyError as exc:
+            status = exc.status
+        with lock:
+            rows.append((op, scheduled, time.time() - start_at - scheduled, status))
 
-    threads = [threading.Thread(target=client, args=(op, k), daemon=True) for op in MIX for k in range(THREADS)]
-    for t in threads:
-        t.start()
-    if on_start is not None:
-        on_start(start_at, lambda t: end.__setitem__(0, min(end[0], t)))
-    for t in threads:
-        t.join()
+    every = 2 / RATE
+    schedule = sorted((k * every + (every / 2 if op == "buy" else 0.0), op) for op in MIX
+                      for k in range(int(duration / every) + 1))
+    with ThreadPoolExecutor(max_workers=int(RATE * (CLIENT_TIMEOUT + 2)), thread_name_prefix="wan-load") as pool:
+        if on_start is not None:
+            threading.Thread(target=on_start, args=(start_at, lambda t: end.__setitem__(0, min(end[0], t))),
+                             daemon=True).start()
+        for scheduled, op in schedule:
+            if scheduled >= end[0]:
+                break
+            time.sleep(max(0.0, start_at + scheduled - time.time()))
+            if scheduled >= end[0]:
+                break
+            pool.submit(one, op, scheduled, rng.randint(1, 7))
     rows.sort(key=lambda r: r[1])
-    op, start, lat, status = (np.array(col) for col in zip(*rows, strict=True)) if rows else (
-        np.array([], str), np.array([]), np.array([]), np.array([], int))
-    return h.Records(op, start, lat, status.astype(int), start_at, float(np.max(start + lat)) if rows else 0.0)
+    if not rows:
+        return h.Records(np.array([], str), np.array([]), np.array([]), np.array([], int), start_at, 0.0)
+    op, start, lat, status = (np.array(col) for col in zip(*rows, strict=True))
+    return h.Records(op, start, lat, status.astype(int), start_at, float(np.max(start + lat)))
 
 
 def _watch_port(port: int, gone: list[float], until: float) -> None:
@@ -253,7 +256,10 @@ def window(c: LocalCluster, tier: str, seed: int, seconds: float) -> dict[str, A
 def failover(c: LocalCluster, tier: str, seed: int) -> dict[str, Any]:
     """SIGKILL of the tier's leader under the same load; the victim is left down (``restore`` restarts it)."""
     names = list(c.cluster_config().peers(tier))
-    lead = h.leader(c, tier, timeout=10)
+    try:
+        lead = h.leader(c, tier, timeout=5)
+    except RuntimeError:
+        return {"victim": None, "skipped": f"no {tier} leader to kill"}
     old_term = int((h.replica_status(c, lead, timeout=2) or {}).get("term", 0))
     ev: dict[str, Any] = {"victim": lead, "old_term": old_term}
     polls: list[Poller] = []
@@ -299,19 +305,19 @@ def restore(c: LocalCluster, net: wl.ClusterLinks, tier: str, victim: str | None
 
 
 def point(c: LocalCluster, net: wl.ClusterLinks, tier: str, shape: Shape, seed: int, kill: bool,
-          seconds: float = WINDOW) -> dict[str, Any]:
+          seconds: float = WINDOW, reset: bool = True) -> dict[str, Any]:
     out: dict[str, Any] = {"tier": tier, "shape": asdict(shape), "rtt_ms": max(1, shape.rtt_ms),
                            "label": shape.label()}
     victim = None
     try:
-        net.shape(shape, tier)
+        net.shape(shape, tier, reset=reset)
         time.sleep(SETTLE)
         out["window"] = window(c, tier, seed, seconds)
         if kill:
             out["failover"] = failover(c, tier, seed + 1)
             victim = out["failover"]["victim"]
     except Exception as exc:  # one point's failure is recorded; the cluster is put back for the next
-        out["error"] = f"{type(exc).__name__}: {exc}"
+        out["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     out["restore"] = restore(c, net, tier, victim)
     return out
 
@@ -333,7 +339,7 @@ def table(points: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
                      f"{w['buy']['acked']}/{w['buy']['sent']}" if w else "-",
                      w.get("new_terms"), _s(w.get("no_leader_share")), _s(w.get("lease_share")),
                      _s(f.get("new_leader_s")), _s(f.get("update_back_s")), _s(f.get("buy_back_s")),
-                     p.get("error", "")])
+                     p.get("error") or f.get("skipped", "")])
     return {"columns": ["tier", "each way ms", "RTT ms", "loss", "longest update gap s", "longest buy gap s",
                         "updates acked/sent", "buys acked/sent", f"new terms ({seconds:g} s)", "no-leader share",
                         "lease share", "failover: new leader s", "failover: update back s",
@@ -382,7 +388,8 @@ def print_table(t: dict[str, Any]) -> None:
 
 
 # -- running it -------------------------------------------------------------------------------------------
-def run(settings: h.Settings, tiers: Sequence[str] | None = None, kill: bool | None = None) -> dict[str, Any]:
+def run(settings: h.Settings, tiers: Sequence[str] | None = None, kill: bool | None = None,
+        reset: bool = True) -> dict[str, Any]:
     """In a network namespace of its own (this process re-run in one, unless it is in one already)."""
     tiers = list(tiers or settings.size(TIERS, TIERS, ("catalog",)))
     kill = settings.size(True, True, False) if kill is None else kill
@@ -390,15 +397,15 @@ def run(settings: h.Settings, tiers: Sequence[str] | None = None, kill: bool | N
         argv = [sys.executable, "-m", "pygmy.experiments.wan", "--results-dir", str(settings.results_dir),
                 "--plots-dir", str(settings.plots_dir), "--tiers", *tiers, *(["--quick"] if settings.quick else []),
                 *(["--tiny"] if settings.tiny else []), *([] if settings.progress else ["--no-progress"]),
-                *([] if kill else ["--no-kill"])]
+                *([] if kill else ["--no-kill"]), *([] if reset else ["--keep-connections"])]
         proc = wl.isolated(argv, timeout=7200)
         if proc.returncode != 0:
             raise RuntimeError(f"the WAN experiment failed in its namespace (exit {proc.returncode})")
         return {"path": settings.results_dir / f"{NAME}.json"}
-    return _run(settings, tiers, kill)
+    return _run(settings, tiers, kill, reset)
 
 
-def _run(settings: h.Settings, tiers: Sequence[str], kill: bool) -> dict[str, Any]:
+def _run(settings: h.Settings, tiers: Sequence[str], kill: bool, reset: bool) -> dict[str, Any]:
     started = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="pygmy-wan-"))
     base = free_port_base()
@@ -419,10 +426,10 @@ def _run(settings: h.Settings, tiers: Sequence[str], kill: bool) -> dict[str, An
                         break
                     try:
                         points.append(point(c, net, tier, shape, seed=100 * len(points) + k, kill=kill,
-                                            seconds=seconds))
+                                            seconds=seconds, reset=reset))
                     except Exception as exc:  # the cluster would not take writes again: keep what was measured
                         points.append({"tier": tier, "shape": asdict(shape), "rtt_ms": max(1, shape.rtt_ms),
-                                       "label": shape.label(), "error": f"not restored: {exc}"[:2000]})
+                                       "label": shape.label(), "error": f"not restored: {exc}"[:300]})
                         broken = True
                     if settings.progress:
                         p = points[-1]
@@ -445,7 +452,7 @@ def _run(settings: h.Settings, tiers: Sequence[str], kill: bool) -> dict[str, An
             "issue's 300 ±50 ms each way), and loss on the calling replica's hop with the retransmission timeout of "
             "a link of that RTT (see the module's docstring); connections are cut once so that they are made again "
             f"across it. After {SETTLE:g} s, clients send {RATE // 2} updates and {RATE // 2} buys a second, evenly "
-            f"spaced (open loop, {2 * THREADS} threads, {CLIENT_TIMEOUT:g} s client timeout) for {seconds:g} s. Gaps "
+            f"spaced (a true open loop: each request on a thread of its own, {CLIENT_TIMEOUT:g} s client timeout) for {seconds:g} s. Gaps "
             "are the longest stretch of the "
             "window with no acknowledged update (buy), edges included, so a window with none shows "
             f"{seconds:g} s. New terms: the tier's highest term at the window's end less at its start (every "
@@ -456,7 +463,7 @@ def _run(settings: h.Settings, tiers: Sequence[str], kill: bool) -> dict[str, An
         "timers": mode,
         "params": {"window_s": seconds, "settle_s": SETTLE, "rate": RATE, "mix": MIX, "poll_s": POLL,
                    "failover": kill, "pre_s": PRE, "post_s": POST, "tiers": list(tiers),
-                   "shapes": [asdict(s) for s in todo], "reset_connections": True,
+                   "shapes": [asdict(s) for s in todo], "reset_connections": reset,
                    "loss_model": "iptables statistic on the caller-side loopback hop, both ways; "
                                  "net.ipv4.tcp_rto_min_us = RTT + 200 ms"},
         "results": {"points": points, "seconds": time.monotonic() - started},
@@ -471,13 +478,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tiers", nargs="+", choices=TIERS)
     p.add_argument("--no-kill", action="store_true", help="no failover trials")
+    p.add_argument("--keep-connections", action="store_true",
+                   help="do not cut the connections when a shape is applied (they keep the LAN's retransmission "
+                        "timeout: loss is cheaper than on the link it stands for)")
     p.add_argument("--results-dir", type=Path, default=h.RESULTS)
     p.add_argument("--plots-dir", type=Path, default=h.PLOTS)
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
     s = h.Settings(quick=a.quick, tiny=a.tiny, results_dir=a.results_dir, plots_dir=a.plots_dir,
                    progress=not a.no_progress)
-    run(s, a.tiers, kill=False if a.no_kill else None)
+    run(s, a.tiers, kill=False if a.no_kill else None, reset=not a.keep_connections)
 
 
 if __name__ == "__main__":
