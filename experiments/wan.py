@@ -347,35 +347,44 @@ def table(points: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
 
 
 def plot(settings: h.Settings, points: list[dict[str, Any]], mode: str, seconds: float) -> str:
+    """Per tier, against the links' round trip, one line per loss: the gaps, new terms, the share of
+    the window without a leader, and the failover (a kill with no buy after it within ``POST`` s, or
+    no leader to kill, is drawn as an x at ``POST``)."""
+    def failover_s(p: dict[str, Any]) -> float | None:
+        f = p.get("failover") or {}
+        return f.get("buy_back_s") if f.get("buy_back_s") is not None else (POST if f else None)
+
     measures = (("update gap", lambda p: p["window"]["update"]["longest_gap_s"], "longest gap (s)"),
                 ("buy gap", lambda p: p["window"]["buy"]["longest_gap_s"], "longest gap (s)"),
                 ("new terms", lambda p: p["window"]["new_terms"], f"new terms per {seconds:g} s"),
-                ("failover", lambda p: (p.get("failover") or {}).get("buy_back_s"), "kill → buy acked (s)"))
+                ("no leader", lambda p: p["window"]["no_leader_share"], "share of the window"),
+                ("failover", failover_s, "leader killed → buy acked (s)"))
     tiers = [t for t in TIERS if any(p["tier"] == t for p in points)]
-    fig, axes = h.figure(len(tiers), len(measures), figsize=(15, 3.6 * len(tiers)), squeeze=False)
+    fig, axes = h.figure(len(tiers), len(measures), figsize=(18, 3.8 * len(tiers)), squeeze=False)
     losses = sorted({p["shape"]["loss"] for p in points})
+    rtts = sorted({p["rtt_ms"] for p in points})
     for row, tier in zip(axes, tiers, strict=True):
         for ax, (title, get, ylabel) in zip(row, measures, strict=True):
-            for loss in losses:
-                xs, ys = [], []
-                for p in sorted((p for p in points if p["tier"] == tier and p["shape"]["loss"] == loss and "window" in p),
-                                key=lambda p: p["rtt_ms"]):
-                    with contextlib.suppress(KeyError, TypeError):
-                        y = get(p)
-                        xs.append(p["rtt_ms"])
-                        ys.append(np.nan if y is None else y)
-                if xs:
-                    ax.plot(xs, ys, marker="o", label=f"{loss:.0%} loss")
+            for i, loss in enumerate(losses):
+                mine = sorted((p for p in points if p["tier"] == tier and p["shape"]["loss"] == loss and "window" in p),
+                              key=lambda p: p["rtt_ms"])
+                xs = [rtts.index(p["rtt_ms"]) + 0.06 * (i - 1) for p in mine]  # side by side where they meet
+                ys = [get(p) for p in mine]
+                line = ax.plot(xs, [np.nan if y is None else y for y in ys], marker="o", label=f"{loss:.0%} loss")[0]
+                if title == "failover":
+                    lost = [(x, POST) for x, p in zip(xs, mine, strict=True)
+                            if p.get("failover") and (p["failover"].get("buy_back_s") is None)]
+                    if lost:
+                        ax.scatter(*zip(*lost, strict=True), marker="x", s=80, color=line.get_color())
             if "gap" in title:
-                ax.axhline(TARGET_GAP, color="k", ls=":", lw=1, label=f"issue 37 target {TARGET_GAP:g} s")
-                ax.axhline(seconds, color="tab:red", ls="--", lw=1, label="whole window")
-            ax.set(xscale="symlog", xlabel="link round trip (ms; ±50 ms each way from 150)", ylabel=ylabel,
-                   title=f"{tier} links: {title}")
-            ax.set_xticks(sorted({p["rtt_ms"] for p in points}))
-            ax.set_xticklabels([str(x) for x in sorted({p["rtt_ms"] for p in points})])
+                ax.axhline(TARGET_GAP, color="k", ls=":", lw=1, label=f"issue 37: {TARGET_GAP:g} s")
+                ax.axhline(seconds, color="tab:red", ls="--", lw=1, label="the whole window")
+            ax.set(xlabel="link round trip (ms)", ylabel=ylabel, title=f"{tier} links: {title}")
+            ax.set_xticks(range(len(rtts)))
+            ax.set_xticklabels([str(x) for x in rtts])
             ax.legend(fontsize="x-small")
-    fig.suptitle(f"Replica links of one tier on a WAN, {mode} timers (missing failover point: no buy within "
-                 f"{POST:g} s)")
+    fig.suptitle(f"One tier's replica links on a WAN, {mode} timers (jitter ±50 ms each way from 150 ms of round "
+                 f"trip; x: no buy within {POST:g} s of the kill, or no leader to kill)")
     return h.save_plot(settings, fig, NAME)
 
 

@@ -469,7 +469,7 @@ def measure(shape: Shape, seconds: float = 5.0, every: float = 0.1, log: Path | 
     try:
         links.add("probe", "probe", server.getsockname()[:2])
         links.shape(shape)
-        rtts = round_trips((links.host, links.links["probe"].listen), seconds, every)
+        rtts = round_trips((links.host, links.links["probe"].listen), seconds, every, timeout=30)
         rules = links.rules()
         rto_min = RTO_MIN.read_text().strip() if RTO_MIN.exists() else None
     finally:

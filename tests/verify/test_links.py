@@ -77,8 +77,8 @@ def test_a_shaped_link_is_at_least_as_slow_as_its_shape_and_leaves_no_proxy(echo
 def test_loss_costs_a_retransmission_of_the_links_round_trip_and_is_undone(tmp_path: Path) -> None:
     namespaces = set(nemesis.sh("ip", "netns", "list").stdout.split())
     before = toxiproxies()
-    # 100 ms each way, 40% loss: measured in a namespace the command makes for itself and deletes.
-    proc = subprocess.run([sys.executable, "-m", "pygmy.verify.links", "--one-way", "100", "--loss", "0.4",
+    # 100 ms each way, 25% loss: measured in a namespace the command makes for itself and deletes.
+    proc = subprocess.run([sys.executable, "-m", "pygmy.verify.links", "--one-way", "100", "--loss", "0.25",
                            "--seconds", "6", "--every", "0.05"], capture_output=True, text=True, timeout=60,
                           cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr
@@ -88,8 +88,8 @@ def test_loss_costs_a_retransmission_of_the_links_round_trip_and_is_undone(tmp_p
     assert len([r for r in during["rules"] if "statistic" in r]) == 2  # the caller's hop, both ways
     assert during["rto_min_us"] == str((200 + 200) * 1000)  # the link's round trip + Linux's 200 ms
     # A lost segment waits for the retransmission timer of a 200 ms link (400 ms), not loopback's
-    # (200 ms): a stalled round trip takes at least 200 + 400 ms, less a little for timer slack.
-    assert out["stalled"] > 0 and min(out["stall_ms"]) >= 550, out
+    # (200 ms): a stalled round trip takes 200 + 400 ms or more (loopback's timer: about 400 ms).
+    assert out["stalled"] > 0 and min(out["stall_ms"]) >= 500, out
     assert after["rules"] == [] and after["rto_min_us"] == "200000" and after["toxiproxy_exit"] is not None
     # The namespace is gone, and no Toxiproxy outlived it.
     assert set(nemesis.sh("ip", "netns", "list").stdout.split()) <= namespaces
