@@ -60,6 +60,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import socket
 import statistics
@@ -79,6 +80,8 @@ from pygmy.verify import nemesis
 
 #: Set (to the namespace's name) in the environment of what ``isolated`` runs.
 ISOLATED_ENV = "PYGMY_LINKS_NETNS"
+#: Namespaces ``namespace`` makes are named this and six hex digits.
+NS_PREFIX = "pw"
 #: Our iptables chain (filter table, jumped to from OUTPUT on lo).
 CHAIN = "PYGMY-WAN"
 RTO_MIN = Path("/proc/sys/net/ipv4/tcp_rto_min_us")
@@ -109,6 +112,11 @@ def missing_tools() -> list[str]:
     return nemesis.missing_tools() + ([] if RTO_MIN.exists() else ["net.ipv4.tcp_rto_min_us (Linux 6.11+)"])
 
 
+def made_namespaces() -> set[str]:
+    """The network namespaces ``namespace`` made that exist now (for tests: none left behind)."""
+    return set(re.findall(rf"^({NS_PREFIX}[0-9a-f]{{6}})\b", sh("ip", "netns", "list").stdout, re.M))
+
+
 def namespace_pids(ns: str) -> list[int]:
     out = sh("ip", "netns", "pids", ns, check=False).stdout
     return [int(p) for p in out.split() if p.isdigit()]
@@ -125,10 +133,10 @@ def _kill_namespace(ns: str) -> None:
 
 
 @contextlib.contextmanager
-def namespace(prefix: str = "pw") -> Iterator[str]:
+def namespace() -> Iterator[str]:
     """A fresh network namespace with its loopback up; on exit every process left in it is killed and
     it is deleted (its iptables rules and sysctls go with it)."""
-    ns = f"{prefix}{random.randrange(16 ** 6):06x}"
+    ns = f"{NS_PREFIX}{random.randrange(16 ** 6):06x}"
     sh("ip", "netns", "add", ns)
     try:
         sh("ip", "-n", ns, "link", "set", "lo", "up")

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from pygmy.client.api import PygmyError
 from pygmy.cluster.local import LocalCluster, free_port_base
 from pygmy.kit.config import ClusterConfig
 from pygmy.verify import links, nemesis
@@ -29,16 +30,30 @@ pytestmark = pytest.mark.skipif(not nemesis.TOXIPROXY.exists() and shutil.which(
                                 reason="needs Toxiproxy (build/toxiproxy) or Go to build it")
 
 
-def toxiproxies() -> set[int]:
-    """Pids of every Toxiproxy server running now."""
+def toxiproxies(marker: bytes = b"") -> set[int]:
+    """Pids of the Toxiproxy servers running now whose command line holds ``marker`` (other tests may
+    run Toxiproxies of their own)."""
     out = set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if b"toxiproxy-server" in Path(f"/proc/{entry}/cmdline").read_bytes():
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+                if b"toxiproxy-server" in cmdline and marker in cmdline.replace(b"\0", b" "):
                     out.add(int(entry))
             except OSError:
                 continue
+    return out
+
+
+def isolated_toxiproxies() -> set[int]:
+    """Those started under ``links.isolated`` (their environment names its namespace)."""
+    out = set()
+    for pid in toxiproxies():
+        try:
+            if f"{links.ISOLATED_ENV}=".encode() in Path(f"/proc/{pid}/environ").read_bytes():
+                out.add(pid)
+        except OSError:
+            continue
     return out
 
 
@@ -51,8 +66,9 @@ def echo() -> tuple[str, int]:
 
 
 def test_a_shaped_link_is_at_least_as_slow_as_its_shape_and_leaves_no_proxy(echo: tuple[str, int]) -> None:
-    before = toxiproxies()
     net = links.Links()
+    ours = f"-port {net.base + links.MAX_LINKS}".encode()
+    assert toxiproxies(ours) == {net.proxy.proc.pid}
     try:
         link = net.add("probe", "probe", echo)
         assert min(links.round_trips((net.host, link.listen), 0.3)) < 0.1  # no toxic yet
@@ -68,15 +84,14 @@ def test_a_shaped_link_is_at_least_as_slow_as_its_shape_and_leaves_no_proxy(echo
     finally:
         net.close()
         net.close()  # twice is fine
-    assert net.proxy.proc.poll() is not None and pid not in toxiproxies()
-    assert toxiproxies() <= before
+    assert net.proxy.proc.poll() is not None and pid not in toxiproxies() and not toxiproxies(ours)
     assert net.rules() == []
 
 
 @pytest.mark.skipif(bool(links.missing_tools()), reason=f"needs {links.missing_tools()}")
 def test_loss_costs_a_retransmission_of_the_links_round_trip_and_is_undone(tmp_path: Path) -> None:
-    namespaces = set(nemesis.sh("ip", "netns", "list").stdout.split())
-    before = toxiproxies()
+    namespaces = links.made_namespaces()
+    before = isolated_toxiproxies()
     # 100 ms each way, 25% loss: measured in a namespace the command makes for itself and deletes.
     proc = subprocess.run([sys.executable, "-m", "pygmy.verify.links", "--one-way", "100", "--loss", "0.25",
                            "--seconds", "6", "--every", "0.05"], capture_output=True, text=True, timeout=60,
@@ -92,8 +107,8 @@ def test_loss_costs_a_retransmission_of_the_links_round_trip_and_is_undone(tmp_p
     assert out["stalled"] > 0 and min(out["stall_ms"]) >= 500, out
     assert after["rules"] == [] and after["rto_min_us"] == "200000" and after["toxiproxy_exit"] is not None
     # The namespace is gone, and no Toxiproxy outlived it.
-    assert set(nemesis.sh("ip", "netns", "list").stdout.split()) <= namespaces
-    assert toxiproxies() <= before
+    assert links.made_namespaces() <= namespaces
+    assert isolated_toxiproxies() <= before
 
 
 def test_the_link_settings_are_checked_and_name_whom_to_dial() -> None:
@@ -124,6 +139,14 @@ def _catalog_leader(c: LocalCluster) -> str | None:
     return None
 
 
+def _updated(c: LocalCluster) -> bool:
+    try:
+        c.client(timeout=2).update(1, stock_delta=1)
+        return True
+    except PygmyError:
+        return False
+
+
 def _until(cond, timeout: float) -> bool:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -135,8 +158,9 @@ def _until(cond, timeout: float) -> bool:  # type: ignore[no-untyped-def]
 
 def test_replicas_dial_the_given_addresses_and_a_proxied_tier_elects_and_commits(tmp_path: Path) -> None:
     base = free_port_base()
-    with links.ClusterLinks(ClusterConfig(port_base=base), tiers=("catalog",)) as net:
+    with links.ClusterLinks(ClusterConfig(port_base=base), tiers=("catalog",), routers=["frontend-1"]) as net:
         assert len(net.peer_addresses()) == 3 and all(len(v) == 2 for v in net.peer_addresses().values())
+        assert len(net.router_urls()["frontend-1"]) == 6  # to every catalog and order replica
         c = LocalCluster(tmp_path / "data", base, [], env=net.env())
         c.start(reset=True)
         try:
@@ -157,6 +181,14 @@ def test_replicas_dial_the_given_addresses_and_a_proxied_tier_elects_and_commits
                 net.shape(links.LOOPBACK, "catalog")
                 assert _until(lambda: _catalog_leader(c) is not None, 15)
                 assert cl.update(1, stock_delta=1)["stock"] > 0
+                # The frontend's routers to the catalog go through theirs: off, no update gets through.
+                for link in net.select("frontend-1>catalog"):
+                    net.proxy.enable(link.name, False)
+                with pytest.raises(PygmyError):
+                    c.client(timeout=3).update(1, stock_delta=1)
+                for link in net.select("frontend-1>catalog"):
+                    net.proxy.enable(link.name, True)
+                assert _until(lambda: _updated(c), 15)
                 # The replicas' peer connections are open to the proxies.
                 ss = nemesis.sh("ss", "-tnH", "state", "established").stdout
                 remotes = {line.split()[-1] for line in ss.splitlines() if line.split()}
