@@ -217,7 +217,7 @@ LOOPBACK = Shape()
 
 @dataclass
 class Link:
-    name: str  # the proxy's name, e.g. "catalog-1>catalog-2", "frontend-1>order-2/frames"
+    name: str  # the proxy's name, e.g. "catalog-1>catalog-2", "frontend-1>order-2.frames"
     group: str  # what ``Links.shape`` selects by: a tier for replica links, "caller>tier" for routers
     listen: int
     upstream: tuple[str, int]
@@ -383,7 +383,7 @@ class ClusterLinks(Links):
                         frames = raft_address(url)
                         http = self.add(f"{caller}>{name}", f"{caller}>{tier}",
                                         (frames[0], frames[1] - RAFT_PORT_OFFSET))
-                        self.add(f"{caller}>{name}/frames", f"{caller}>{tier}", frames,
+                        self.add(f"{caller}>{name}.frames", f"{caller}>{tier}", frames,
                                  listen=http.listen + RAFT_PORT_OFFSET)
         except BaseException:
             self.close()
@@ -407,7 +407,7 @@ class ClusterLinks(Links):
         out: dict[str, dict[str, str]] = {}
         for link in self.links.values():
             a, _, b = link.name.partition(">")
-            if link.group != parse_name(a)[0] and not b.endswith("/frames"):
+            if link.group != parse_name(a)[0] and not b.endswith(".frames"):
                 out.setdefault(a, {})[b] = f"http://{self.address(link.name)}"
         return out
 
