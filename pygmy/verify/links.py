@@ -82,6 +82,8 @@ from pygmy.verify import nemesis
 ISOLATED_ENV = "PYGMY_LINKS_NETNS"
 #: Namespaces ``namespace`` makes are named this and six hex digits.
 NS_PREFIX = "pw"
+#: Every namespace this process made (``namespace``), for tests: each gone once its block ended.
+CREATED: list[str] = []
 #: Our iptables chain (filter table, jumped to from OUTPUT on lo).
 CHAIN = "PYGMY-WAN"
 RTO_MIN = Path("/proc/sys/net/ipv4/tcp_rto_min_us")
@@ -138,6 +140,7 @@ def namespace() -> Iterator[str]:
     it is deleted (its iptables rules and sysctls go with it)."""
     ns = f"{NS_PREFIX}{random.randrange(16 ** 6):06x}"
     sh("ip", "netns", "add", ns)
+    CREATED.append(ns)
     try:
         sh("ip", "-n", ns, "link", "set", "lo", "up")
         yield ns
@@ -487,7 +490,8 @@ def measure(shape: Shape, seconds: float = 5.0, every: float = 0.1, log: Path | 
     ms = sorted(x * 1000 for x in rtts)
     # A round trip that waited for a retransmission: beyond the link's worst round trip by 100 ms.
     slow = shape.rtt_ms + 2 * shape.jitter_ms + 100
-    return {"shape": {"one_way_ms": shape.one_way_ms, "jitter_ms": shape.jitter_ms, "loss": shape.loss},
+    return {"namespace": os.environ.get(ISOLATED_ENV) if own_namespace() else None,
+            "shape": {"one_way_ms": shape.one_way_ms, "jitter_ms": shape.jitter_ms, "loss": shape.loss},
             "round_trips": len(ms), "rtt_ms": {"min": ms[0], "p50": statistics.median(ms),
                                                "p99": ms[min(len(ms) - 1, int(len(ms) * 0.99))], "max": ms[-1]},
             "stalled": sum(x > slow for x in ms), "stall_ms": [round(x) for x in ms if x > slow],

@@ -45,12 +45,12 @@ def toxiproxies(marker: bytes = b"") -> set[int]:
     return out
 
 
-def isolated_toxiproxies() -> set[int]:
-    """Those started under ``links.isolated`` (their environment names its namespace)."""
+def isolated_toxiproxies(ns: str) -> set[int]:
+    """Those started under ``links.isolated`` in namespace ``ns`` (their environment names it)."""
     out = set()
     for pid in toxiproxies():
         try:
-            if f"{links.ISOLATED_ENV}=".encode() in Path(f"/proc/{pid}/environ").read_bytes():
+            if f"{links.ISOLATED_ENV}={ns}\0".encode() in Path(f"/proc/{pid}/environ").read_bytes():
                 out.add(pid)
         except OSError:
             continue
@@ -90,8 +90,6 @@ def test_a_shaped_link_is_at_least_as_slow_as_its_shape_and_leaves_no_proxy(echo
 
 @pytest.mark.skipif(bool(links.missing_tools()), reason=f"needs {links.missing_tools()}")
 def test_loss_costs_a_retransmission_of_the_links_round_trip_and_is_undone(tmp_path: Path) -> None:
-    namespaces = links.made_namespaces()
-    before = isolated_toxiproxies()
     # 100 ms each way, 25% loss: measured in a namespace the command makes for itself and deletes.
     proc = subprocess.run([sys.executable, "-m", "pygmy.verify.links", "--one-way", "100", "--loss", "0.25",
                            "--seconds", "6", "--every", "0.05"], capture_output=True, text=True, timeout=60,
@@ -107,8 +105,8 @@ def test_loss_costs_a_retransmission_of_the_links_round_trip_and_is_undone(tmp_p
     assert out["stalled"] > 0 and min(out["stall_ms"]) >= 500, out
     assert after["rules"] == [] and after["rto_min_us"] == "200000" and after["toxiproxy_exit"] is not None
     # The namespace is gone, and no Toxiproxy outlived it.
-    assert links.made_namespaces() <= namespaces
-    assert isolated_toxiproxies() <= before
+    assert out["namespace"] and out["namespace"] not in links.made_namespaces()
+    assert not isolated_toxiproxies(out["namespace"])
 
 
 def test_the_link_settings_are_checked_and_name_whom_to_dial() -> None:
