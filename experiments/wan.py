@@ -474,7 +474,7 @@ def _run(settings: h.Settings, tiers: Sequence[str], kill: bool, reset: bool) ->
                    "failover": kill, "pre_s": PRE, "post_s": POST, "tiers": list(tiers),
                    "shapes": [asdict(s) for s in todo], "reset_connections": reset,
                    "loss_model": "iptables statistic on the caller-side loopback hop, both ways; "
-                                 "net.ipv4.tcp_rto_min_us = RTT + 200 ms"},
+                                 "net.ipv4.tcp_rto_min_us = RTT + 200 ms, tcp_early_retrans = 0"},
         "results": {"points": points, "seconds": time.monotonic() - started},
         "table": t, "plots": plots})
     print_table(t)

@@ -25,8 +25,9 @@ dropped on such a hop is repaired by
 
 - the retransmission timer, RTO = srtt + max(4 rttvar, rto_min): rto_min = 200 ms on loopback,
   where a real link of round trip r waits about r + 200 ms (plus 4 rttvar under jitter);
-- a tail loss probe for a lone segment after 2 srtt + rto_min: rto_min again on loopback, 2 r +
-  200 ms on a real link;
+- a tail loss probe (TLP) after 2 srtt plus 2 ms (plus rto_min for a lone segment): a couple of
+  milliseconds on loopback; on a real link 2 r + 2 ms, or the RTO for a lone segment (the probe
+  is never later than the RTO);
 - fast retransmit (RACK, duplicate ACKs) when more segments follow it: within microseconds on
   loopback, about one round trip r on a real link;
 - a lost SYN: the initial RTO of 1 s, on loopback as on a real link.
@@ -34,13 +35,18 @@ dropped on such a hop is repaired by
 So a drop on the proxy's hop costs a lone segment 200 ms, not r + 200 ms: at 300 ms the loss would
 be half as costly as on the link it stands for (in the earlier investigation, 5% loss this way
 left the commit p95 unchanged). What this module does instead: the drops (iptables ``statistic``,
-both directions) are on the hop between the *calling* replica and its proxy, and that hop's
+both directions) are on the hop between the *calling* replica and its proxy; the namespace's
 rto_min is raised to the round trip of the link plus 200 ms (``net.ipv4.tcp_rto_min_us``, which
-a socket takes when it is made: hence the reset). A lost lone segment, which is what a heartbeat
-or an append on a Raft link at modest load is, then waits r + 200 ms before its retransmission
-leaves, and the retransmission crosses the proxy's delay like any byte: what it costs on the real
-link. What it gets wrong, and so flatters the system: a segment lost in the middle of a burst is
-repaired in microseconds instead of about one round trip; pure ACKs lost on the hop cost nothing.
+a socket takes when it is made: hence the reset) and tail loss probes are off
+(``net.ipv4.tcp_early_retrans=0``). A lost lone segment, which is what a heartbeat or an append on
+a Raft link at modest load is, then waits r + 200 ms before its retransmission leaves, and the
+retransmission crosses the proxy's delay like any byte: what it costs on the real link (measured
+through one link of 200 ms, 25% loss: most stalled round trips take 600-670 ms, as they would; a
+few, about one in fifteen, only about 420 ms, repaired after about loopback's 200 ms for a reason
+not found). A lost tail of several segments waits r + 200 ms too, where a real link's probe would
+take 2 r. What it gets wrong, and so flatters the system: a segment lost in the middle of a burst
+is repaired in microseconds instead of about one round trip; a pure ACK lost on the hop costs
+nothing; the hop from the proxy to the called replica loses nothing.
 Other choices: Toxiproxy's ``timeout``, ``limit_data`` and ``slicer`` toxics cut or fragment a
 connection and do not lose packets (a loss would become a reset, which is a different fault); a
 packet-level delayer on NFQUEUE would let the kernel's TCP see the real round trip and get bursts
@@ -87,6 +93,8 @@ CREATED: list[str] = []
 #: Our iptables chain (filter table, jumped to from OUTPUT on lo).
 CHAIN = "PYGMY-WAN"
 RTO_MIN = Path("/proc/sys/net/ipv4/tcp_rto_min_us")
+#: Tail loss probes (and early retransmit), off while links lose: see the module's docstring.
+EARLY_RETRANS = Path("/proc/sys/net/ipv4/tcp_early_retrans")
 #: Linux's minimum retransmission timeout (``TCP_RTO_MIN``), what a real link adds to its round trip.
 LINUX_RTO_MIN_MS = 200
 #: Ports of one ``Links``: link i listens on base + i (a router link's frames on base + 50 + i), the API on base + 49.
@@ -267,7 +275,7 @@ class Links:
         self.host = host
         self.base = free_block(BLOCK, avoid)
         self.links: dict[str, Link] = {}
-        self._rto_min: str | None = None  # the namespace's own value, while we changed it
+        self._rto_min: tuple[str, str] | None = None  # the namespace's own values, while we changed them
         self._chain = False
         self.proxy = LinkProxy(host, log or Path(os.devnull), api_port=self.base + MAX_LINKS)
 
@@ -336,12 +344,14 @@ class Links:
             self._restore_rto_min()
         else:
             if self._rto_min is None:
-                self._rto_min = RTO_MIN.read_text().strip()
+                self._rto_min = (RTO_MIN.read_text().strip(), EARLY_RETRANS.read_text().strip())
             RTO_MIN.write_text(str((LINUX_RTO_MIN_MS + longest) * 1000))
+            EARLY_RETRANS.write_text("0")
 
     def _restore_rto_min(self) -> None:
         if self._rto_min is not None:
-            RTO_MIN.write_text(self._rto_min)
+            RTO_MIN.write_text(self._rto_min[0])
+            EARLY_RETRANS.write_text(self._rto_min[1])
             self._rto_min = None
 
     def rules(self) -> list[str]:
@@ -483,6 +493,7 @@ def measure(shape: Shape, seconds: float = 5.0, every: float = 0.1, log: Path | 
         rtts = round_trips((links.host, links.links["probe"].listen), seconds, every, timeout=30)
         rules = links.rules()
         rto_min = RTO_MIN.read_text().strip() if RTO_MIN.exists() else None
+        early = EARLY_RETRANS.read_text().strip()
     finally:
         links.close()
         stop.set()
@@ -495,9 +506,10 @@ def measure(shape: Shape, seconds: float = 5.0, every: float = 0.1, log: Path | 
             "round_trips": len(ms), "rtt_ms": {"min": ms[0], "p50": statistics.median(ms),
                                                "p99": ms[min(len(ms) - 1, int(len(ms) * 0.99))], "max": ms[-1]},
             "stalled": sum(x > slow for x in ms), "stall_ms": [round(x) for x in ms if x > slow],
-            "during": {"rules": rules, "rto_min_us": rto_min},
+            "during": {"rules": rules, "rto_min_us": rto_min, "early_retrans": early},
             "after": {"rules": links.rules(),
                       "rto_min_us": RTO_MIN.read_text().strip() if RTO_MIN.exists() else None,
+                      "early_retrans": EARLY_RETRANS.read_text().strip(),
                       "toxiproxy_exit": links.proxy.proc.poll()}}
 
 
