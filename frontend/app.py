@@ -145,10 +145,10 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
     # What one router finds of a stopped replica or of the leader, the others of its tier use
     # (``Sightings``): the lease renewals' find of a new catalog leader sends the reads there too.
     seen = {"catalog": Sightings(), "order": Sightings()}
-    catalog = TierRouter("catalog", config.peers("catalog"), secret, sightings=seen["catalog"])
-    orders = TierRouter("order", config.peers("order"), secret, sightings=seen["order"])
+    catalog = TierRouter("catalog", config.peers_for(name, "catalog"), secret, sightings=seen["catalog"])
+    orders = TierRouter("order", config.peers_for(name, "order"), secret, sightings=seen["order"])
     # Buys go as frames on the order replicas' peer transport (``/buys``'s work, without HTTP).
-    buy_frames = ChannelRouter("order", config.peers("order"), secret, f"{name}/{os.getpid()}", BUYS_CHANNEL,
+    buy_frames = ChannelRouter("order", config.peers_for(name, "order"), secret, f"{name}/{os.getpid()}", BUYS_CHANNEL,
                                sightings=seen["order"])
     # Its own token, not the internal secret: whoever may update books cannot act as a replica.
     admin = require_secret(config.admin_token(), ADMIN)
@@ -172,7 +172,7 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
 
     cache = ReadCache(config.cache_size, enabled=config.cache, on_event=on_cache_event)
     # Always subscribe, cache or not: the invalidation floors are what make follower reads fresh.
-    leases = ChannelRouter("catalog", config.peers("catalog"), secret, f"{name}/{os.getpid()}", SUBSCRIBE_CHANNEL,
+    leases = ChannelRouter("catalog", config.peers_for(name, "catalog"), secret, f"{name}/{os.getpid()}", SUBSCRIBE_CHANNEL,
                            sightings=seen["catalog"])
     def shape(key: str, book: Any) -> Any:
         """A book a release carries, as a lookup caches it (``book:N`` keys only)."""

@@ -387,9 +387,9 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
     state = OrderState(config.replica_dir(f"order-{k}") / "state.db")
     rt = ReplicaRuntime("order", k, config, state)
     seen = Sightings()  # the catalog replicas either router found stopped, and its leader
-    catalog = TierRouter("catalog", config.peers("catalog"), rt.secret, sightings=seen)
+    catalog = TierRouter("catalog", config.peers_for(rt.name, "catalog"), rt.secret, sightings=seen)
     # The decrements as frames on the catalog's peer transport (``/books/decrements``'s work).
-    decrements = ChannelRouter("catalog", config.peers("catalog"), rt.secret, rt.name, DECREMENTS_CHANNEL,
+    decrements = ChannelRouter("catalog", config.peers_for(rt.name, "catalog"), rt.secret, rt.name, DECREMENTS_CHANNEL,
                                sightings=seen)
     buys = BuyProcessor(rt, state, decrements)
     app = rt.create_app()

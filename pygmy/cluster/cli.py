@@ -12,11 +12,18 @@ import os
 import sys
 from typing import Any
 
-from pygmy.kit.config import MIN_KEY_WINDOW, SERVE_ONLY_ENV, ClusterConfig, parse_name
+from pygmy.kit.config import MIN_KEY_WINDOW, SERVE_ONLY_ENV, ClusterConfig, link_map, parse_name
 
 
 def _urls(value: str) -> list[str]:
     return [u.strip().rstrip("/") for u in value.split(",") if u.strip()]
+
+
+def _links(value: str) -> dict[str, dict[str, str]]:
+    try:
+        return link_map(value)
+    except ValueError as exc:  # json.JSONDecodeError is one
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _bool(value: str) -> bool:
@@ -49,6 +56,8 @@ SETTINGS: dict[str, tuple[str, Any, str]] = {
     "frontend_read_limit": ("frontend_read_limit", int, "PYGMY_FRONTEND_READ_LIMIT"),
     "replica_write_limit": ("replica_write_limit", int, "PYGMY_REPLICA_WRITE_LIMIT"),
     "replica_read_limit": ("replica_read_limit", int, "PYGMY_REPLICA_READ_LIMIT"),
+    "peer_addresses": ("peer_addresses", _links, "PYGMY_PEER_ADDRESSES"),
+    "router_urls": ("router_urls", _links, "PYGMY_ROUTER_URLS"),
 }
 
 
@@ -78,6 +87,12 @@ def add_cluster_options(p: argparse.ArgumentParser, serve: bool = False) -> None
     p.add_argument("--frontend-read-limit", type=int, help="reads in flight per frontend (default 64)")
     p.add_argument("--replica-write-limit", type=int, help="writes in flight per replica (default 64)")
     p.add_argument("--replica-read-limit", type=int, help="reads in flight per replica (default 48)")
+    p.add_argument("--peer-addresses", type=_links, metavar="JSON",
+                   help='where each replica dials each peer\'s peer transport, {"catalog-1": {"catalog-2": '
+                        '"host:port"}, ...} (default: from the peer URLs; for proxies per link)')
+    p.add_argument("--router-urls", type=_links, metavar="JSON",
+                   help='the URL a frontend or order replica uses for a replica it routes to, {"frontend-1": '
+                        '{"catalog-1": "http://host:port"}, ...} (default: the tier\'s URLs)')
     if serve:
         p.add_argument("--port", type=int, help="listen on this port instead of the one the port base gives")
         p.add_argument("--catalog-urls", type=_urls, help="comma-separated catalog replica URLs, replica 1 first")
@@ -95,7 +110,10 @@ def resolve(args: argparse.Namespace, use_cluster_file: bool, serve: bool = Fals
         if env in SERVE_ONLY_ENV and not serve:
             continue  # one service's own port or peers: `up` gives each service its own
         if os.environ.get(env):
-            base[field_name] = parse(os.environ[env])
+            try:
+                base[field_name] = parse(os.environ[env])
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                raise SystemExit(f"pygmy: {env}: {exc}") from None
         given = getattr(args, dest, None)
         if given is not None:
             base[field_name] = given
@@ -108,6 +126,9 @@ def resolve(args: argparse.Namespace, use_cluster_file: bool, serve: bool = Fals
         raise SystemExit("pygmy: --frontends and --frontend-workers must be at least 1")
     if min(*config.limits("frontend").values(), *config.limits("catalog").values()) < 1:
         raise SystemExit("pygmy: every --*-limit must be at least 1")
+    bad_links = config.check_links()
+    if bad_links:
+        raise SystemExit("pygmy: " + "; ".join(bad_links))
     if not config.key_window >= MIN_KEY_WINDOW:
         raise SystemExit(f"pygmy: --key-window must be at least {MIN_KEY_WINDOW:g} s (longer than a buy may take)")
     return config

@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import os
 import secrets
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 TIERS = ("frontend", "catalog", "order")
 TIER_OFFSET = {"catalog": 100, "order": 200}
@@ -67,6 +69,15 @@ class ClusterConfig:
     #: a retry within it returns the first answer; after it, the key is forgotten and a retry is a
     #: new request. Never while the buy that used it is unfinished (``pygmy.order.app.KeyExpirer``).
     key_window: float = 86_400.0
+    #: Per-link addresses, so that each link can go through a proxy of its own (``pygmy/verify/links.py``
+    #: delays each replica link and makes it lossy apart from the others): ``{replica: {peer:
+    #: "host:port"}}``, where ``replica`` dials the peer transport (Raft) of ``peer``, a replica of its
+    #: own tier. Links not named dial the address the peer's URL gives (its port + 50).
+    peer_addresses: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: The same for the services that route to a tier (a frontend to catalog and order, an order
+    #: replica to the catalog): ``{caller: {replica: url}}``, the URL ``caller`` uses for ``replica``:
+    #: its HTTP at the URL, its frames at the URL's port + 50. Replicas not named: ``urls(tier)``.
+    router_urls: dict[str, dict[str, str]] = field(default_factory=dict)
 
     # -- naming and addressing ----------------------------------------------------------------
     def limits(self, tier: str) -> dict[str, int]:
@@ -117,6 +128,40 @@ class ClusterConfig:
     def peers(self, tier: str) -> dict[str, str]:
         """``{name: url}`` of one replicated tier."""
         return {f"{tier}-{k}": url for k, url in enumerate(self.urls(tier), start=1)}
+
+    def peer_address(self, name: str, peer: str) -> tuple[str, int] | None:
+        """Where replica ``name`` dials ``peer``'s peer transport, if ``peer_addresses`` says; else None
+        (the address ``peer``'s URL gives)."""
+        given = self.peer_addresses.get(name, {}).get(peer)
+        return None if given is None else host_port(given)
+
+    def peers_for(self, caller: str, tier: str) -> dict[str, str]:
+        """``peers(tier)`` as ``caller`` reaches them: ``router_urls`` where it names a replica."""
+        given = self.router_urls.get(caller, {})
+        return {name: given.get(name, url) for name, url in self.peers(tier).items()}
+
+    def check_links(self) -> list[str]:
+        """What is wrong in ``peer_addresses`` and ``router_urls`` (nothing: an empty list)."""
+        names, out = set(self.names()), []
+        for name, links in self.peer_addresses.items():
+            for peer, address in links.items():
+                where = f"peer_addresses[{name!r}][{peer!r}]"
+                if name not in names or peer not in names or name == peer or name.startswith("frontend-") \
+                        or name.rpartition("-")[0] != peer.rpartition("-")[0]:
+                    out.append(f"{where}: not a link between two replicas of one tier of this cluster")
+                try:
+                    host_port(address)
+                except ValueError as exc:
+                    out.append(f"{where}: {exc}")
+        for caller, urls in self.router_urls.items():
+            for replica, url in urls.items():
+                where = f"router_urls[{caller!r}][{replica!r}]"
+                if caller not in names or replica not in names or replica.startswith("frontend-") \
+                        or caller.rpartition("-")[0] == replica.rpartition("-")[0]:
+                    out.append(f"{where}: not a link from a service to a replica of another tier of this cluster")
+                if not isinstance(url, str) or not url.startswith("http://") or _url_port(url) is None:
+                    out.append(f"{where}: {url!r} is not an http://host:port URL")
+        return out
 
     def frontend_url(self, k: int = 1) -> str:
         host = self.advertise_host or self.address(f"frontend-{k}")
@@ -212,6 +257,34 @@ def _read(path: Path) -> str | None:
         return path.read_text().strip()
     except FileNotFoundError:
         return None
+
+
+def host_port(address: str) -> tuple[str, int]:
+    """``"host:port"`` (``"[::1]:port"``) as ``(host, port)``; ValueError if it is not one."""
+    host, sep, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{address!r} is not host:port")
+    return host, int(port)
+
+
+def _url_port(url: str) -> int | None:
+    try:
+        parts = urlsplit(url)
+        return parts.port if parts.hostname else None
+    except ValueError:
+        return None
+
+
+def link_map(value: str | Mapping[str, Mapping[str, str]]) -> dict[str, dict[str, str]]:
+    """``peer_addresses`` or ``router_urls`` from JSON (a setting's text) or a mapping: an object of
+    objects of strings, ``{from: {to: address}}``; ValueError otherwise."""
+    data = json.loads(value) if isinstance(value, str) else value
+    if not isinstance(data, Mapping) or not all(
+            isinstance(links, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in links.items())
+            for links in data.values()):
+        raise ValueError('expected a JSON object of objects of strings, {"from": {"to": "address"}}')
+    return {str(src): dict(links) for src, links in data.items()}
 
 
 def parse_name(name: str) -> tuple[str, int]:

@@ -28,7 +28,7 @@ from pygmy.replication.node import (
 )
 from pygmy.replication.router import LEADER_HEADER
 from pygmy.replication.statemachine import StateMachine
-from pygmy.replication.transport import RAFT_PORT_OFFSET
+from pygmy.replication.transport import RAFT_PORT_OFFSET, raft_address
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +81,14 @@ class ReplicaRuntime:
         self.secret = config.secret()
         self.sm = state_machine
         self.peers = config.peers(tier)
+        # Where this replica dials each peer: the address its URL gives, unless ``peer_addresses``
+        # routes the link elsewhere (a proxy of its own, pygmy/verify/links.py).
+        addresses = {p: config.peer_address(self.name, p) or raft_address(url) for p, url in self.peers.items()}
         self.node = ReplicaNode(
             name=self.name, peers=self.peers, state_machine=state_machine,
             data_dir=config.replica_dir(self.name), secret=self.secret, config=ReplicationConfig.from_env(),
             listen=(config.bind_address(self.name), config.listen_port(tier, k) + RAFT_PORT_OFFSET),
+            addresses=addresses,
         )
         self.guard = require_secret(self.secret)
         #: Frame requests being served (``serve_frames``), and whether new ones are refused (``drain``).

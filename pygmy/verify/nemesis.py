@@ -126,11 +126,11 @@ class Toxiproxy:
     """A Toxiproxy server in the host's namespace, driven through its REST API (a handful of calls;
     the Python client on PyPI is unmaintained)."""
 
-    def __init__(self, host: str, log: Path) -> None:
-        self.api = f"http://127.0.0.1:{TOXIPROXY_API_PORT}"
+    def __init__(self, host: str, log: Path, api_port: int = TOXIPROXY_API_PORT) -> None:
+        self.api = f"http://127.0.0.1:{api_port}"
         self.host = host
         self._log = open(log, "ab")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen([str(build_toxiproxy()), "-host", "127.0.0.1", "-port", str(TOXIPROXY_API_PORT)],
+        self.proc = subprocess.Popen([str(build_toxiproxy()), "-host", "127.0.0.1", "-port", str(api_port)],
                                      stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.s = requests.Session()
         deadline = time.monotonic() + 10
@@ -141,7 +141,7 @@ class Toxiproxy:
             except requests.RequestException:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
                     self.stop()
-                    raise RuntimeError(f"Toxiproxy did not start (port {TOXIPROXY_API_PORT} taken?); see {log}") from None
+                    raise RuntimeError(f"Toxiproxy did not start (port {api_port} taken?); see {log}") from None
                 time.sleep(0.1)
 
     def proxy(self, name: str, listen_port: int, upstream: str) -> None:
