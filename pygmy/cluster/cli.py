@@ -182,8 +182,11 @@ def main(argv: list[str] | None = None) -> int:
             from pygmy.cluster.serve import serve
 
             config = resolve(args, use_cluster_file=True, serve=True)
-            if args.id < 1 or args.id > config.replicas(args.tier):
-                raise SystemExit(f"pygmy: --id must be 1..{config.replicas(args.tier)} for {args.tier}")
+            if args.tier == "frontend" and not 1 <= args.id <= config.frontends:
+                raise SystemExit(f"pygmy: --id must be 1..{config.frontends} for frontend")
+            if args.tier != "frontend" and f"{args.tier}-{args.id}" not in config.peers(args.tier):
+                raise SystemExit(f"pygmy: {args.tier}-{args.id} is not a {args.tier} replica: "
+                                 f"{', '.join(config.peers(args.tier))} are (pygmy member add)")
             config.secret()  # fail early and clearly without one
             if args.tier == "frontend":
                 config.admin_token()  # only the frontend needs it; refused if it equals the secret

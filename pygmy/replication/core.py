@@ -791,8 +791,10 @@ class RaftCore:
         pr = self._prs.get(name)
         if pr is None or pr.match + max_lag < self.last_index or self.now - pr.last_heard > self.cfg.election_ticks_min:
             behind = self.last_index - (pr.match if pr else 0)
-            raise MembershipRefused("lagging", f"{name} is not caught up: {behind} entries behind, "
-                                               f"last answered {self.now - (pr.last_heard if pr else 0)} ticks ago")
+            heard = "never answered" if pr is None or pr.last_heard < 0 else \
+                f"last answered {self.now - pr.last_heard} ticks ago"
+            raise MembershipRefused("lagging", f"{name} is not caught up: {behind} entries behind (at most "
+                                               f"{max_lag}), {heard}")
         return self._change(new)
 
     def remove(self, name: str) -> int:
