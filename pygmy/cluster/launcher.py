@@ -195,7 +195,7 @@ def spawn(config: ClusterConfig, name: str) -> subprocess.Popen[bytes]:
         raise LaunchError(f"{name} is already running (pid file {config.pid_file(name)})")
     port = config.listen_port(tier, k)
     namespace = config.namespace(name)
-    if namespace is None and not port_free(config.bind, port):
+    if namespace is None and not port_free(config.bind_address(name), port):
         raise LaunchError(f"port {port} for {name} is in use: stop what uses it or pick --port-base")
     config.log_dir().mkdir(parents=True, exist_ok=True)
     config.run_dir().mkdir(parents=True, exist_ok=True)
@@ -303,9 +303,34 @@ def _reap() -> None:
             pass
 
 
+def _is_service_name(name: str) -> bool:
+    try:
+        parse_name(name)
+    except ValueError:
+        return False
+    return True
+
+
+def keep_members(config: ClusterConfig) -> None:
+    """The tiers' members as ``pygmy member`` left them in ``cluster.json``: on the state already in
+    the data dir, the replicas to run are those of the configuration in their logs, not the ones
+    the flags derive (their logs would outvote the flags anyway; a replica the flags would add is
+    not a member, and one they would leave out is)."""
+    try:
+        previous = ClusterConfig.load(str(config.root))
+    except (RuntimeError, ValueError, TypeError, OSError):
+        return
+    if previous.members:
+        config.members, config.tier_learners = previous.members, previous.tier_learners
+
+
 def reset(config: ClusterConfig) -> None:
-    """Forget all state in the data dir (replica databases, logs, run files; secret and admin token stay)."""
-    for name in config.names():
+    """Forget all state in the data dir (replica databases, logs, run files; secret and admin token
+    stay): of every replica, those ``pygmy member`` added and removed too."""
+    names = set(config.names())
+    if config.root.is_dir():
+        names |= {p.name for p in config.root.iterdir() if p.is_dir() and _is_service_name(p.name)}
+    for name in sorted(names):
         shutil.rmtree(config.replica_dir(name), ignore_errors=True)
     shutil.rmtree(config.run_dir(), ignore_errors=True)
     shutil.rmtree(config.log_dir(), ignore_errors=True)
@@ -419,6 +444,8 @@ def up(config: ClusterConfig, reset_state: bool = False, out: object = sys.stdou
     books = check_books(config.books) if config.books else None
     if reset_state:
         reset(config)
+    else:
+        keep_members(config)
     prepare_seed(config, books, say)
     del books
     config.secret(create=True)

@@ -8,6 +8,7 @@ added on a new port or host is started, and a removed one left out, like any oth
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import secrets
@@ -129,7 +130,17 @@ class ClusterConfig:
         return "127.0.0.1" if self.bind in ("0.0.0.0", "::", "") else self.bind
 
     def bind_address(self, name: str) -> str:
-        return self.address(name) if self.netns else self.bind
+        """Where ``name`` listens: its own address with ``netns``; a replica added by ``pygmy member``
+        at an IP address of its own (another loopback address, a host's) on that address, unless
+        ``bind`` is a wildcard; else ``bind``."""
+        if self.netns:
+            return self.address(name)
+        tier = name.rpartition("-")[0]
+        url = self.members.get(tier, {}).get(name)
+        host = urlsplit(url).hostname if url else None
+        if host and self.bind not in ("0.0.0.0", "::", "") and _is_ip(host):
+            return host
+        return self.bind
 
     def urls(self, tier: str) -> list[str]:
         if tier in self.members:
@@ -237,6 +248,14 @@ class ClusterConfig:
         if not path.exists():
             raise RuntimeError(f"{path} not found: start the cluster with 'pygmy up --data-dir {data_dir}' first")
         return cls.from_dict(json.loads(path.read_text()))
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _read(path: Path) -> str | None:
