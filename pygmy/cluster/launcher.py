@@ -273,6 +273,25 @@ def kill(config: ClusterConfig, name: str, sig: int = signal.SIGKILL) -> int:
     return pid
 
 
+def join(config: ClusterConfig, name: str, url: str) -> None:
+    """Record replica ``name`` at ``url`` in ``cluster.json`` as a learner of its tier, so that it
+    starts as one (a replica ``pygmy member add`` added on another machine, whose ``cluster.json``
+    does not name it yet): it waits for the leader's log, never campaigning before that log says
+    it votes. A name recorded at another URL is refused."""
+    tier, _ = parse_name(name)
+    if tier == "frontend":
+        raise LaunchError("--url is for a replica joining its tier, not a frontend")
+    url = url.rstrip("/")
+    peers = config.peers(tier)
+    if name in peers:
+        if peers[name] != url:
+            raise LaunchError(f"{name} is recorded at {peers[name]}, not {url}")
+        return
+    config.members = {**config.members, tier: {**peers, name: url}}
+    config.tier_learners = {**config.tier_learners, tier: [*config.learners(tier), name]}
+    config.save()
+
+
 def start(config: ClusterConfig, name: str) -> int:
     proc = spawn(config, name)
     wait_healthy(config, [name])
@@ -484,7 +503,9 @@ def up(config: ClusterConfig, reset_state: bool = False, out: object = sys.stdou
         if server is not None:
             server.close()
         faults.resume_due(everything=True)  # a stopped process would not hear SIGTERM
-        stop_all(config, names)
+        # And the replicas started meanwhile (``pygmy start`` of one ``pygmy member`` added).
+        started = sorted(p.stem for p in config.run_dir().glob("*.pid") if _is_service_name(p.stem))
+        stop_all(config, [*names, *(n for n in started if n not in names)])
 
 
 class _Stop(Exception):
