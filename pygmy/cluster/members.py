@@ -19,8 +19,12 @@ import requests
 from pygmy.kit.config import ClusterConfig, parse_name
 
 #: Statuses after which another replica, or the same one again shortly, may do: not the leader,
-#: not ready, or (409 ``pending``) a change or an election that is about to settle.
+#: not ready.
 _ELSEWHERE = (421, 503)
+#: Refusals that settle by themselves within moments, asked again until the command's time is up:
+#: a change not yet committed, a leader just elected that has not committed an entry of its term,
+#: a hand-over under way.
+_TRANSIENT = ("pending", "transferring")
 
 
 class MemberError(RuntimeError):
@@ -30,7 +34,9 @@ class MemberError(RuntimeError):
 def call(config: ClusterConfig, tier: str, method: str, path: str, body: dict[str, Any] | None = None,
          timeout: float = 10.0, retry_kinds: tuple[str, ...] = ()) -> dict[str, Any]:
     """``method path`` on the leader of ``tier``, until ``timeout``: the answer's body, or
-    ``MemberError`` with the refusal. 409s whose ``kind`` is in ``retry_kinds`` are asked again."""
+    ``MemberError`` with the refusal. 409s whose ``kind`` is transient, or in ``retry_kinds``, are
+    asked again."""
+    retry_kinds = (*_TRANSIENT, *retry_kinds)
     auth = {"Authorization": f"Bearer {config.secret()}"}
     deadline = time.monotonic() + timeout
     urls = list(config.peers(tier).values())
@@ -104,13 +110,12 @@ def run(config: ClusterConfig, action: str, tier: str, name: str | None, url: st
         conf = call(config, tier, "POST", "/members", {"name": name, "url": url.rstrip("/")})
         what = f"added {name} to {tier} as a learner at {url}; start it: pygmy start {name}"
     elif action == "promote":
-        # While it catches up (``lagging``) or another change settles (``pending``), ask again.
-        retry = ("lagging", "pending") if wait > 0 else ()
-        conf = call(config, tier, "POST", f"/members/{name}/promote", timeout=max(10.0, wait), retry_kinds=retry)
+        # With --wait, while it catches up (``lagging``), ask again.
+        conf = call(config, tier, "POST", f"/members/{name}/promote", timeout=max(10.0, wait),
+                    retry_kinds=("lagging",) if wait > 0 else ())
         what = f"promoted {name} to a voter of {tier}"
     else:
-        conf = call(config, tier, "DELETE", f"/members/{name}", timeout=max(10.0, wait),
-                    retry_kinds=("pending", "transferring") if wait > 0 else ())
+        conf = call(config, tier, "DELETE", f"/members/{name}", timeout=max(10.0, wait))
         what = f"removed {name} from {tier}"
     record(config, tier, conf)
     print(json.dumps(conf, indent=2) if as_json else
