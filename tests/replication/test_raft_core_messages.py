@@ -654,7 +654,7 @@ def test_a_candidate_hearing_a_leader_of_its_term_follows_it() -> None:
 # -- what a follower accepts and answers --------------------------------------------------------------------
 def test_messages_not_for_us_or_answers_from_strangers_are_dropped() -> None:
     """Requests of a leader or a candidate outside our configuration are taken (Raft dissertation
-    4.1, tests/replication/test_membership.py); answers from strangers never are."""
+    4.1, tests/replication/test_raft_membership.py); answers from strangers never are."""
     core = follower(log(1), term=1, commit=1)
     for m in (Message(HEARTBEAT_RESP, "z", "b", 5), Message(APPEND_RESP, "z", "b", 5),
               Message(HEARTBEAT, "b", "b", 5), Message(HEARTBEAT, "a", "c", 5)):
