@@ -539,6 +539,11 @@ class RaftCore:
     def is_voter(self) -> bool:
         return self.id in self.membership.voters
 
+    def replicating_to(self) -> list[str]:
+        """Whom this leader sends entries to: its configuration's members, and a server being
+        removed until its removal commits."""
+        return list(self._prs)
+
     def membership_pending(self) -> bool:
         """A configuration in the log is not yet committed: no other change may start."""
         return self._membership_index > self.commit

@@ -1159,7 +1159,7 @@ class ReplicaNode:
         self._membership_seen = m
         with self._peers_lock:
             self.peers = {**self._heard_urls, **self._boot_peers, **m.urls}
-        keep = m.members | ({self.core.leader} if self.core.leader else set())
+        keep = m.members | set(self.core.replicating_to()) | ({self.core.leader} if self.core.leader else set())
         for name, sender in list(self._senders.items()):
             if name not in keep or (name not in self._addresses and sender.address != self._address(name)):
                 del self._senders[name]
