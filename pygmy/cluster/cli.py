@@ -180,6 +180,20 @@ def build_parser(serving: bool = False) -> argparse.ArgumentParser:
         p = sub.add_parser(cmd, help=text)
         p.add_argument("name", help="e.g. catalog-2, order-1, frontend-1")
         p.add_argument("--data-dir", default=os.environ.get("PYGMY_DATA_DIR", "data"))
+        if cmd == "start":
+            p.add_argument("--url", help="a replica not yet in cluster.json (added to its tier elsewhere with "
+                                         "pygmy member add): where it serves, http://host:port; it joins as a learner")
+    p = sub.add_parser("member", help="list or change a tier's replicas, one at a time: add a learner, promote "
+                                      "it once caught up, remove a replica")
+    p.add_argument("action", choices=("list", "add", "promote", "remove"))
+    p.add_argument("tier", help="catalog or order")
+    p.add_argument("name", nargs="?", help="the replica, e.g. catalog-4 (not for list)")
+    p.add_argument("url", nargs="?", help="add: where the new replica serves, e.g. http://10.0.0.4:8104")
+    p.add_argument("--wait", type=float, default=0.0,
+                   help="promote: ask again for up to this many seconds while the learner catches up; "
+                        "promote, remove: give another change this long to settle (default 10 s)")
+    p.add_argument("--json", action="store_true", help="print the JSON answer")
+    p.add_argument("--data-dir", default=os.environ.get("PYGMY_DATA_DIR", "data"))
     p = sub.add_parser("verify", help="every replica's state digest against a full recompute, and replicas "
                                       "of a tier against each other (exit 1 on a mismatch)")
     p.add_argument("--data-dir", default=os.environ.get("PYGMY_DATA_DIR", "data"))
@@ -203,8 +217,11 @@ def main(argv: list[str] | None = None) -> int:
             from pygmy.cluster.serve import serve
 
             config = resolve(args, use_cluster_file=True, serve=True)
-            if args.id < 1 or args.id > config.replicas(args.tier):
-                raise SystemExit(f"pygmy: --id must be 1..{config.replicas(args.tier)} for {args.tier}")
+            if args.tier == "frontend" and not 1 <= args.id <= config.frontends:
+                raise SystemExit(f"pygmy: --id must be 1..{config.frontends} for frontend")
+            if args.tier != "frontend" and f"{args.tier}-{args.id}" not in config.peers(args.tier):
+                raise SystemExit(f"pygmy: {args.tier}-{args.id} is not a {args.tier} replica: "
+                                 f"{', '.join(config.peers(args.tier))} are (pygmy member add)")
             config.secret()  # fail early and clearly without one
             if args.tier == "frontend":
                 config.admin_token()  # only the frontend needs it; refused if it equals the secret
@@ -217,8 +234,18 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "kill":
                 print(f"killed {args.name} (process group {launcher.kill(config, args.name)})")
             else:
+                if args.url:
+                    launcher.join(config, args.name, args.url)
                 print(f"started {args.name} (pid {launcher.start(config, args.name)})")
             return 0
+        if args.command == "member":
+            from pygmy.cluster import members
+
+            config = ClusterConfig.load(args.data_dir)
+            config.data_dir = args.data_dir
+            if args.action != "list" and not args.name:
+                raise SystemExit(f"pygmy member {args.action}: name the replica, e.g. {args.tier}-4")
+            return members.run(config, args.action, args.tier, args.name, args.url, args.wait, args.json)
         if args.command == "verify":
             config = ClusterConfig.load(args.data_dir)
             config.data_dir = args.data_dir

@@ -195,7 +195,7 @@ def spawn(config: ClusterConfig, name: str) -> subprocess.Popen[bytes]:
         raise LaunchError(f"{name} is already running (pid file {config.pid_file(name)})")
     port = config.listen_port(tier, k)
     namespace = config.namespace(name)
-    if namespace is None and not port_free(config.bind, port):
+    if namespace is None and not port_free(config.bind_address(name), port):
         raise LaunchError(f"port {port} for {name} is in use: stop what uses it or pick --port-base")
     config.log_dir().mkdir(parents=True, exist_ok=True)
     config.run_dir().mkdir(parents=True, exist_ok=True)
@@ -273,6 +273,25 @@ def kill(config: ClusterConfig, name: str, sig: int = signal.SIGKILL) -> int:
     return pid
 
 
+def join(config: ClusterConfig, name: str, url: str) -> None:
+    """Record replica ``name`` at ``url`` in ``cluster.json`` as a learner of its tier, so that it
+    starts as one (a replica ``pygmy member add`` added on another machine, whose ``cluster.json``
+    does not name it yet): it waits for the leader's log, never campaigning before that log says
+    it votes. A name recorded at another URL is refused."""
+    tier, _ = parse_name(name)
+    if tier == "frontend":
+        raise LaunchError("--url is for a replica joining its tier, not a frontend")
+    url = url.rstrip("/")
+    peers = config.peers(tier)
+    if name in peers:
+        if peers[name] != url:
+            raise LaunchError(f"{name} is recorded at {peers[name]}, not {url}")
+        return
+    config.members = {**config.members, tier: {**peers, name: url}}
+    config.tier_learners = {**config.tier_learners, tier: [*config.learners(tier), name]}
+    config.save()
+
+
 def start(config: ClusterConfig, name: str) -> int:
     proc = spawn(config, name)
     wait_healthy(config, [name])
@@ -303,9 +322,34 @@ def _reap() -> None:
             pass
 
 
+def _is_service_name(name: str) -> bool:
+    try:
+        parse_name(name)
+    except ValueError:
+        return False
+    return True
+
+
+def keep_members(config: ClusterConfig) -> None:
+    """The tiers' members as ``pygmy member`` left them in ``cluster.json``: on the state already in
+    the data dir, the replicas to run are those of the configuration in their logs, not the ones
+    the flags derive (their logs would outvote the flags anyway; a replica the flags would add is
+    not a member, and one they would leave out is)."""
+    try:
+        previous = ClusterConfig.load(str(config.root))
+    except (RuntimeError, ValueError, TypeError, OSError):
+        return
+    if previous.members:
+        config.members, config.tier_learners = previous.members, previous.tier_learners
+
+
 def reset(config: ClusterConfig) -> None:
-    """Forget all state in the data dir (replica databases, logs, run files; secret and admin token stay)."""
-    for name in config.names():
+    """Forget all state in the data dir (replica databases, logs, run files; secret and admin token
+    stay): of every replica, those ``pygmy member`` added and removed too."""
+    names = set(config.names())
+    if config.root.is_dir():
+        names |= {p.name for p in config.root.iterdir() if p.is_dir() and _is_service_name(p.name)}
+    for name in sorted(names):
         shutil.rmtree(config.replica_dir(name), ignore_errors=True)
     shutil.rmtree(config.run_dir(), ignore_errors=True)
     shutil.rmtree(config.log_dir(), ignore_errors=True)
@@ -425,6 +469,8 @@ def up(config: ClusterConfig, reset_state: bool = False, out: object = sys.stdou
         raise LaunchError(str(exc)) from None
     if reset_state:
         reset(config)
+    else:
+        keep_members(config)
     prepare_seed(config, books, say)
     del books
     config.secret(create=True)
@@ -463,7 +509,9 @@ def up(config: ClusterConfig, reset_state: bool = False, out: object = sys.stdou
         if server is not None:
             server.close()
         faults.resume_due(everything=True)  # a stopped process would not hear SIGTERM
-        stop_all(config, names)
+        # And the replicas started meanwhile (``pygmy start`` of one ``pygmy member`` added).
+        started = sorted(p.stem for p in config.run_dir().glob("*.pid") if _is_service_name(p.stem))
+        stop_all(config, [*names, *(n for n in started if n not in names)])
 
 
 class _Stop(Exception):

@@ -1,11 +1,14 @@
 """Cluster settings: names, ports, URLs, data locations, the internal secret and the admin token.
 
 One ``ClusterConfig`` describes the whole topology. ``pygmy up`` writes it to ``D/run/cluster.json``
-so that ``pygmy start NAME`` restarts a single service with exactly the same settings.
+so that ``pygmy start NAME`` restarts a single service with exactly the same settings. ``pygmy member``
+records there the replicas of each tier as its changes leave them (``members``), so that a replica
+added on a new port or host is started, and a removed one left out, like any other.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import secrets
@@ -78,6 +81,13 @@ class ClusterConfig:
     #: replica to the catalog): ``{caller: {replica: url}}``, the URL ``caller`` uses for ``replica``:
     #: its HTTP at the URL, its frames at the URL's port + 50. Replicas not named: ``urls(tier)``.
     router_urls: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: The replicas of a tier as ``pygmy member`` left them, ``{tier: {name: url}}``; a tier not
+    #: here has replicas 1..N (``catalog_replicas``) at their derived URLs. The truth is the
+    #: configuration in the tier's log: this is where a replica starting with an empty log begins,
+    #: and how the launcher finds the replicas it runs.
+    members: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: Of ``members``, the learners (not yet promoted): a new replica starts as one of the group.
+    tier_learners: dict[str, list[str]] = field(default_factory=dict)
 
     # -- naming and addressing ----------------------------------------------------------------
     def limits(self, tier: str) -> dict[str, int]:
@@ -94,11 +104,22 @@ class ClusterConfig:
         return max(base, sum(self.limits(tier).values()) + 8)
 
     def replicas(self, tier: str) -> int:
+        """How many replicas a tier has (for a replicated tier, its members now)."""
+        if tier in self.members:
+            return len(self.members[tier])
         return {"catalog": self.catalog_replicas, "order": self.order_replicas, "frontend": self.frontends}[tier]
 
     def names(self) -> list[str]:
         """Every service name, in start order (replicas before the frontends that route to them)."""
-        return [f"{tier}-{k}" for tier in ("catalog", "order", "frontend") for k in range(1, self.replicas(tier) + 1)]
+        return [*self.peers("catalog"), *self.peers("order"), *(f"frontend-{k}" for k in range(1, self.frontends + 1))]
+
+    def _first_names(self) -> list[str]:
+        """The services as ``pygmy up`` first laid them out (what ``--netns`` addresses go by)."""
+        return [f"{tier}-{k}" for tier, n in (("catalog", self.catalog_replicas), ("order", self.order_replicas),
+                                              ("frontend", self.frontends)) for k in range(1, n + 1)]
+
+    def learners(self, tier: str) -> list[str]:
+        return list(self.tier_learners.get(tier, []))
 
     def local_port(self, tier: str, k: int) -> int:
         if tier == "frontend":
@@ -112,13 +133,28 @@ class ClusterConfig:
     def address(self, name: str) -> str:
         """The address ``name`` listens on and others reach it at (one per service with ``netns``)."""
         if self.netns:
-            return f"{self.netns_subnet}.{10 + self.names().index(name)}"
+            first = self._first_names()
+            if name not in first:  # added by ``pygmy member``: where its URL says
+                return urlsplit(self.peers(name.rpartition("-")[0])[name]).hostname or ""
+            return f"{self.netns_subnet}.{10 + first.index(name)}"
         return "127.0.0.1" if self.bind in ("0.0.0.0", "::", "") else self.bind
 
     def bind_address(self, name: str) -> str:
-        return self.address(name) if self.netns else self.bind
+        """Where ``name`` listens: its own address with ``netns``; a replica added by ``pygmy member``
+        at an IP address of its own (another loopback address, a host's) on that address, unless
+        ``bind`` is a wildcard; else ``bind``."""
+        if self.netns:
+            return self.address(name)
+        tier = name.rpartition("-")[0]
+        url = self.members.get(tier, {}).get(name)
+        host = urlsplit(url).hostname if url else None
+        if host and self.bind not in ("0.0.0.0", "::", "") and _is_ip(host):
+            return host
+        return self.bind
 
     def urls(self, tier: str) -> list[str]:
+        if tier in self.members:
+            return list(self.members[tier].values())
         explicit = {"catalog": self.catalog_urls, "order": self.order_urls}.get(tier)
         if explicit:
             return list(explicit)
@@ -126,7 +162,9 @@ class ClusterConfig:
                 for k in range(1, self.replicas(tier) + 1)]
 
     def peers(self, tier: str) -> dict[str, str]:
-        """``{name: url}`` of one replicated tier."""
+        """``{name: url}`` of one replicated tier, ordered by replica number."""
+        if tier in self.members:
+            return dict(sorted(self.members[tier].items(), key=lambda kv: parse_name(kv[0])[1]))
         return {f"{tier}-{k}": url for k, url in enumerate(self.urls(tier), start=1)}
 
     def peer_address(self, name: str, peer: str) -> tuple[str, int] | None:
@@ -168,7 +206,11 @@ class ClusterConfig:
         return f"http://{host}:{self.local_port('frontend', k)}"
 
     def listen_port(self, tier: str, k: int) -> int:
-        return self.port if self.port is not None else self.local_port(tier, k)
+        if self.port is not None:
+            return self.port
+        url = self.members.get(tier, {}).get(f"{tier}-{k}")
+        port = urlsplit(url).port if url else None
+        return port if port is not None else self.local_port(tier, k)
 
     # -- files ----------------------------------------------------------------------------------
     @property
@@ -250,6 +292,14 @@ class ClusterConfig:
         if not path.exists():
             raise RuntimeError(f"{path} not found: start the cluster with 'pygmy up --data-dir {data_dir}' first")
         return cls.from_dict(json.loads(path.read_text()))
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _read(path: Path) -> str | None:

@@ -15,7 +15,9 @@ That is what lets the tests drive thousands of random schedules through it in-pr
 
 Features: PreVote, CheckQuorum (with a leader lease for local reads), a no-op entry on election,
 commit of current-term entries only (Raft paper section 5.4.2), fast log backtracking with conflict
-hints, pipelined and batched appends, and snapshots for followers needing compacted entries.
+hints, pipelined and batched appends, snapshots for followers needing compacted entries, and
+membership changes one server at a time (Raft dissertation, chapter 4): learners, promotion, removal
+and leadership transfer (``Membership``, ``RaftCore.add_learner`` and the methods after it).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import base64
 import random
 from collections import deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,10 +43,17 @@ APPEND_RESP = "append_resp"
 HEARTBEAT = "heartbeat"
 HEARTBEAT_RESP = "heartbeat_resp"
 SNAPSHOT = "snapshot"
+#: A leader handing over: the (caught-up) voter it names starts an election at once.
+TIMEOUT_NOW = "timeout_now"
 MESSAGE_TYPES = frozenset(
-    {VOTE, VOTE_RESP, PRE_VOTE, PRE_VOTE_RESP, APPEND, APPEND_RESP, HEARTBEAT, HEARTBEAT_RESP, SNAPSHOT}
+    {VOTE, VOTE_RESP, PRE_VOTE, PRE_VOTE_RESP, APPEND, APPEND_RESP, HEARTBEAT, HEARTBEAT_RESP, SNAPSHOT,
+     TIMEOUT_NOW}
 )
 _FROM_LEADER = frozenset({APPEND, HEARTBEAT, SNAPSHOT})
+#: Requests taken from any sender, member of our configuration or not (Raft dissertation, 4.1): a
+#: leader added after our latest configuration must reach us to give us the entry that adds it, and
+#: a candidate we do not know of may need our vote. Answers count only from members.
+_FROM_ANYONE = frozenset({APPEND, HEARTBEAT, SNAPSHOT, VOTE, PRE_VOTE, TIMEOUT_NOW})
 
 # The driver's steps for one Ready, in the order ``Ready.steps`` gives.
 PERSIST = "persist"
@@ -84,13 +94,98 @@ class HardState:
     floor: int = 0
 
 
+#: ``op`` of the log entry that holds a configuration (``Membership.command``); the driver hands
+#: the state machine a no-op in its place.
+MEMBERSHIP_OP = "_raft_membership"
+
+
+class MembershipRefused(Exception):
+    """A membership change or a leadership transfer that is not made; nothing changed.
+
+    ``kind`` says why, for the caller's answer: ``not_leader``, ``pending`` (a change not yet
+    committed, or a leader that has not committed an entry of its term), ``transferring``,
+    ``invalid``, ``unknown``, ``duplicate``, ``not_learner``, ``lagging``, ``last_voter``."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class Membership:
+    """A configuration: ``voters`` elect leaders and make every majority (commit, lease,
+    CheckQuorum); ``learners`` get entries and snapshots and never count nor campaign. ``urls``
+    (name -> HTTP URL) is for the driver, which dials its members; the core only carries it.
+
+    A configuration is a log entry (``command``), in force from the moment it is in a server's log,
+    committed or not; one that is truncated away takes the previous one back into force."""
+
+    voters: frozenset[str]
+    learners: frozenset[str] = frozenset()
+    urls: dict[str, str] = field(default_factory=dict, compare=False)
+
+    @property
+    def members(self) -> frozenset[str]:
+        return self.voters | self.learners
+
+    @property
+    def quorum(self) -> int:
+        return len(self.voters) // 2 + 1
+
+    def to_dict(self) -> dict[str, Any]:
+        members = self.members
+        return {"voters": sorted(self.voters), "learners": sorted(self.learners),
+                "urls": {n: u for n, u in sorted(self.urls.items()) if n in members}}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Membership:
+        urls = d.get("urls") or {}
+        return cls(frozenset(str(v) for v in d["voters"]), frozenset(str(v) for v in d.get("learners", ())),
+                   {str(k): str(v) for k, v in urls.items()})
+
+    def command(self) -> dict[str, Any]:
+        """The log entry's command that puts this configuration in force."""
+        return {"op": MEMBERSHIP_OP, **self.to_dict()}
+
+    @classmethod
+    def of(cls, command: Any) -> Membership | None:
+        """The configuration a log entry's command holds, or None for any other command."""
+        if isinstance(command, dict) and command.get("op") == MEMBERSHIP_OP:
+            return cls.from_dict(command)
+        return None
+
+    # -- one change at a time ------------------------------------------------------------------
+    def with_learner(self, name: str, url: str | None) -> Membership:
+        if not name or name in self.members:
+            raise MembershipRefused("duplicate", f"{name!r} is already a member")
+        urls = {**self.urls, name: url} if url else dict(self.urls)
+        return Membership(self.voters, self.learners | {name}, urls)
+
+    def promoted(self, name: str) -> Membership:
+        if name not in self.members:
+            raise MembershipRefused("unknown", f"{name!r} is not a member")
+        if name not in self.learners:
+            raise MembershipRefused("not_learner", f"{name!r} is a voter already, not a learner")
+        return Membership(self.voters | {name}, self.learners - {name}, dict(self.urls))
+
+    def without(self, name: str) -> Membership:
+        if name not in self.members:
+            raise MembershipRefused("unknown", f"{name!r} is not a member")
+        if self.voters == {name}:
+            raise MembershipRefused("last_voter", f"{name!r} is the last voter")
+        return Membership(self.voters - {name}, self.learners - {name},
+                          {n: u for n, u in self.urls.items() if n != name})
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """A snapshot received from the leader, to install before applying later entries."""
+    """A snapshot received from the leader, to install before applying later entries; with the
+    configuration in force at its index (None from a leader that sent none)."""
 
     index: int
     term: int
     data: Any
+    membership: Membership | None = None
 
 
 @dataclass(slots=True)
@@ -113,6 +208,8 @@ class Message:
     ``floor`` (from a leader) = the election window it announces: its followers keep out of
     elections that long after hearing from it, and its lease counts on that; (a granted vote) the
     window the voter last heard announced, so a new leader knows how long the old lease lasted.
+    ``transfer`` (a vote) = 1 when the candidate campaigns on its leader's ``timeout_now``: voters
+    that still hear that leader vote anyway. ``conf`` (a snapshot) = the configuration at its index.
     """
 
     type: str
@@ -133,6 +230,8 @@ class Message:
     quiet: int = 0
     floor: int = 0
     payload: Any = None
+    transfer: int = 0
+    conf: dict[str, Any] | None = None
 
     _INT_FIELDS = (
         "index",
@@ -146,6 +245,7 @@ class Message:
         "ctx",
         "quiet",
         "floor",
+        "transfer",
     )
 
     def to_dict(self) -> dict[str, Any]:
@@ -161,6 +261,8 @@ class Message:
             d["entries"] = [e.to_dict() for e in self.entries]
         if isinstance(self.payload, bytes):
             d["payload"] = base64.b64encode(self.payload).decode("ascii")
+        if self.conf is not None:
+            d["conf"] = self.conf
         return d
 
     @classmethod
@@ -177,6 +279,8 @@ class Message:
         msg.entries = [Entry.from_dict(e) for e in d.get("entries", ())]
         if d.get("payload") is not None:
             msg.payload = base64.b64decode(d["payload"])
+        if isinstance(d.get("conf"), dict):
+            msg.conf = Membership.from_dict(d["conf"]).to_dict()  # checked here, not in a turn
         return msg
 
 
@@ -343,7 +447,13 @@ class RaftCore:
         applied: int = 0,
         config: CoreConfig | None = None,
         rng: random.Random | int | None = None,
+        learners: Iterable[str] = (),
+        urls: Mapping[str, str] | None = None,
+        snapshot_membership: Membership | None = None,
     ) -> None:
+        """``peers`` (this node among them) and ``learners`` (some of them) are the configuration the
+        group starts from, in force until a configuration in the snapshot or the log replaces it:
+        ``snapshot_membership`` is the one in force at the snapshot's index."""
         if node_id not in peers:
             raise ValueError(f"{node_id} is not among the peers {peers}")
         self.id = node_id
@@ -406,6 +516,18 @@ class RaftCore:
         self.first_leader_commit: int | None = None
         #: Index of this leader's no-op; reads are only safe once it is applied.
         self.term_start_index = 0
+        #: A leadership transfer under way: its target, the tick it began, whether ``timeout_now``
+        #: went out (from then on this leader holds no lease: the target's voters vote at once).
+        self.lead_transferee: str | None = None
+        self._transfer_started = 0
+        self._timeout_now_sent = False
+        boot = Membership(frozenset(self.peers) - frozenset(learners), frozenset(learners) & frozenset(self.peers),
+                          dict(urls or {}))
+        #: The configuration in force at ``snap_index`` (what a compaction or a snapshot left).
+        self.snap_membership = snapshot_membership or boot
+        self.membership = self.snap_membership
+        self._membership_index = self.snap_index
+        self._set_membership(*self._latest_membership())
         self._reset_timeout()
 
     # -- log -------------------------------------------------------------------------------------
@@ -438,6 +560,10 @@ class RaftCore:
         if new:
             self._persist_from = min(self._persist_from, new[0].index)
             self._log.extend(new)
+            for e in reversed(new):  # the latest configuration in the log is in force at once
+                if (m := Membership.of(e.command)) is not None:
+                    self._set_membership(m, e.index)
+                    break
 
     def _truncate_after(self, index: int) -> None:
         if index < self.commit:
@@ -445,6 +571,48 @@ class RaftCore:
         del self._log[index - self.snap_index :]
         self._persist_from = min(self._persist_from, index + 1)
         self._truncated = True
+        if self._membership_index > index:  # an uncommitted configuration went: the one before is back
+            self._set_membership(*self._latest_membership())
+
+    # -- membership ------------------------------------------------------------------------------
+    def membership_at(self, index: int) -> Membership:
+        """The configuration in force once the entry at ``index`` (``snap_index <= index``) is in a log."""
+        for e in reversed(self.entries(self.snap_index + 1, index)):
+            if (m := Membership.of(e.command)) is not None:
+                return m
+        return self.snap_membership
+
+    def _latest_membership(self) -> tuple[Membership, int]:
+        for e in reversed(self._log):
+            if (m := Membership.of(e.command)) is not None:
+                return m, e.index
+        return self.snap_membership, self.snap_index
+
+    def _set_membership(self, m: Membership, index: int) -> None:
+        """Put ``m`` (at log ``index``) in force: who votes, who counts, whom a leader replicates to."""
+        self.membership, self._membership_index = m, index
+        self.peers = sorted(m.members)
+        self.others = sorted(m.voters - {self.id})  # whom a candidate asks for votes
+        self._quorum = m.quorum
+        if self.role == LEADER:
+            for p in sorted(m.members - {self.id} - self._prs.keys()):
+                self._prs[p] = Progress(next=self.last_index + 1, last_progress=self.now)
+            # A server being removed still gets entries (counting for nothing) until its removal
+            # commits (``ready``): it then holds it, and knows not to campaign.
+            if self.lead_transferee is not None and self.lead_transferee not in m.voters:
+                self._end_transfer()
+
+    def is_voter(self) -> bool:
+        return self.id in self.membership.voters
+
+    def replicating_to(self) -> list[str]:
+        """Whom this leader sends entries to: its configuration's members, and a server being
+        removed until its removal commits."""
+        return list(self._prs)
+
+    def membership_pending(self) -> bool:
+        """A configuration in the log is not yet committed: no other change may start."""
+        return self._membership_index > self.commit
 
     # -- public queries --------------------------------------------------------------------------
     @property
@@ -457,11 +625,13 @@ class RaftCore:
 
     def lease_remaining(self) -> int:
         """Ticks for which a majority is known to have heard from this leader (0: no lease)."""
-        if self.role != LEADER:
+        if self.role != LEADER or self._timeout_now_sent:
             return 0
-        ends = sorted((pr.last_heard + self._lease_after(pr.last_heard) for pr in self._prs.values()),
-                      reverse=True)
-        ends.insert(0, self.now + self.cfg.effective_lease_ticks(self.floor))  # self
+        voters = self.membership.voters
+        ends = sorted((pr.last_heard + self._lease_after(pr.last_heard) for p, pr in self._prs.items()
+                       if p in voters), reverse=True)
+        if self.id in voters:  # a leader removing itself counts only the others
+            ends.insert(0, self.now + self.cfg.effective_lease_ticks(self.floor))  # self
         end = ends[self._quorum - 1]
         self._lease_reach = max(self._lease_reach, end)
         return max(0, end - self.now)
@@ -559,6 +729,7 @@ class RaftCore:
         self.leader = leader
         self._votes = {}
         self._prs = {}
+        self._end_transfer()
         self._reset_timeout()
 
     def _become_pre_candidate(self) -> None:
@@ -572,7 +743,7 @@ class RaftCore:
             )
         self._poll()
 
-    def _become_candidate(self) -> None:
+    def _become_candidate(self, transfer: bool = False) -> None:
         self.term += 1
         self.vote = self.id
         self.role = CANDIDATE
@@ -581,7 +752,8 @@ class RaftCore:
         self._vote_quiet = {}
         self._reset_timeout()
         for p in self.others:
-            self._send(Message(VOTE, self.id, p, self.term, index=self.last_index, log_term=self.last_term))
+            self._send(Message(VOTE, self.id, p, self.term, index=self.last_index, log_term=self.last_term,
+                               transfer=int(transfer)))
         self._poll()
 
     def _become_leader(self) -> None:
@@ -608,12 +780,18 @@ class RaftCore:
         self._election_elapsed = 0
         self._heartbeat_elapsed = 0
         nxt = self.last_index + 1
-        self._prs = {p: Progress(next=nxt, last_progress=self.now) for p in self.others}
+        self._prs = {p: Progress(next=nxt, last_progress=self.now) for p in self.peers if p != self.id}
         self._append_local([Entry(nxt, self.term, None)])
         self.term_start_index = nxt
         self._maybe_commit()
 
     def _campaign(self) -> None:
+        if not self.is_voter():
+            # A learner, or a server removed from the group, never campaigns; after an election
+            # timeout without a word from a leader it no longer names one.
+            self.leader = None
+            self._reset_timeout()
+            return
         self._campaigns += 1
         self._campaign_started = self.now
         if self.cfg.pre_vote:
@@ -622,14 +800,15 @@ class RaftCore:
             self._become_candidate()
 
     def _poll(self) -> None:
-        granted = sum(1 for v in self._votes.values() if v)
-        rejected = len(self._votes) - granted
+        voters = self.membership.voters  # answers of others do not count
+        granted = sum(1 for p, v in self._votes.items() if v and p in voters)
+        rejected = sum(1 for p, v in self._votes.items() if not v and p in voters)
         if granted >= self._quorum:
             if self.role == PRE_CANDIDATE:
                 self._become_candidate()
             else:
                 self._become_leader()
-        elif rejected > len(self.peers) - self._quorum:
+        elif rejected > len(voters) - self._quorum:
             self._become_follower(self.term, None)
 
     def _in_lease(self) -> bool:
@@ -704,7 +883,8 @@ class RaftCore:
         if self._election_elapsed >= self._window():
             self._election_elapsed = 0
             if self.cfg.check_quorum:
-                active = 1 + sum(1 for pr in self._prs.values() if pr.recent_active)
+                voters = self.membership.voters
+                active = (self.id in voters) + sum(1 for p, pr in self._prs.items() if pr.recent_active and p in voters)
                 for pr in self._prs.values():
                     pr.recent_active = False
                 if active < self._quorum:
@@ -743,20 +923,113 @@ class RaftCore:
     def propose(self, command: dict[str, Any] | None) -> int | None:
         """Append a command to the leader's log; returns its index, or None when not leader.
 
-        Nothing is sent here: ``ready()`` sends all new entries in one append per follower."""
-        if self.role != LEADER:
+        Nothing is sent here: ``ready()`` sends all new entries in one append per follower. None too
+        while leadership is being handed over (``transfer_leadership``). A configuration goes in
+        only through ``add_learner``, ``promote`` and ``remove``, which check it."""
+        if Membership.of(command) is not None:
+            raise ValueError("a configuration is proposed with add_learner, promote or remove")
+        if self.role != LEADER or self.lead_transferee is not None:
             return None
         index = self.last_index + 1
         self._append_local([Entry(index, self.term, command)])
         self._maybe_commit()
         return index
 
+    # -- membership changes (Raft dissertation, chapter 4: one server at a time) -----------------
+    def add_learner(self, name: str, url: str | None = None) -> int:
+        """Append the configuration that adds ``name`` (served at ``url``) as a learner; its index.
+        Raises ``MembershipRefused`` (nothing appended)."""
+        return self._change(self.membership.with_learner(name, url))
+
+    def promote(self, name: str, max_lag: int) -> int:
+        """Make learner ``name`` a voter, only if it is caught up: it holds all but at most
+        ``max_lag`` of our entries and answered within the shortest election timeout. A voter that
+        lags would hold the majority back (with one server down, a 3->4 change needs it to commit)."""
+        new = self.membership.promoted(name)
+        self._check_change()
+        pr = self._prs.get(name)
+        if pr is None or pr.match + max_lag < self.last_index or self.now - pr.last_heard > self.cfg.election_ticks_min:
+            behind = self.last_index - (pr.match if pr else 0)
+            heard = "never answered" if pr is None or pr.last_heard < 0 else \
+                f"last answered {self.now - pr.last_heard} ticks ago"
+            raise MembershipRefused("lagging", f"{name} is not caught up: {behind} entries behind (at most "
+                                               f"{max_lag}), {heard}")
+        return self._change(new)
+
+    def remove(self, name: str) -> int:
+        """Append the configuration without ``name``. A leader may remove itself: it goes on leading
+        a group it is not in (counting no vote of its own) until that configuration commits, then
+        hands over and steps down (``ready``); routers can rather ``transfer_leadership`` first."""
+        return self._change(self.membership.without(name))
+
+    def _check_change(self) -> None:
+        if self.role != LEADER:
+            raise MembershipRefused("not_leader", f"{self.id} is not the leader")
+        if self.lead_transferee is not None:
+            raise MembershipRefused("transferring", f"{self.id} is handing leadership to {self.lead_transferee}")
+        if self.commit < self.term_start_index:
+            # The single-server bug (raft-dev, 2015): a configuration appended by a leader that has
+            # committed nothing of its term can be overwritten by one of an earlier leader that
+            # was never committed, after a majority of the new configuration acted on it.
+            raise MembershipRefused("pending", f"{self.id} has not yet committed an entry of term {self.term}")
+        if self.membership_pending():
+            raise MembershipRefused("pending", f"the change at index {self._membership_index} is not yet committed")
+
+    def _change(self, new: Membership) -> int:
+        self._check_change()
+        if len(new.voters ^ self.membership.voters) > 1 or not new.voters:
+            raise MembershipRefused("invalid", "one voter at a time, and never none")
+        index = self.last_index + 1
+        self._append_local([Entry(index, self.term, new.command())])
+        self._maybe_commit()
+        return index
+
+    def transfer_leadership(self, to: str) -> None:
+        """Hand leadership to voter ``to``: once it holds every entry we have, it is told to campaign
+        at once (``timeout_now``), and its voters vote even though they still hear us. From that
+        message on we hold no lease (``lease_remaining``): voters may elect ``to`` at any moment.
+        Proposals are refused meanwhile. Abandoned after the longest election timeout: if
+        ``timeout_now`` went out we step down (we cannot take the lease back), else we lead on."""
+        if self.role != LEADER:
+            raise MembershipRefused("not_leader", f"{self.id} is not the leader")
+        if to == self.id or to not in self.membership.voters:
+            raise MembershipRefused("invalid", f"{to!r} is not another voter")
+        if self.lead_transferee is not None:
+            raise MembershipRefused("transferring", f"{self.id} is handing leadership to {self.lead_transferee}")
+        self.lead_transferee, self._transfer_started, self._timeout_now_sent = to, self.now, False
+        self._maybe_send_timeout_now()
+
+    def _maybe_send_timeout_now(self) -> None:
+        to = self.lead_transferee
+        pr = self._prs.get(to) if to is not None else None
+        if pr is not None and not self._timeout_now_sent and pr.match == self.last_index:
+            self._timeout_now_sent = True
+            self._send(Message(TIMEOUT_NOW, self.id, to, self.term))  # type: ignore[arg-type]
+
+    def _check_transfer(self) -> None:
+        if self.lead_transferee is not None and self.now - self._transfer_started >= self.cfg.election_ticks_max:
+            if self._timeout_now_sent:
+                self._become_follower(self.term, None)
+            else:
+                self._end_transfer()
+
+    def _end_transfer(self) -> None:
+        self.lead_transferee, self._timeout_now_sent = None, False
+
+    def _hand_over_removed(self) -> None:
+        """A leader whose removal committed steps down; the voter holding most of its log is told
+        to campaign now rather than wait out an election timeout."""
+        best = max(((pr.match, p) for p, pr in self._prs.items() if p in self.membership.voters), default=None)
+        self._become_follower(self.term, None)
+        if best is not None and best[0] == self.last_index:
+            self._send(Message(TIMEOUT_NOW, self.id, best[1], self.term))
+
     def step(self, m: Message) -> None:
         """Handle one message from a peer."""
-        if m.dst != self.id or m.src == self.id or m.src not in self.peers:
+        if m.dst != self.id or m.src == self.id or (m.src not in self.peers and m.type not in _FROM_ANYONE):
             return
         if m.term > self.term:
-            if m.type in (VOTE, PRE_VOTE) and self._in_lease():
+            if m.type in (VOTE, PRE_VOTE) and self._in_lease() and not m.transfer:
                 return
             if m.type == PRE_VOTE or (m.type == PRE_VOTE_RESP and m.term == self.term + 1):
                 pass  # pre-votes never change our term
@@ -811,6 +1084,9 @@ class RaftCore:
                 self._handle_append_resp(m)
         elif t == HEARTBEAT_RESP and self.role == LEADER:
             self._handle_heartbeat_resp(m)
+        elif t == TIMEOUT_NOW and self.role == FOLLOWER and self.leader in (m.src, None) and self.is_voter():
+            # Our leader hands over to us (we hold all it has): campaign now, without a pre-vote.
+            self._become_candidate(transfer=True)
 
     # -- follower side ---------------------------------------------------------------------------
     def _handle_vote_request(self, m: Message) -> None:
@@ -872,7 +1148,12 @@ class RaftCore:
                 self._log = []
                 self.snap_index, self.snap_term = idx, term
                 self.commit = self.applied = self._handed = idx
-                self._snapshot_in = Snapshot(idx, term, m.payload)
+                if m.conf is not None:
+                    self.snap_membership = Membership.from_dict(m.conf)
+                else:  # a leader that sends none: keep what we had (our log is gone)
+                    self.snap_membership = self.membership
+                self._set_membership(self.snap_membership, idx)
+                self._snapshot_in = Snapshot(idx, term, m.payload, self.snap_membership)
                 self._persist_from = idx + 1
                 self._truncated = False
         self._send(
@@ -902,7 +1183,9 @@ class RaftCore:
             pr.last_heard = m.ctx
 
     def _handle_append_resp(self, m: Message) -> None:
-        pr = self._prs[m.src]
+        pr = self._prs.get(m.src)
+        if pr is None:
+            return  # removed from the configuration since
         self._heard(pr, m)
         if not m.success:
             if m.index <= pr.match or pr.state == SNAPSHOTTING:
@@ -928,9 +1211,13 @@ class RaftCore:
             self._to_replicate(pr)
         pr.paused = False
         self._maybe_commit()
+        if m.src == self.lead_transferee:
+            self._maybe_send_timeout_now()
 
     def _handle_heartbeat_resp(self, m: Message) -> None:
-        pr = self._prs[m.src]
+        pr = self._prs.get(m.src)
+        if pr is None:
+            return
         self._heard(pr, m)
         pr.paused = False
         if 0 < m.conflict_index <= pr.match and m.ctx > pr.last_progress:
@@ -945,6 +1232,8 @@ class RaftCore:
             pr.last_progress = self.now
             pr.next = max(pr.next, known + 1)
             self._maybe_commit()
+            if m.src == self.lead_transferee:
+                self._maybe_send_timeout_now()
         if pr.state == SNAPSHOTTING and pr.match >= pr.pending_snapshot:
             self._to_replicate(pr)
         elif (
@@ -957,8 +1246,10 @@ class RaftCore:
             self._to_probe(pr, pr.match + 1)
 
     def _maybe_commit(self) -> None:
-        matches = sorted((pr.match for pr in self._prs.values()), reverse=True)
-        matches.insert(0, self.last_index)
+        voters = self.membership.voters  # learners do not count; nor does a leader removing itself
+        matches = [pr.match for p, pr in self._prs.items() if p in voters]
+        if self.id in voters:
+            matches.append(self.last_index)
         matches.sort(reverse=True)
         q = matches[self._quorum - 1]
         # Only entries of the current term are committed by counting replicas (section 5.4.2).
@@ -1025,6 +1316,7 @@ class RaftCore:
                 leader_commit=self.commit,
                 ctx=self.now,
                 floor=self.floor,
+                conf=self.membership_at(idx).to_dict(),
             )
         )
 
@@ -1038,7 +1330,14 @@ class RaftCore:
     def ready(self) -> Ready:
         """Collect everything to persist, send and apply since the previous call."""
         if self.role == LEADER:
+            self._check_transfer()
+        if self.role == LEADER:
             self._flush()
+            if not self.membership_pending():
+                for p in [p for p in self._prs if p not in self.membership.members]:
+                    del self._prs[p]  # its removal went out with the commit above: done with it
+                if not self.is_voter():
+                    self._hand_over_removed()
         rd = Ready()
         hs = HardState(self.term, self.vote, self.commit, self.floor)
         vote_kept = (hs.term, hs.vote) == (self._prev_hs.term, self._prev_hs.vote)
@@ -1076,6 +1375,7 @@ class RaftCore:
             return None
         term = self.term_at(index)
         assert term is not None
+        self.snap_membership = self.membership_at(index)  # the log no longer holds what put it in force
         del self._log[: index - self.snap_index]
         self.snap_index, self.snap_term = index, term
         return index, term

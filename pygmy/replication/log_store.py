@@ -2,6 +2,10 @@
 
 WAL with ``synchronous=FULL`` so a save returns only once it is on disk: Raft's safety rests on a
 node never forgetting a vote or an acknowledged entry. One transaction per ``Ready`` batches appends.
+
+Configurations are log entries like any other; the one in force at the snapshot's index (which the
+log no longer holds once compacted) is kept beside it, ``snapshot_membership`` in ``raft_meta``
+(``Membership.to_dict`` as JSON), written in the transaction that moves the snapshot.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pygmy.kit import codec
-from pygmy.replication.core import Entry, HardState
+from pygmy.replication.core import Entry, HardState, Membership
 from pygmy.replication.storage import transaction
 
 SCHEMA = (
@@ -28,6 +32,8 @@ class PersistedState:
     entries: list[Entry] = field(default_factory=list)
     #: A snapshot install that was started (state machine restore) but maybe not finished.
     installing: tuple[int, int] | None = None
+    #: The configuration in force at ``snapshot`` (None: none recorded, e.g. a log from before them).
+    snapshot_membership: Membership | None = None
 
 
 class LogStore:
@@ -75,7 +81,9 @@ class LogStore:
                 break  # a gap can only follow a crash mid-way; keep the contiguous prefix
             entries.append(Entry(idx, term, None if command is None else codec.loads(command)))
             expected += 1
-        return PersistedState(hs, snap, entries, installing)
+        raw = meta.get("snapshot_membership")
+        membership = Membership.from_dict(codec.loads(raw)) if raw else None
+        return PersistedState(hs, snap, entries, installing, membership)
 
     def last_index(self) -> int:
         row = self._conn.execute("SELECT MAX(idx) FROM raft_log").fetchone()
@@ -88,11 +96,13 @@ class LogStore:
         entries: Iterable[Entry] = (),
         truncate_from: int | None = None,
         snapshot: tuple[int, int] | None = None,
+        membership: Membership | None = None,
     ) -> None:
         """Persist one Ready in a single durable transaction.
 
-        ``snapshot`` (index, term) replaces the whole log (the state machine was restored first);
-        ``truncate_from`` drops a conflicting suffix before ``entries`` are written."""
+        ``snapshot`` (index, term) replaces the whole log (the state machine was restored first),
+        with ``membership``, the configuration in force at it; ``truncate_from`` drops a
+        conflicting suffix before ``entries`` are written."""
         entries = list(entries)
         if hard_state is None and not entries and truncate_from is None and snapshot is None:
             return  # a Ready with only messages (heartbeats): no transaction, no sync
@@ -103,6 +113,7 @@ class LogStore:
             if snapshot is not None:
                 c.execute("DELETE FROM raft_log")
                 self._set(snapshot_index=snapshot[0], snapshot_term=snapshot[1])
+                self._set_membership(membership)
                 c.execute("DELETE FROM raft_meta WHERE key IN ('installing_index', 'installing_term')")
             if truncate_from is not None:
                 c.execute("DELETE FROM raft_log WHERE idx >= ?", (truncate_from,))
@@ -131,11 +142,13 @@ class LogStore:
     def abort_install(self) -> None:
         self._conn.execute("DELETE FROM raft_meta WHERE key IN ('installing_index', 'installing_term')")
 
-    def compact(self, index: int, term: int) -> None:
-        """Drop entries up to ``index`` (already applied by the state machine)."""
+    def compact(self, index: int, term: int, membership: Membership | None = None) -> None:
+        """Drop entries up to ``index`` (already applied by the state machine); ``membership`` is
+        the configuration in force at it."""
         with transaction(self._conn) as c:
             c.execute("DELETE FROM raft_log WHERE idx <= ?", (index,))
             self._set(snapshot_index=index, snapshot_term=term)
+            self._set_membership(membership)
         for idx in list(self._sizes):
             if idx > index:
                 break
@@ -151,6 +164,12 @@ class LogStore:
             total -= size
             last = idx
         return last
+
+    def _set_membership(self, membership: Membership | None) -> None:
+        if membership is None:
+            self._conn.execute("DELETE FROM raft_meta WHERE key='snapshot_membership'")
+        else:
+            self._set(snapshot_membership=codec.dumps_text(membership.to_dict()))
 
     def _set(self, **values: object) -> None:
         self._conn.executemany(

@@ -17,6 +17,12 @@ Threads, all owned and joined by ``stop()``:
 - the frame server's accept thread and one reader per connected peer: they put what arrives in the
   inbox;
 - one notifier: runs leader listeners, so a listener may itself call ``propose``.
+
+Membership: the replicas a node talks to are those of the configuration in force in its log
+(``RaftCore.membership``), each at the URL the configuration gives (its peer port: URL port + 50);
+senders come and go with it, after the turn that changed it and before that turn's messages go out.
+A server outside our configuration (a leader added after it) says its URL in its hello, so we can
+answer it. ``add_learner``, ``promote``, ``remove`` and ``transfer_leadership`` change it.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import shutil
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -47,8 +53,11 @@ from pygmy.replication.core import (
     PERSIST,
     SEND,
     SNAPSHOT,
+    TIMEOUT_NOW,
     CoreConfig,
     Entry,
+    Membership,
+    MembershipRefused,
     Message,
     RaftCore,
     Ready,
@@ -140,6 +149,11 @@ class ReplicationConfig(CoreConfig):
     #: Follow the network: a leader times its heartbeats and stretches heartbeats, election window
     #: and lease to the round trips (``pygmy.replication.timers``); False keeps the configured ones.
     adapt: bool = True
+    #: A learner is promoted only while it holds all but at most this many of the leader's entries
+    #: (and answered within an election timeout): caught up, so that as a voter it does not hold
+    #: back commits. Entries, not commands: an entry carries a batch, so a learner keeping up under
+    #: load is a few entries behind; one still copying a snapshot or replaying the log is far more.
+    promote_max_lag: int = 64
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ReplicationConfig:
@@ -164,10 +178,12 @@ class ReplicationConfig(CoreConfig):
         return config
 
 class _Proposal:
-    __slots__ = ("command", "done", "settled", "index", "term", "result", "error")
+    __slots__ = ("command", "change", "done", "settled", "index", "term", "result", "error")
 
-    def __init__(self, command: dict[str, Any]) -> None:
+    def __init__(self, command: dict[str, Any] | None, change: Callable[[RaftCore], int] | None = None) -> None:
         self.command = command
+        #: A membership change instead of a command: appends the configuration, returns its index.
+        self.change = change
         self.done = threading.Event()
         self.settled = threading.Event()  # the loop has seen our "forget": ``index`` is final
         self.index = 0
@@ -188,9 +204,10 @@ class _Sender:
     """Delivers messages to one peer on its own thread, so a slow peer delays nobody else."""
 
     def __init__(self, node: ReplicaNode, peer: str, address: tuple[str, int]) -> None:
-        self.node, self.peer = node, peer
+        self.node, self.peer, self.address = node, peer, address
         self.queue: queue.Queue[Message | None] = queue.Queue()
-        self.client = FrameClient(address, node.secret, node.name, RAFT_CHANNEL, node.config.connect_timeout)
+        self.client = FrameClient(address, node.secret, node.name, RAFT_CHANNEL, node.config.connect_timeout,
+                                  extra={"url": node.url})
         self.thread = threading.Thread(target=self._run, name=f"raft-send-{node.name}->{peer}", daemon=True)
         self._stop = False
 
@@ -241,11 +258,11 @@ class _Sender:
             return
         path = node.snapshot_out / f"{self.peer}.db"
         try:
-            pin, term = node._pin_state()
+            pin, term, membership = node._pin_state()
             try:
                 if not term:
                     return  # the pinned index's term is not known here yet: the core asks again
-                m.snapshot_index, m.snapshot_term = pin.index, term
+                m.snapshot_index, m.snapshot_term, m.conf = pin.index, term, membership.to_dict()
                 pin.write(path)
             finally:
                 pin.close()
@@ -374,14 +391,24 @@ class ReplicaNode:
         seed: int | None = None,
         listen: tuple[str, int] | None = None,
         addresses: Mapping[str, tuple[str, int]] | None = None,
+        learners: Iterable[str] = (),
     ) -> None:
-        """``peers`` are the replicas' HTTP URLs; ``addresses`` their peer transport addresses
-        (default: derived from the URLs, ``transport.raft_address``) and ``listen`` where this one
-        accepts its peers (default: its own address)."""
+        """``peers`` are the replicas' HTTP URLs, the configuration the group starts from with
+        ``learners`` among them (a new replica joining a running group names itself); the one in
+        the log, once there is one, replaces it. ``addresses`` are peer transport addresses (default:
+        derived from the URLs, ``transport.raft_address``) and ``listen`` where this one accepts
+        its peers (default: its own address)."""
         if name not in peers:
             raise ValueError(f"{name} is not among the peers {list(peers)}")
         self.name = name
+        #: Where each replica we know of serves HTTP: the configuration's URLs, then the ones we
+        #: started with, then those heard in hellos. Replaced whole, never changed in place, so
+        #: other threads may read it at any time.
         self.peers = dict(peers)
+        self._boot_peers = dict(peers)
+        self._boot_learners = tuple(learners)
+        self._heard_urls: dict[str, str] = {}
+        self._peers_lock = threading.Lock()  # the address book is written by turns and by hellos
         self.url = self.peers[name]
         self.sm = state_machine
         self.secret = secret
@@ -449,17 +476,24 @@ class ReplicaNode:
         self._apply_listeners: list[Callable[[int, Any, Any], None]] = []
         self._leader_listeners: list[Callable[[bool, int], None]] = []
         self._notify: queue.Queue[tuple[bool, int] | None] = queue.Queue()
-        addresses = dict(addresses) if addresses else {p: raft_address(url) for p, url in self.peers.items()}
-        self._senders = {p: _Sender(self, p, addresses[p]) for p in self.peers if p != name}
-        self._listen = listen or addresses[name]
+        self._addresses = dict(addresses) if addresses else {}
+        #: One per replica we send to, made when first needed (``_sender``); those of replicas that
+        #: left the configuration are stopped and kept here until ``stop`` joins them.
+        self._senders: dict[str, _Sender] = {}
+        self._retired: list[_Sender] = []
+        self._listen = listen or self._address(name)
         self._server: FrameServer | None = None
-        self._channels = {RAFT_CHANNEL: Channel(self._on_frame, frozenset(p for p in self.peers if p != name))}
+        # Any replica of the tier may connect (a leader added after our configuration must reach
+        # us); the core decides what to take from whom.
+        self._channels = {RAFT_CHANNEL: Channel(self._on_frame, self._admits, self._on_hello)}
+        self._membership_seen: Membership | None = None
         self._stopping = threading.Event()
         self._loop_thread = threading.Thread(target=self._run, name=f"raft-loop-{name}", daemon=True)
         self._notify_thread = threading.Thread(
             target=self._run_notifier, name=f"raft-notify-{name}", daemon=True
         )
         self._started = False
+        self._sync_members()
         self.commit_seconds = COMMIT_SECONDS.labels(name)
         self.elections = 0
         self.leader_changes = 0
@@ -492,27 +526,34 @@ class ReplicaNode:
         self._durable_vote = (hs.term, hs.vote, hs.floor)
         core = RaftCore(
             self.name,
-            list(self.peers),
+            list(self._boot_peers),
             hard_state=persisted.hard_state,
             entries=persisted.entries,
             snapshot=persisted.snapshot,
             applied=self._applied,
             config=self.config,
             rng=self._seed,
+            learners=self._boot_learners,
+            urls=self._boot_peers,
+            snapshot_membership=persisted.snapshot_membership,
         )
         core.set_timing(self._timing)  # a core reloaded after a fault keeps what was measured
-        #: The index and term of the last entry the state machine applied (under the apply lock):
-        #: what a snapshot pinned by a sender thread, away from the core, is labelled with.
+        #: The index and term of the last entry the state machine applied, and the configuration in
+        #: force there (under the apply lock): what a snapshot pinned by a sender thread, away from
+        #: the core, is labelled with.
         self._applied_at = (self._applied, core.term_at(self._applied) or 0)
+        self._applied_membership = core.membership_at(max(self._applied, core.snap_index))
         return core
 
-    def _pin_state(self) -> tuple[Pin, int]:
-        """The state held still for a snapshot, and the term of its last applied entry (0: unknown).
-        Microseconds under the apply lock; the copy is made afterwards, by the caller."""
+    def _pin_state(self) -> tuple[Pin, int, Membership]:
+        """The state held still for a snapshot, the term of its last applied entry (0: unknown) and
+        the configuration in force there. Microseconds under the apply lock; the copy is made
+        afterwards, by the caller."""
         with self._apply_lock:
             pin = self.sm.pin()
             index, term = self._applied_at
-        return pin, (term if index == pin.index else 0)
+            membership = self._applied_membership
+        return pin, (term if index == pin.index else 0), membership
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -537,10 +578,12 @@ class ReplicaNode:
                 self._server.stop()
             self._wake.set()  # the loop thread sees _stopping; other threads take no turn now
             self._loop_thread.join(timeout=10)
-            for s in self._senders.values():
+            senders = [*self._senders.values(), *self._retired]
+            for s in senders:
                 s.queue.put(None)
-            for s in self._senders.values():
-                s.thread.join(timeout=10)
+            for s in senders:
+                if s.thread.is_alive():
+                    s.thread.join(timeout=10)
             self._notify.put(None)
             self._notify_thread.join(timeout=10)
         self._read_index.http.clear()
@@ -570,13 +613,15 @@ class ReplicaNode:
     def propose(self, command: dict[str, Any], timeout: float) -> Any:
         """Replicate ``command``; returns ``state_machine.apply``'s result once committed and applied
         here. Raises NotLeader (not written), or ProposalTimeout (outcome unknown)."""
+        return self._propose(_Proposal(command), timeout)
+
+    def _propose(self, prop: _Proposal, timeout: float) -> Any:
         if threading.current_thread() is self._loop_thread or self._turn_thread == threading.get_ident():
             raise RuntimeError("propose() called from a replication turn (e.g. an apply listener)")
         if self._stopping.is_set() or not self._started:
             raise ProposalTimeout(f"{self.name} is not running")
         if not self.is_leader():
             raise NotLeader(*(self.leader() or (None, None)))
-        prop = _Proposal(command)
         started = time.perf_counter()
         self._submit("propose", prop)
         if not prop.done.wait(timeout):
@@ -588,6 +633,84 @@ class ReplicaNode:
             raise prop.error
         self.commit_seconds.observe(time.perf_counter() - started)
         return prop.result
+
+    # -- membership changes -------------------------------------------------------------------------
+    def add_learner(self, name: str, url: str, timeout: float) -> dict[str, Any]:
+        """Add ``name``, serving at ``url``, as a learner; the new configuration once committed and
+        applied here. Raises MembershipRefused (nothing done), NotLeader, or ProposalTimeout."""
+        return self._propose(_Proposal(None, lambda core: core.add_learner(name, url)), timeout)
+
+    def promote(self, name: str, timeout: float) -> dict[str, Any]:
+        """Make learner ``name`` a voter, if it is caught up (``promote_max_lag``)."""
+        lag = self.config.promote_max_lag
+        return self._propose(_Proposal(None, lambda core: core.promote(name, lag)), timeout)
+
+    def remove(self, name: str, timeout: float) -> dict[str, Any]:
+        """Remove ``name`` from the configuration (this leader too: see ``RaftCore.remove``)."""
+        return self._propose(_Proposal(None, lambda core: core.remove(name)), timeout)
+
+    def in_turn(self, fn: Callable[[RaftCore], Any], timeout: float = 2.0) -> Any:
+        """``fn(core)`` in a turn (the only way another thread may touch the core); its result, or
+        its exception. ProposalTimeout if no turn came within ``timeout``."""
+        if self._stopping.is_set() or not self._started:
+            raise ProposalTimeout(f"{self.name} is not running")
+        prop = _Proposal(None)
+        self._submit("call", (fn, prop))
+        if not prop.done.wait(timeout):
+            raise ProposalTimeout(f"{self.name}: no turn within {timeout:.3g}s")
+        if prop.error is not None:
+            raise prop.error
+        return prop.result
+
+    def members(self) -> dict[str, Any]:
+        """The leader's view of the configuration: each member's role, URL and how far its log is
+        behind ours (``lag``, entries) and whether it could be promoted now (``caught_up``)."""
+        lag_max, timeout = self.config.promote_max_lag, self.config.election_ticks_min
+
+        def look(core: RaftCore) -> dict[str, Any]:
+            if not core.is_leader():
+                raise NotLeader(*(self._leader_tuple() or (None, None)))
+            m = core.membership
+            out = []
+            for name in sorted(m.members):
+                pr = core.progress(name)
+                lag = 0 if name == core.id else core.last_index - (pr.match if pr else 0)
+                heard = name == core.id or (pr is not None and core.now - pr.last_heard <= timeout)
+                out.append({"name": name, "url": self.peers.get(name, ""),
+                            "role": "voter" if name in m.voters else "learner",
+                            "lag": lag, "caught_up": lag <= lag_max and heard})
+            return {"leader": core.id, "term": core.term, "last_index": core.last_index,
+                    "pending": core.membership_pending(), "members": out}
+
+        return self.in_turn(look)
+
+    def transfer_leadership(self, to: str | None, timeout: float) -> str | None:
+        """Hand leadership to voter ``to`` (None: the voter holding most of our log), and wait up to
+        ``timeout`` for another to lead; the new leader's name (None if none is known yet).
+        Raises MembershipRefused (nothing done) or NotLeader."""
+
+        def begin(core: RaftCore) -> str:
+            if not core.is_leader():
+                raise NotLeader(*(self._leader_tuple() or (None, None)))
+            target = to
+            if target is None:
+                others = [(p.match, n) for n in core.membership.voters - {core.id}
+                          if (p := core.progress(n)) is not None]
+                if not others:
+                    raise MembershipRefused("invalid", f"{core.id} is the only voter")
+                target = max(others)[1]
+            core.transfer_leadership(target)
+            return target
+
+        target = self.in_turn(begin)
+        log.info("%s: handing leadership over to %s", self.name, target)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            leader = self._view.get("leader")
+            if leader not in (None, self.name):
+                return str(leader)
+            time.sleep(self.config.tick_ms / 1000.0)
+        return None
 
     def wait_applied(self, index: int, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -634,7 +757,7 @@ class ReplicaNode:
 
     def leader(self) -> tuple[str, str] | None:
         name = self._view.get("leader")
-        return None if name is None else (name, self.peers[name])
+        return None if name is None else (name, self.peers.get(name, ""))
 
     def can_serve_reads(self) -> bool:
         """Whether local reads reflect every acknowledged write (leader) or a caught-up follower."""
@@ -643,7 +766,7 @@ class ReplicaNode:
             return False
         if view.get("role") == "leader":
             return time.monotonic() < self._lease_until and self._applied >= view["term_start"]
-        return view.get("role") == "follower" and view.get("leader") is not None
+        return view.get("role") in ("follower", "learner") and view.get("leader") is not None
 
     def read_index(self) -> int:
         """On the leader: an index every linearizable read must wait for (Raft's ReadIndex).
@@ -700,6 +823,9 @@ class ReplicaNode:
             #: The timers in force (ms) and, on a leader, the round trips they follow
             #: (docs/replication.md, "Timers that follow the network").
             "timers": view.get("timers", {}),
+            #: The configuration in force here (the latest in this replica's log; ``pending`` until
+            #: committed): routers learn the tier's members and their URLs from it.
+            "membership": view["membership"],
         }
 
     def add_channel(self, name: str, handle: Callable[[str, Any], Any]) -> None:
@@ -737,14 +863,15 @@ class ReplicaNode:
         return bp
 
     def _parse(self, raw: list[Any]) -> list[Message]:
-        """Well-formed messages from a member, addressed to us; anything else is ignored."""
+        """Well-formed messages addressed to us; anything else is ignored (the core takes requests
+        from any replica and answers only from members of its configuration)."""
         out = []
         for d in raw:
             try:
                 m = Message.from_dict(d)
             except (KeyError, ValueError, TypeError, AttributeError):
                 continue
-            if m.src in self.peers and m.src != self.name and m.dst == self.name:
+            if m.src != self.name and m.dst == self.name:
                 out.append(m)
         return out
 
@@ -956,12 +1083,25 @@ class ReplicaNode:
                     self._stepped_snapshots.append(m.payload)
         elif kind == "propose":
             prop: _Proposal = value
-            index = self.core.propose(prop.command)
+            if prop.change is not None:
+                try:
+                    index: int | None = prop.change(self.core)
+                except MembershipRefused as exc:
+                    prop.finish(error=exc)
+                    return
+            else:
+                index = self.core.propose(prop.command)
             if index is None:
                 prop.finish(error=NotLeader(*(self._leader_tuple() or (None, None))))
             else:
                 prop.index, prop.term = index, self.core.term
                 self._proposals[index] = prop
+        elif kind == "call":  # a look at (or a change of) the core, in a turn: (function, proposal)
+            fn, prop = value
+            try:
+                prop.finish(fn(self.core))
+            except Exception as exc:
+                prop.finish(error=exc)
         elif kind == "forget":
             prop = value
             if self._proposals.get(prop.index) is prop:
@@ -970,7 +1110,7 @@ class ReplicaNode:
 
     def _leader_tuple(self) -> tuple[str, str] | None:
         name = self.core.leader
-        return None if name is None else (name, self.peers[name])
+        return None if name is None else (name, self.peers.get(name, ""))
 
     def _process_ready(self, tick_wall: float) -> None:
         rd = self.core.ready()
@@ -979,6 +1119,12 @@ class ReplicaNode:
                 if rd.snapshot is None or path is not rd.snapshot.data:
                     self._incoming.discard(path)
             self._stepped_snapshots = []
+        if self.core.membership is not self._membership_seen:
+            self._sync_members()  # before this turn's messages go out: some may be to a new member
+        if self.core.lead_transferee is not None or any(m.type == TIMEOUT_NOW for m in rd.messages):
+            # Handing over: from ``timeout_now`` on, the target's voters may elect it at once, so
+            # no read, and no cache grant, may count on our lease after this (before it is sent).
+            self._lease_until = 0.0
         if not rd.is_empty():
             self._commit_seen = self.core.commit
             # A follower acknowledges only what is on its disk; a leader's appends go out before
@@ -1005,6 +1151,7 @@ class ReplicaNode:
                 with self._apply_lock:
                     self.sm.restore(snap.index, snap.data)
                     self._applied_at = (snap.index, snap.term)
+                    self._applied_membership = snap.membership or self.core.snap_membership
             finally:  # installed, or lost with the rest of what the loop held (it reloads from disk)
                 self._incoming.discard(snap.data)
             self.snapshots_installed += 1
@@ -1022,7 +1169,8 @@ class ReplicaNode:
             # restarted replica relearns it from the leader), so this costs no synced transaction in
             # the middle of every round; it is written whenever the hard state goes out with entries.
             hs = None
-        self.store.save(hs, rd.entries, rd.truncate_from, None if snap is None else (snap.index, snap.term))
+        self.store.save(hs, rd.entries, rd.truncate_from, None if snap is None else (snap.index, snap.term),
+                        None if snap is None else snap.membership)
         if hs is not None:
             self._durable_vote = (hs.term, hs.vote, hs.floor)
         if rd.truncate_from is not None:
@@ -1037,22 +1185,85 @@ class ReplicaNode:
         for m in msgs:
             if m.type == HEARTBEAT:
                 self._rtt.sent(m.dst, m.ctx, now)
-            sender = self._senders.get(m.dst)
+            sender = self._senders.get(m.dst) or self._sender(m.dst)
             if sender is not None:
                 sender.offer(m)
+
+    # -- membership: whom we talk to ---------------------------------------------------------------
+    def _address(self, name: str) -> tuple[str, int]:
+        """Where ``name`` takes peer connections: given at construction, else its URL's port + 50."""
+        return self._addresses.get(name) or raft_address(self.peers[name])
+
+    def _sender(self, name: str) -> _Sender | None:
+        """The sender to ``name``, made (and started, if we run) now if we know where it is."""
+        if name == self.name or name not in self.peers:
+            return None  # a leader we do not know yet: its hello gives its URL (``_on_hello``)
+        sender = _Sender(self, name, self._address(name))
+        self._senders[name] = sender
+        if self._started and not self._stopping.is_set():
+            sender.thread.start()
+        return sender
+
+    def _sync_members(self) -> None:
+        """After a turn changed the configuration (and at start): the address book from it, a sender
+        to each member, and none any more to a replica that left it (unless it is our leader) or
+        whose URL changed (a member removed and added again elsewhere)."""
+        m = self.core.membership
+        self._membership_seen = m
+        with self._peers_lock:
+            self.peers = {**self._heard_urls, **self._boot_peers, **m.urls}
+        keep = m.members | set(self.core.replicating_to()) | ({self.core.leader} if self.core.leader else set())
+        for name, sender in list(self._senders.items()):
+            if name not in keep or (name not in self._addresses and sender.address != self._address(name)):
+                del self._senders[name]
+                sender.queue.put(None)  # it ends on its own; ``stop`` joins it
+                self._retired.append(sender)
+        for name in sorted(m.members - self._senders.keys()):
+            self._sender(name)
+
+    def _admits(self, name: str, hello: dict[str, Any]) -> bool:
+        """Who may open a Raft connection to us: a replica we know of, or one of our tier
+        (``catalog-4`` to ``catalog-1``) that says where it serves, as every replica's sender
+        does: a leader added after our configuration must reach us to give us the entry that adds
+        it, and we must be able to answer it."""
+        if name == self.name:
+            return False
+        return name in self.peers or (name.rpartition("-")[0] == self.name.rpartition("-")[0]
+                                      and isinstance(hello.get("url"), str))
+
+    def _on_hello(self, peer: str, hello: dict[str, Any]) -> None:
+        """A replica says where it serves: kept for one our configuration does not name (a leader
+        added after it), so that our answers can reach it."""
+        url = hello.get("url")
+        if isinstance(url, str) and peer not in self.peers and peer not in self._heard_urls:
+            try:
+                raft_address(url)
+            except ValueError:
+                return
+            with self._peers_lock:
+                self._heard_urls = {**self._heard_urls, peer: url}
+                self.peers = {**self.peers, peer: url}
 
     def _apply(self, entries: list[Entry]) -> None:
         todo = [e for e in entries if e.index > self._applied]
         if not todo:
             return
+        # A configuration is the log's business, not the state's: the state machine gets a no-op.
+        memberships = {e.index: m for e in todo if (m := Membership.of(e.command)) is not None}
         with self._apply_lock:  # a storage fault raises: the loop's supervisor retries the batch
-            outcomes = self.sm.apply_many([(e.index, e.command) for e in todo])
+            outcomes = self.sm.apply_many([(e.index, None if e.index in memberships else e.command) for e in todo])
             self._applied_at = (todo[-1].index, todo[-1].term)
+            if memberships:
+                self._applied_membership = memberships[max(memberships)]
         self._set_applied(todo[-1].index)  # readers see the batch once it is committed, as a whole
         for e, (result, error) in zip(todo, outcomes, strict=True):
             if error is not None:  # a deterministic command failure: the same on every replica
                 log.error("%s: applying entry %d failed", self.name, e.index, exc_info=error)
-            if e.command is not None and error is None:
+            if e.index in memberships:
+                log.info("%s: configuration at index %d committed: %s", self.name, e.index,
+                         memberships[e.index].to_dict())
+                result = memberships[e.index].to_dict()
+            elif e.command is not None and error is None:
                 for cb in self._apply_listeners:
                     try:
                         cb(e.index, e.command, result)
@@ -1095,7 +1306,7 @@ class ReplicaNode:
         if min(upto, core.applied) > core.snap_index:
             res = core.compact(upto)
             if res is not None:
-                self.store.compact(*res)
+                self.store.compact(*res, core.snap_membership)
 
     def _refresh_view(self, tick_wall: float | None = None) -> None:
         core = self.core
@@ -1112,6 +1323,15 @@ class ReplicaNode:
             self._lease_until = tick_wall + core.lease_remaining() * self.config.tick_ms / 1000.0
         elif not is_leader:
             self._lease_until = 0.0
+        if core.lead_transferee is not None:
+            self._lease_until = 0.0  # handing over: no reads or cache grants on our lease (``_process_ready``)
+        if role == "follower" and not core.is_voter():
+            role = "learner" if self.name in core.membership.members else "removed"
+        membership = self._view.get("membership")
+        if membership is None or self._view.get("_membership") is not core.membership:
+            membership = {**core.membership.to_dict(), "pending": core.membership_pending()}
+        elif membership["pending"] != core.membership_pending():
+            membership = {**membership, "pending": core.membership_pending()}
         self._view = {
             "role": role,
             "term": core.term,
@@ -1119,6 +1339,8 @@ class ReplicaNode:
             "commit": core.commit,
             "term_start": core.term_start_index,
             "timers": self._timers,
+            "membership": membership,
+            "_membership": core.membership,
         }
         if is_leader != self._was_leader:
             self._was_leader = is_leader

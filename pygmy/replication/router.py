@@ -3,12 +3,17 @@
 Used by the frontend (to catalog and order) and by the order service (to the catalog). The leader
 view is only a hint kept per process: a wrong hint costs one redirect (421 with the leader's name)
 or one failed connection, never a wrong answer, so it is safe with several Gunicorn workers.
+
+The tier's replicas are learnt while the process runs (``Sightings``, ``MEMBERS_EVERY``): from the
+configuration a replica's ``/status`` shows, the leader's first, so a replica added with ``pygmy
+member`` is reached and a removed one left without a restart.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -53,6 +58,12 @@ SILENT_FOR = 1.0
 LEADER_WAIT_CAP = 0.05
 #: Status codes that mean "try another replica": not leader, not ready, no quorum.
 RETRY_ELSEWHERE = {421, 503}
+#: How often a process's routers to a tier look at its members (one ``/status``, the leader's), and
+#: the soonest they look again when asked to (a reply named a replica they do not know, or a
+#: sweep of every replica found no leader). Membership changes are rare and an operator's doing:
+#: a look every few seconds costs the replicas a request each, next to nothing.
+MEMBERS_EVERY = 5.0
+MEMBERS_SOON = 0.2
 
 
 class AttemptBudget:
@@ -109,6 +120,86 @@ class Sightings:
         self._until: dict[str, float] = {}
         self.leader: str | None = None
         self._lock = threading.Lock()
+        #: The tier's replicas (``{name: url}``) as a replica's configuration last showed them, and
+        #: a counter of changes the routers compare with theirs; empty until first seen.
+        self.members: dict[str, str] = {}
+        self.members_version = 0
+        self._watching = 0  # the pid whose thread looks at the members (0: none yet)
+        self._soon = threading.Event()
+        self._stop = threading.Event()
+
+    # -- members -----------------------------------------------------------------------------------
+    def know(self, peers: dict[str, str]) -> None:
+        """The members a router was started with, until a replica says otherwise."""
+        with self._lock:
+            if not self.members:
+                self.members = dict(peers)
+
+    def watch(self) -> None:
+        """Look at the tier's members every ``MEMBERS_EVERY`` from now on, on a thread of this
+        process (started on first use: a process forked after construction gets its own)."""
+        if self._watching == os.getpid() or self._stop.is_set():
+            return
+        with self._lock:
+            if self._watching == os.getpid():
+                return
+            self._watching = os.getpid()
+        threading.Thread(target=self._watch, name="tier-members", daemon=True).start()
+
+    def look_soon(self) -> None:
+        self._soon.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._soon.set()
+
+    def _watch(self) -> None:
+        http = urllib3.PoolManager(num_pools=16, maxsize=1, block=False, retries=False)
+        try:
+            while not self._stop.is_set():
+                self._soon.wait(MEMBERS_EVERY)
+                if self._stop.is_set():
+                    return
+                self._soon.clear()
+                try:
+                    self.look(http)
+                except Exception:  # a hint: never worth the thread
+                    log.exception("looking at the tier's members failed")
+                self._stop.wait(MEMBERS_SOON)
+        finally:
+            http.clear()
+
+    def look(self, http: urllib3.PoolManager) -> bool:
+        """Ask the leader (as hinted), else every replica, for its ``/status``, and take the
+        configuration of the leader of the newest term that answers (else of the replica furthest
+        ahead). True if the members changed."""
+        members = dict(self.members)
+        order = ([self.leader] if self.leader in members else []) + [n for n in members if n != self.leader]
+        best: tuple[tuple[int, int, int], dict[str, str]] | None = None
+        for name in order:
+            try:
+                r = http.request("GET", members[name] + "/status", timeout=urllib3.Timeout(connect=0.25, read=0.5),
+                                 redirect=False)
+                st = codec.loads(r.data) if r.status == 200 else None
+            except (urllib3.exceptions.HTTPError, ValueError):
+                continue
+            conf = st.get("membership") if isinstance(st, dict) else None
+            if not isinstance(conf, dict) or not isinstance(conf.get("urls"), dict):
+                continue
+            names = {*conf.get("voters", ()), *conf.get("learners", ())}
+            urls = {n: u for n, u in conf["urls"].items() if n in names and isinstance(u, str)}
+            rank = (int(st.get("role") == "leader"), int(st.get("term", 0)), int(st.get("commit_index", 0)))
+            if urls and (best is None or rank > best[0]):
+                best = (rank, urls)
+            if rank[0]:
+                break  # the leader's own configuration: the newest any replica can have
+        if best is None or best[1] == self.members:
+            return False
+        with self._lock:
+            log.info("the tier's replicas are now %s (were %s)", sorted(best[1]), sorted(self.members))
+            self.members = best[1]
+            self.members_version += 1
+        return True
 
     def forget_leader(self, name: str) -> None:
         """``name`` did not answer: no longer ask it first, unless another router has moved on."""
@@ -156,10 +247,33 @@ class _LeaderSeeker:
         self.sightings = sightings or Sightings()
         self.peers = dict(peers)
         self.names = list(peers)
+        self.sightings.know(self.peers)
+        self._members_version = 0
         #: Bounds the retries that could add to an overload (see ``_to_leader``).
         self.budget = RetryBudget()
         #: Per replica: how long an attempt may take (what its answers showed).
         self.attempts = {n: AttemptBudget() for n in peers}
+
+    def follow_members(self) -> None:
+        """Take the tier's members as the process last learnt them (``Sightings.look``): called
+        before each request, a comparison of two counters unless they changed."""
+        s = self.sightings
+        s.watch()
+        if s.members_version != self._members_version:
+            self._members_version = s.members_version
+            self._set_peers(dict(s.members))
+
+    def _set_peers(self, peers: dict[str, str]) -> None:
+        """Reach ``peers`` from now on (a subclass opens what it needs to reach new ones)."""
+        self.peers = peers
+        self.names = list(peers)
+
+    def attempt_budget(self, name: str) -> AttemptBudget:
+        """``name``'s attempt budget (a replica that joined since has one from its first call)."""
+        budget = self.attempts.get(name)
+        if budget is None:
+            budget = self.attempts[name] = AttemptBudget()
+        return budget
 
     @property
     def leader_hint(self) -> str | None:
@@ -176,6 +290,8 @@ class _LeaderSeeker:
             self.leader_hint = leader
         elif reply.status == 421:
             self.sightings.forget_leader(reply.replica)
+            if leader:
+                self.sightings.look_soon()  # a leader we do not know of: the members changed
         return leader
 
     def _leader_first(self) -> list[str]:
@@ -196,12 +312,13 @@ class _LeaderSeeker:
         last = "no replica tried"
         tries = 0
         self.budget.request()
+        self.follow_members()
         while True:
             for name in self._leader_first():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TierUnavailable(self.tier, last)
-                budget = self.attempts[name]
+                budget = self.attempt_budget(name)
                 timeout = min(budget.attempt(), remaining)
                 started = time.monotonic()
                 try:
@@ -231,9 +348,12 @@ class _LeaderSeeker:
                 leader = self._note_leader(reply)
                 if leader and leader != name and leader in self.peers:
                     break  # go straight to the leader it named
+            else:
+                self.sightings.look_soon()  # none of those we know leads: have the members changed?
             tries += 1
             # Between sweeps (e.g. an election in progress) back off, bounded by the deadline.
             time.sleep(min(backoff(tries, cap=LEADER_WAIT_CAP), max(0.0, deadline - time.monotonic())))
+            self.follow_members()
 
 
 def overloaded(reply: Reply) -> bool:
@@ -261,6 +381,19 @@ class ChannelRouter(_LeaderSeeker):
         self._look_lock = threading.Lock()
         self._looked: tuple[float, str | None] = (float("-inf"), None)
         self._asked: dict[str, float] = {}  # replica -> when a look last asked it about itself
+        self._secret, self._name, self._channel = secret, name, channel
+
+    def _set_peers(self, peers: dict[str, str]) -> None:
+        """A client and a status pool for each replica new to us, or at a new URL; those of
+        replicas gone stay open, unused, until ``close`` (a caller may hold one right now)."""
+        clients, pools = dict(self._clients), dict(self._status_pools)
+        for n, url in peers.items():
+            if n not in clients or self.peers.get(n) != url:
+                clients[n] = FrameClient(raft_address(url), self._secret, self._name, self._channel,
+                                         connect_timeout=CONNECT_TIMEOUT)
+                pools[n] = urllib3.connection_from_url(url, maxsize=1, block=False, retries=False)
+        self._clients, self._status_pools = clients, pools
+        super()._set_peers(peers)
 
     def call(self, payload: dict[str, Any], deadline: float, carry_deadline: bool = False) -> Reply:
         """``payload`` to the leader, following redirects and failing over, until ``deadline``.
@@ -390,6 +523,15 @@ class TierRouter(_LeaderSeeker):
         self._avoid: dict[str, float] = {}  # replica -> monotonic time until which reads skip it
         self._lock = threading.Lock()  # guards ``_avoid``
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(peers)), thread_name_prefix=f"{tier}-status")
+        self._pool_size = pool
+
+    def _set_peers(self, peers: dict[str, str]) -> None:
+        pools = dict(self._pools)
+        for n, url in peers.items():
+            if n not in pools or self.peers.get(n) != url:
+                pools[n] = urllib3.connection_from_url(url, maxsize=self._pool_size, block=False, retries=False)
+        self._pools = pools
+        super()._set_peers(peers)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -413,7 +555,7 @@ class TierRouter(_LeaderSeeker):
         try:
             resp = self._pools[name].urlopen(
                 method, path, body=None if json is None else codec.dumps(json), headers=all_headers,
-                timeout=urllib3.Timeout(connect=self.attempts[name].connect, read=timeout), redirect=False)
+                timeout=urllib3.Timeout(connect=self.attempt_budget(name).connect, read=timeout), redirect=False)
         except urllib3.exceptions.HTTPError as exc:
             reason = getattr(exc, "reason", None)
             raise HopError(f"{name}: {type(exc).__name__}",
@@ -460,12 +602,13 @@ class TierRouter(_LeaderSeeker):
         last = "no replica tried"
         attempt = 0
         self.budget.request()
+        self.follow_members()
         while True:
             for name in self._read_order(prefer_leader):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TierUnavailable(self.tier, last)
-                budget = self.attempts[name]
+                budget = self.attempt_budget(name)
                 timeout = min(budget.attempt(), remaining)
                 started = time.monotonic()
                 try:
@@ -489,13 +632,17 @@ class TierRouter(_LeaderSeeker):
                     # leader that stopped, and is not believed.
                     if reply.leader != self.leader_hint and reply.leader in self.peers:
                         self.leader_hint = reply.leader
+                    elif reply.leader and reply.leader not in self.peers:
+                        self.sightings.look_soon()  # a leader we do not know of: the members changed
                     return reply
                 last = f"{name}: {reply.status}"
                 self._avoid_for(name, 0.5)
                 if overloaded(reply) and not self.budget.try_retry():
                     return reply  # shed, and no budget to ask another replica: the caller sheds too
             attempt += 1
+            self.sightings.look_soon()  # none of those we know could serve: have the members changed?
             time.sleep(min(backoff(attempt, cap=0.2), max(0.0, deadline - time.monotonic())))
+            self.follow_members()
 
     def _avoid_for(self, name: str, seconds: float) -> None:
         with self._lock:
@@ -516,6 +663,7 @@ class TierRouter(_LeaderSeeker):
     # -- cluster view -----------------------------------------------------------------------------
     def statuses(self) -> list[dict[str, Any]]:
         """Every replica's own ``/status`` (plus ``alive``), fetched in parallel with a short timeout."""
+        self.follow_members()
 
         def one(name: str) -> dict[str, Any]:
             try:

@@ -1,4 +1,5 @@
-"""What every replica of a replicated tier serves, whatever its business: health, status, leadership.
+"""What every replica of a replicated tier serves, whatever its business: health, status, leadership,
+and the tier's membership (``/members``: list, add a learner, promote, remove).
 
 Catalog and order build their Flask apps on ``ReplicaRuntime``; it owns the replication node and
 turns its exceptions into HTTP answers (421 with the leader's name, 503 while not ready).
@@ -9,15 +10,26 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
+from urllib.parse import urlsplit
 
 from flask import Flask, Response, jsonify, request
 
-from pygmy.kit.config import ClusterConfig
+from pygmy.kit.config import ClusterConfig, parse_name
 from pygmy.kit.logs import request_id_scope, valid_request_id
 from pygmy.kit.metrics import FRAME_LATENCY
-from pygmy.kit.web import ApiError, access_log, create_base_app, error_body, fail, require_secret
+from pygmy.kit.web import (
+    ApiError,
+    access_log,
+    create_base_app,
+    error_body,
+    fail,
+    json_body,
+    request_deadline,
+    require_secret,
+)
+from pygmy.replication.core import MembershipRefused
 from pygmy.replication.metrics import ReplicaCollector
 from pygmy.replication.node import (
     NotLeader,
@@ -39,6 +51,25 @@ FRAME_DEADLINE = 5.0
 
 #: ``handle(body, deadline)``: the answer body of a request served as a frame (``ReplicaRuntime.serve_frames``).
 FrameHandler = Callable[[dict[str, Any], float], dict[str, Any]]
+#: Longest a membership change waits for its commit (the caller's ``X-Request-Timeout-Ms`` may be less).
+MEMBER_CHANGE_WAIT = 5.0
+#: Why a change was refused -> the status it is answered with (nothing changed in any case).
+REFUSAL_STATUS = {"unknown": 404, "invalid": 400, "duplicate": 409, "not_learner": 409, "lagging": 409,
+                  "last_voter": 409, "pending": 409, "transferring": 409, "not_leader": 421}
+
+
+def check_member_url(url: Any) -> str:
+    """A member's URL as the others will dial it: ``http://host:port`` (no path); 400 otherwise."""
+    if not isinstance(url, str) or len(url) > 200:
+        fail(400, "url must be a string like http://10.0.0.4:8104", kind="invalid")
+    parts = urlsplit(url.rstrip("/"))
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "http" or not parts.hostname or port is None or parts.path or parts.query:
+        fail(400, f"url must be http://host:port, got {url[:80]!r}", kind="invalid")
+    return url.rstrip("/")
 
 
 class Periodic:
@@ -89,6 +120,7 @@ class ReplicaRuntime:
             data_dir=config.replica_dir(self.name), secret=self.secret, config=ReplicationConfig.from_env(),
             listen=(config.bind_address(self.name), config.listen_port(tier, k) + RAFT_PORT_OFFSET),
             addresses=addresses,
+            learners=config.learners(tier),
         )
         self.guard = require_secret(self.secret)
         #: Frame requests being served (``serve_frames``), and whether new ones are refused (``drain``).
@@ -135,9 +167,85 @@ class ReplicaRuntime:
             return jsonify({"name": self.name, "applied_index": applied, "state_digest": digest,
                             "recomputed": recomputed, "ok": digest == recomputed})
 
+        self._member_routes(app)
         if self.node.blueprint is not None:
             app.register_blueprint(self.node.blueprint)
         return app
+
+    # -- membership ---------------------------------------------------------------------------------
+    def _member_routes(self, app: Flask) -> None:
+        """``/members``: internal (the secret, as ``/verify``), answered by the leader (followers
+        421 to it, as for writes). Each change is one configuration entry, and is answered once it
+        is committed and applied here; a refused one changed nothing (4xx, ``kind`` says why)."""
+
+        @app.errorhandler(MembershipRefused)
+        def _refused(exc: MembershipRefused) -> Response:
+            code = REFUSAL_STATUS.get(exc.kind, 409)
+            extra: dict[str, Any] = {"kind": exc.kind}
+            if code == 421:
+                leader = self.node.leader()
+                extra.update(leader=leader[0] if leader else None, leader_url=leader[1] if leader else None)
+            resp = jsonify(error_body(code, str(exc), **extra))
+            resp.status_code = code
+            return resp
+
+        @app.get("/members")
+        @self.guard
+        def members() -> Response:
+            return jsonify({"tier": self.tier, **self.node.members()})
+
+        @app.post("/members")
+        @self.guard
+        def add_member() -> Response:
+            body = json_body(required=True)
+            name = self._member_name(body.get("name"))
+            url = check_member_url(body.get("url"))
+            taken = [n for n, u in self.node.peers.items() if u == url and n in self._current_members()]
+            if taken:
+                fail(409, f"{url} is {taken[0]}'s URL already", kind="duplicate")
+            return self._changed(self.node.add_learner(name, url, self._wait()))
+
+        @app.post("/members/<name>/promote")
+        @self.guard
+        def promote_member(name: str) -> Response:
+            return self._changed(self.node.promote(self._member_name(name), self._wait()))
+
+        @app.delete("/members/<name>")
+        @self.guard
+        def remove_member(name: str) -> Response:
+            name = self._member_name(name)
+            if name == self.name and self.node.is_leader():
+                # The leader hands over first, to the voter holding most of its log; the caller
+                # follows the 421 and asks the new leader, which removes this one.
+                if name not in self._current_members():
+                    fail(404, f"{name!r} is not a member", kind="unknown")
+                new = self.node.transfer_leadership(None, min(2.0, self._wait()))
+                if new is None:
+                    fail(503, f"{self.name} is handing leadership over; ask again shortly", kind="transferring")
+                raise NotLeader(new, self.node.peers.get(new, ""))
+            return self._changed(self.node.remove(name, self._wait()))
+
+    def _member_name(self, name: Any) -> str:
+        """A replica name of this tier (``catalog-4``); 400 otherwise (another tier is not ours)."""
+        try:
+            tier, _ = parse_name(name) if isinstance(name, str) else ("", 0)
+        except ValueError:
+            tier = ""
+        if tier != self.tier:
+            fail(400, f"name must be a {self.tier} replica's, like {self.tier}-4; got {str(name)[:40]!r}",
+                 kind="invalid")
+        return str(name)
+
+    def _current_members(self) -> Iterable[str]:
+        membership = self.node.status()["membership"]
+        return [*membership["voters"], *membership["learners"]]
+
+    def _wait(self) -> float:
+        return max(0.0, request_deadline(MEMBER_CHANGE_WAIT) - time.monotonic())
+
+    def _changed(self, membership: dict[str, Any]) -> Response:
+        log.info("%s: membership changed: %s", self.name, membership)
+        return jsonify({"tier": self.tier, "leader": self.name, **membership})
 
     def serve_frames(self, channel: str, path: str, handle: FrameHandler) -> None:
         """Serve the HTTP route ``path``'s work on ``channel`` of the peer transport as well, for the

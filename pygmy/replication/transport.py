@@ -8,7 +8,8 @@ A frame on an open connection costs an encode (``pygmy.kit.codec``, orjson) and 
 Wire format: each frame is a 4-byte big-endian length and that many bytes of UTF-8 JSON. A client
 opens with a hello frame ``{"hello": <its name>, "secret": <the cluster secret>, "channel": <c>}``;
 the server checks the secret in constant time, that it serves channel ``c`` and, if the channel is
-for members only (Raft's), that the name is one; it answers ``{"ok": true}``, or an error frame and
+for members only (Raft's: a replica of the tier; a replica also says its ``url``), that the name is
+one; it answers ``{"ok": true}``, or an error frame and
 closes the connection, so without the secret nothing is read past the hello (the same secret guards
 the HTTP endpoints). Then the client sends frames and the channel's handler may answer any frame
 with one of its own, in order, on the same connection.
@@ -62,8 +63,16 @@ class Channel:
     runs on the connection's reader thread, and a non-None result goes back as the reply frame."""
 
     handle: Handler
-    #: The only names a client may say hello as on this channel (None: any name).
-    members: frozenset[str] | None = None
+    #: The only names a client may say hello as on this channel (None: any name), or a test of the
+    #: name and the hello frame (Raft's members change while the server runs).
+    members: frozenset[str] | Callable[[str, dict[str, Any]], bool] | None = None
+    #: ``hello(peer_name, hello_frame)`` once a connection is welcomed: a replica learns from it
+    #: where a peer it does not know yet serves (``url``), to answer it.
+    hello: Callable[[str, dict[str, Any]], None] | None = None
+
+    def admits(self, name: str, hello: dict[str, Any]) -> bool:
+        members = self.members
+        return members is None or (members(name, hello) if callable(members) else name in members)
 
 
 class Abandoned(OSError):
@@ -188,7 +197,7 @@ class FrameServer:
                 refusal = "wrong internal secret"
             elif channel is None:
                 refusal = f"no channel {hello.get('channel')!r} here"
-            elif channel.members is not None and peer not in channel.members:
+            elif not channel.admits(peer, hello):
                 refusal = f"{peer!r} is not a member"
             if refusal is not None:
                 log.warning("%s: refused a connection: %s", self.name, refusal)
@@ -196,6 +205,8 @@ class FrameServer:
                 return
             assert channel is not None
             conn.sendall(_WELCOME)
+            if channel.hello is not None:
+                channel.hello(peer, hello)
             conn.settimeout(None)  # a quiet peer is not a dead one; a new connection replaces it
             while True:
                 frame = read_frame(stream)
@@ -226,9 +237,10 @@ class FrameClient:
     Thread-safe: one caller at a time sends (and, for ``call``, reads the reply)."""
 
     def __init__(self, address: tuple[str, int], secret: str, name: str, channel: str,
-                 connect_timeout: float = 0.2) -> None:
+                 connect_timeout: float = 0.2, extra: Mapping[str, Any] | None = None) -> None:
+        """``extra``: more fields of the hello (a replica's ``url``)."""
         self.address, self.name = address, name
-        self._hello = encode({"hello": name, "secret": secret, "channel": channel})
+        self._hello = encode({**(extra or {}), "hello": name, "secret": secret, "channel": channel})
         self.connect_timeout = connect_timeout
         #: The budget of the next connection attempt (>= ``connect_timeout``).
         self.connect_budget = connect_timeout

@@ -6,7 +6,8 @@ rebuilds the core from storage. A crash lands either between ticks (every ``Read
 exercise the persist-before-send rule, inside the handling of one ``Ready`` (``arm_crash``): before
 it is persisted, between persisting and sending, or before applying. ``send_before_persist`` swaps
 the order on purpose, to show that the simulator catches the broken rule. Safety invariants are
-checked as the simulation runs (``SafetyError``).
+checked as the simulation runs (``SafetyError``). Membership changes: ``add_node`` starts a server
+that joins as a learner; the checks go by the configuration each entry was committed in.
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ from pygmy.replication.core import (
     PERSIST,
     SEND,
     SNAPSHOT,
+    TIMEOUT_NOW,
     VOTE,
     VOTE_RESP,
     CoreConfig,
     Entry,
     HardState,
+    Membership,
     Message,
     RaftCore,
     Ready,
@@ -67,6 +70,8 @@ class Storage:
     entries: dict[int, Entry] = field(default_factory=dict)
     sm_applied: list[tuple[int, int, Any]] = field(default_factory=list)
     sm_index: int = 0
+    #: The configuration in force at ``snapshot`` (recorded with it, as the log store does).
+    snap_membership: Membership | None = None
 
     def log(self) -> list[Entry]:
         out = []
@@ -78,9 +83,11 @@ class Storage:
 
 
 class SimNode:
-    def __init__(self, name: str, names: list[str], config: CoreConfig, seed: int) -> None:
+    def __init__(self, name: str, names: list[str], config: CoreConfig, seed: int,
+                 learners: tuple[str, ...] = ()) -> None:
         self.name = name
         self.names = names
+        self.learners = learners
         self.config = config
         self.seed = seed
         self.storage = Storage()
@@ -99,6 +106,8 @@ class SimNode:
             applied=s.sm_index,
             config=self.config,
             rng=random.Random(f"{self.seed}-{self.name}-{self.restarts}"),
+            learners=self.learners,
+            snapshot_membership=s.snap_membership,
         )
 
     def crash(self) -> None:
@@ -173,6 +182,14 @@ class Cluster:
         #: How many armed crashes fired, per crash point; "leader_sent_unpersisted" counts those that
         #: hit a leader after it sent a ``send_first`` Ready and before it persisted it.
         self.ready_crashes: Counter[str] = Counter()
+        #: index -> the voters of the configuration its leader committed it in (whose majority
+        #: must hold it on disk), and the highest index recorded so.
+        self.commit_voters: dict[int, frozenset[str]] = {}
+        self._commit_recorded = 0
+        #: term -> the tick its leader gave up its lease for a transfer (sent ``timeout_now``).
+        self.relinquished: dict[int, int] = {}
+        self.config = config
+        self.seed = seed
 
     # -- running -------------------------------------------------------------------------------
     def tick(self, n: int = 1) -> None:
@@ -194,6 +211,12 @@ class Cluster:
         """Handle one Ready as the real driver does: its steps in the order ``rd.steps()`` gives
         (the same call ``ReplicaNode._process_ready`` makes; send, persist, apply if
         ``send_before_persist``), then ``advance``; an armed crash stops it part-way."""
+        core = node.core
+        if core.is_leader() and core.commit > self._commit_recorded:
+            voters = core.membership.voters
+            for index in range(self._commit_recorded + 1, core.commit + 1):
+                self.commit_voters.setdefault(index, voters)
+            self._commit_recorded = core.commit
         rd = node.core.ready()
         point = self.armed.get(node.name) if persists(rd) else None
         steps = (SEND, PERSIST, APPLY) if self.send_before_persist else rd.steps()
@@ -226,6 +249,12 @@ class Cluster:
                 m.snapshot_index = node.storage.sm_index
                 m.snapshot_term = node.core.term_at(m.snapshot_index) or 0
                 m.payload = json.dumps(node.storage.sm_applied).encode()
+                m.conf = node.core.membership_at(m.snapshot_index).to_dict()  # as the node's pin does
+            if m.type == TIMEOUT_NOW:
+                # Voters may elect the target at once: the sender must hold no lease from now on.
+                if node.core.lease_remaining():
+                    raise SafetyError(f"{node.name} sent timeout_now while it holds a lease")
+                self.relinquished.setdefault(m.term, self.now)
             if self.net.connected(m.src, m.dst):
                 self.net.send(self.now, m)
 
@@ -240,6 +269,7 @@ class Cluster:
             s.sm_applied = applied
             s.sm_index = snap.index
             s.snapshot = (snap.index, snap.term)
+            s.snap_membership = snap.membership
             s.entries = {}
         if rd.truncate_from is not None:
             for i in [i for i in s.entries if i >= rd.truncate_from]:
@@ -276,6 +306,7 @@ class Cluster:
         if res is not None:
             s = node.storage
             s.snapshot = res
+            s.snap_membership = node.core.snap_membership
             for i in [i for i in s.entries if i <= res[0]]:
                 del s.entries[i]
 
@@ -301,6 +332,22 @@ class Cluster:
 
     def crash(self, name: str) -> None:
         self.nodes[name].crash()
+
+    def add_node(self, name: str) -> SimNode:
+        """A new server that joins the running group: it starts as a learner of the group as it
+        is now (its address is all it needs; the log tells it the rest)."""
+        leader = self.leader()
+        current = sorted(leader.core.membership.members) if leader else list(self.names)
+        node = SimNode(name, [*current, name], self.config, self.seed, learners=(name,))
+        self.nodes[name] = node
+        return node
+
+    def members(self) -> list[SimNode]:
+        """The nodes in the configuration of the newest leader (every node before any change)."""
+        leader = self.leader()
+        if leader is None:
+            return list(self.nodes.values())
+        return [n for n in self.nodes.values() if n.name in leader.core.membership.members]
 
     def arm_crash(self, name: str, point: str) -> None:
         """Crash ``name`` at ``point`` (see ``CRASH_POINTS``) of the next Ready it handles that
@@ -331,11 +378,11 @@ class Cluster:
         return predicate()
 
     def stable_leader(self) -> SimNode | None:
-        """A leader that every live node follows in its own term."""
+        """A leader that every live member of its configuration follows in its own term."""
         node = self.leader()
         if node is None:
             return None
-        for other in self.nodes.values():
+        for other in self.members():
             if other.alive and (other.core.term != node.core.term or other.core.leader != node.name):
                 return None
         return node
@@ -349,7 +396,7 @@ class Cluster:
                 return False
             idx = self.propose(1)
             return bool(idx) and self.wait_for(
-                lambda: all(n.storage.sm_index >= idx[0] for n in self.nodes.values() if n.alive), 300
+                lambda: all(n.storage.sm_index >= idx[0] for n in self.members() if n.alive), 300
             )
 
         for _ in range(max_ticks // 50):
@@ -384,32 +431,36 @@ class Cluster:
             self.check_committed_durable()
 
     def check_lease(self, core: RaftCore) -> None:
-        """No leader's lease reaches past ``election_gap - 1`` ticks before any later leader's
-        election: what a new catalog leader's wait (``ReplicaNode.vote_quiet_s``) and the read lease
-        count on, whatever windows the leaders announced. Checked whenever an election is seen or
-        a lease grows."""
+        """No leader's lease reaches past ``election_gap - 1`` ticks (at least 0, as
+        ``ReplicaNode.vote_quiet_s`` counts) before any later leader's election: what a new catalog
+        leader's wait and the read lease count on, whatever windows the leaders announced. A leader
+        that handed over (``timeout_now``) gave its lease up then. Checked whenever an election is
+        seen or a lease grows."""
         if core.term not in self.elections:
             elected, gap = self.elections[core.term] = (self.now, core.election_gap)
-            ended = max((e for t, e in self.lease_ends.items() if t < core.term), default=None)
-            if ended is not None and ended > elected - gap + 1:
+            # A leader that handed over gave its lease up when it said so (``relinquished``).
+            ended = max((min(e, self.relinquished.get(t, e)) for t, e in self.lease_ends.items() if t < core.term),
+                        default=None)
+            if ended is not None and ended > elected - max(0, gap - 1):
                 raise SafetyError(f"{core.id} elected at {elected} in t{core.term} counting on leases ended "
-                                  f"{gap - 1} ticks before, but an earlier lease reached {ended}")
+                                  f"{max(0, gap - 1)} ticks before, but an earlier lease reached {ended}")
         remaining = core.lease_remaining()
         end = self.now + remaining
         if remaining and end > self.lease_ends.get(core.term, end - 1):
             self.lease_ends[core.term] = end
             for term, (elected, gap) in self.elections.items():
-                if term > core.term and end > elected - gap + 1:
+                if term > core.term and end > elected - max(0, gap - 1):
                     raise SafetyError(f"t{core.term}'s lease reached {end}, past what the leader of "
                                       f"t{term} counted on (leases ended {gap - 1} ticks before {elected})")
 
     def check_committed_durable(self) -> None:
         """Every entry observed committed is on the disks of a majority (crashed nodes count):
         committing promised that no crash of a minority can lose it."""
-        quorum = len(self.nodes) // 2 + 1
         for index, (term, _cmd) in self.committed.items():
+            voters = self.commit_voters.get(index, frozenset(self.names))
+            quorum = len(voters) // 2 + 1
             holders = 0
-            for node in self.nodes.values():
+            for node in (self.nodes[v] for v in voters if v in self.nodes):
                 s = node.storage
                 e = s.entries.get(index)
                 if s.snapshot[0] >= index or (e is not None and e.term == term):

@@ -191,7 +191,7 @@ def test_a_snapshot_ahead_of_the_log_replaces_it() -> None:
     b.ready()
     b.step(Message(SNAPSHOT, "a", "b", 2, snapshot_index=10, snapshot_term=2, payload=b"state", ctx=8))
     rd = b.ready()
-    assert rd.snapshot == Snapshot(10, 2, b"state")
+    assert rd.snapshot == Snapshot(10, 2, b"state", b.membership)  # no configuration sent: ours stays
     assert (rd.truncate_from, rd.entries, rd.committed_entries) == (None, [], [])
     assert (b.commit, b.applied, b.last_index, b.snap_index, b.snap_term) == (10, 10, 10, 10, 2)
     assert rd.messages == [Message(APPEND_RESP, "b", "a", 2, index=10, success=True, ctx=8)]
@@ -670,9 +670,12 @@ def test_a_candidate_hearing_a_leader_of_its_term_follows_it() -> None:
 
 
 # -- what a follower accepts and answers --------------------------------------------------------------------
-def test_messages_not_for_us_or_from_strangers_are_dropped() -> None:
+def test_messages_not_for_us_or_answers_from_strangers_are_dropped() -> None:
+    """Requests of a leader or a candidate outside our configuration are taken (Raft dissertation
+    4.1, tests/replication/test_raft_membership.py); answers from strangers never are."""
     core = follower(log(1), term=1, commit=1)
-    for m in (Message(HEARTBEAT, "z", "b", 5), Message(HEARTBEAT, "b", "b", 5), Message(HEARTBEAT, "a", "c", 5)):
+    for m in (Message(HEARTBEAT_RESP, "z", "b", 5), Message(APPEND_RESP, "z", "b", 5),
+              Message(HEARTBEAT, "b", "b", 5), Message(HEARTBEAT, "a", "c", 5)):
         core.step(m)
     assert core.term == 1 and core.ready().messages == []
 

@@ -1,0 +1,198 @@
+"""Membership changes on threaded ``ReplicaNode``s over real sockets: a replica joins as a learner,
+catches up (by snapshot when the log was compacted), is promoted; a follower and a leader are
+removed; a restart rebuilds the configuration; a leader added after a lagging voter's configuration
+still reaches it."""
+
+from __future__ import annotations
+
+import random
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from flask import Flask
+from test_raft_node import KV, SECRET, Harness, Switch
+from werkzeug.serving import make_server
+
+from pygmy.replication.core import MembershipRefused
+from pygmy.replication.node import NotLeader, ReplicaNode
+
+
+def free_pair() -> int:
+    """A port P with P + 50 free too: a replica's HTTP port and its peer port."""
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        ok = True
+        for p in (port, port + 50):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+        if ok:
+            return port
+    raise RuntimeError("no free port pair")
+
+
+class Group(Harness):
+    """The harness with replicas that join later, each at a URL whose port + 50 is its peer port
+    (what every replica derives for a member it learns from the log)."""
+
+    def __init__(self, tmp: Path, n: int = 3) -> None:
+        self.learners: set[str] = set()
+        super().__init__(tmp, n)
+
+    def new_replica(self, name: str) -> str:
+        port = free_pair()
+        sw = Switch()
+        server = make_server("127.0.0.1", port, sw, threaded=True)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        self.switches[name] = sw
+        self.servers.append(server)
+        self.peers[name] = f"http://127.0.0.1:{port}"
+        self.addresses[name] = ("127.0.0.1", port + 50)
+        self.learners.add(name)
+        return self.peers[name]
+
+    def start(self, name: str) -> ReplicaNode:
+        """Every replica starts from the first three (a joining one with itself as a learner): what
+        it knows besides comes from its log, or from a hello."""
+        sm = KV(self.tmp / name / "state.db")
+        boot = {n: u for n, u in self.peers.items() if n not in self.learners or n == name}
+        # The first replicas' peer ports are not their URL's + 50 in this harness: given here.
+        known = {n: a for n, a in self.addresses.items() if n not in self.learners or n == name}
+        learners = [name] if name in self.learners else []
+        node = ReplicaNode(name, boot, sm, self.tmp / name, SECRET, self.config, learners=learners,
+                           addresses=known, listen=self.addresses[name])
+        app = Flask(name)
+        app.register_blueprint(node.blueprint)
+        node.start()
+        self.nodes[name], self.sms[name] = node, sm
+        self.switches[name].app = app
+        return node
+
+    def write(self, n: int, key: str = "a") -> None:
+        for _ in range(n):
+            self.leader().propose({"k": key, "add": 1}, 5.0)
+
+    def until(self, predicate, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"not within {timeout}s: {[n.status() for n in self.nodes.values()]}")
+
+
+@pytest.fixture
+def group(tmp_path: Path):
+    g = Group(tmp_path)
+    yield g
+    g.close()
+
+
+def voters(node: ReplicaNode) -> set[str]:
+    return set(node.status()["membership"]["voters"])
+
+
+def test_a_replica_joins_catches_up_by_snapshot_is_promoted_and_counts(group: Group) -> None:
+    group.write(120)  # beyond keep_entries: the log was compacted, so it needs a snapshot
+    leader = group.leader()
+    assert leader.core.snap_index > 0
+    url = group.new_replica("kv-4")
+    conf = leader.add_learner("kv-4", url, 5.0)
+    assert conf["learners"] == ["kv-4"] and conf["urls"]["kv-4"] == url
+    with pytest.raises(MembershipRefused) as refused:
+        leader.promote("kv-4", 5.0)  # it has not even started
+    assert refused.value.kind == "lagging"
+    new = group.start("kv-4")
+    group.until(lambda: new.status()["role"] == "learner")
+    group.converge()
+    assert new.snapshots_installed == 1
+    assert new.core.snap_membership.learners == {"kv-4"}
+    view = {m["name"]: m for m in leader.members()["members"]}
+    assert view["kv-4"]["role"] == "learner" and view["kv-4"]["caught_up"]
+    leader.promote("kv-4", 5.0)
+    group.until(lambda: all(voters(n) == {"kv-1", "kv-2", "kv-3", "kv-4"} for n in group.nodes.values()))
+    assert new.status()["role"] == "follower"
+    # Four voters: with two of them stopped nothing commits.
+    others = [n for n in group.nodes if n != group.leader().name]
+    for name in others[:2]:
+        group.stop(name)
+    with pytest.raises(Exception):  # noqa: B017 - ProposalTimeout: no majority
+        group.leader(timeout=1).propose({"k": "a", "add": 1}, 0.5)
+
+
+def test_a_follower_then_the_leader_are_removed(group: Group) -> None:
+    group.write(3)
+    leader = group.leader()
+    victim = next(n for n in group.nodes if n != leader.name)
+    conf = leader.remove(victim, 5.0)
+    assert victim not in conf["voters"]
+    group.until(lambda: group.nodes[victim].status()["role"] == "removed")
+    group.write(3)
+    group.stop(victim)
+    group.write(3)  # two voters of two
+    # The leader: handed over first, then removed by its successor.
+    old = group.leader()
+    new_name = old.transfer_leadership(None, 3.0)
+    assert new_name is not None and new_name != old.name
+    new = group.nodes[new_name]
+    group.until(new.is_leader)
+    with pytest.raises(NotLeader):
+        old.propose({"k": "a", "add": 1}, 1.0)
+    new.remove(old.name, 5.0)
+    group.until(lambda: old.status()["role"] == "removed")
+    group.write(3)
+    assert group.leader().name == new_name and voters(new) == {new_name}
+    assert group.sms[new_name].applied_index() >= 10
+
+
+def test_a_restart_rebuilds_the_configuration_from_snapshot_and_log(group: Group) -> None:
+    url = group.new_replica("kv-4")
+    group.leader().add_learner("kv-4", url, 5.0)
+    group.start("kv-4")
+    group.until(lambda: group.nodes["kv-4"].status()["role"] == "learner")
+    group.write(100)  # the configuration is compacted away on every replica
+    group.until(lambda: all(n.core.snap_index > 5 for n in group.nodes.values()))
+    victim = next(n for n in ("kv-3", "kv-2") if n != group.leader().name)
+    group.leader().remove(victim, 5.0)
+    group.stop(victim)
+    expected = {"voters": sorted({"kv-1", "kv-2", "kv-3"} - {victim}), "learners": ["kv-4"]}
+    for name in list(group.nodes):
+        group.stop(name)
+    for name in ("kv-1", "kv-2", "kv-3", "kv-4"):
+        if name != victim:
+            group.start(name)
+    group.leader()
+    for node in group.nodes.values():
+        m = node.status()["membership"]
+        assert {"voters": m["voters"], "learners": m["learners"]} == expected, node.name
+    group.write(2)
+    group.converge()
+
+
+def test_a_lagging_voter_learns_a_leader_it_does_not_know(group: Group) -> None:
+    """kv-3 is stopped while kv-4 joins and is promoted; kv-4 then leads. kv-3 comes back with the
+    old configuration (no kv-4, no URL for it): kv-4's hello gives its URL, so kv-3's answers
+    reach it and kv-3 catches up."""
+    leader = group.leader()
+    if leader.name == "kv-3":
+        leader.transfer_leadership("kv-1", 3.0)
+    group.stop("kv-3")
+    url = group.new_replica("kv-4")
+    group.leader().add_learner("kv-4", url, 5.0)
+    group.start("kv-4")
+    group.until(lambda: group.nodes["kv-4"].status()["role"] == "learner")
+    group.until(lambda: group.leader().members()["members"][-1]["caught_up"])
+    group.leader().promote("kv-4", 5.0)
+    if group.leader().name != "kv-4":
+        group.leader().transfer_leadership("kv-4", 3.0)
+    group.until(lambda: group.nodes["kv-4"].is_leader())
+    group.write(5)
+    kv3 = group.start("kv-3")
+    group.converge()
+    assert voters(kv3) == {"kv-1", "kv-2", "kv-3", "kv-4"}
+    assert kv3._heard_urls == {"kv-4": url}  # before its log named kv-4, kv-4's hello did
