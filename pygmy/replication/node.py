@@ -1210,11 +1210,13 @@ class ReplicaNode:
         whose URL changed (a member removed and added again elsewhere)."""
         m = self.core.membership
         self._membership_seen = m
-        with self._peers_lock:
-            self.peers = {**self._heard_urls, **self._boot_peers, **m.urls}
         keep = m.members | set(self.core.replicating_to()) | ({self.core.leader} if self.core.leader else set())
+        with self._peers_lock:  # a replica still sent to (its removal not yet committed) keeps its URL
+            kept = {n: u for n, u in self.peers.items() if n in keep}
+            self.peers = {**self._heard_urls, **self._boot_peers, **kept, **m.urls}
         for name, sender in list(self._senders.items()):
-            if name not in keep or (name not in self._addresses and sender.address != self._address(name)):
+            if name not in keep or name not in self.peers or (
+                    name not in self._addresses and sender.address != self._address(name)):
                 del self._senders[name]
                 sender.queue.put(None)  # it ends on its own; ``stop`` joins it
                 self._retired.append(sender)

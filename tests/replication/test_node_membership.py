@@ -196,3 +196,16 @@ def test_a_lagging_voter_learns_a_leader_it_does_not_know(group: Group) -> None:
     group.converge()
     assert voters(kv3) == {"kv-1", "kv-2", "kv-3", "kv-4"}
     assert kv3._heard_urls == {"kv-4": url}  # before its log named kv-4, kv-4's hello did
+
+
+def test_a_learner_that_never_started_is_removed(group: Group) -> None:
+    """Its removal goes on being sent to it until committed (it cannot answer): the leader keeps
+    its address meanwhile, and nothing faults (the conftest checks every node's loop)."""
+    leader = group.leader()
+    leader.add_learner("kv-9", "http://127.0.0.9:9", 5.0)
+    group.write(3)
+    conf = leader.remove("kv-9", 5.0)
+    assert conf["learners"] == [] and "kv-9" not in conf["urls"]
+    group.write(3)
+    group.converge()
+    assert all(n.loop_faults == {"storage": 0, "error": 0, "sender": 0} for n in group.nodes.values())
