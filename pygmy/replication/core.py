@@ -948,7 +948,7 @@ class RaftCore:
         new = self.membership.promoted(name)
         self._check_change()
         pr = self._prs.get(name)
-        if pr is None or pr.match + max_lag < self.last_index or self.now - pr.last_heard > self.cfg.election_ticks_min:
+        if pr is None or pr.match + max_lag < self.last_index or self.now - pr.last_heard > self._window():
             behind = self.last_index - (pr.match if pr else 0)
             heard = "never answered" if pr is None or pr.last_heard < 0 else \
                 f"last answered {self.now - pr.last_heard} ticks ago"
@@ -1007,7 +1007,9 @@ class RaftCore:
             self._send(Message(TIMEOUT_NOW, self.id, to, self.term))  # type: ignore[arg-type]
 
     def _check_transfer(self) -> None:
-        if self.lead_transferee is not None and self.now - self._transfer_started >= self.cfg.election_ticks_max:
+        # As long as an election may take, on this network (the configured range, stretched as the window is).
+        longest = self._window() * self.cfg.election_ticks_max // self.cfg.election_ticks_min
+        if self.lead_transferee is not None and self.now - self._transfer_started >= longest:
             if self._timeout_now_sent:
                 self._become_follower(self.term, None)
             else:
