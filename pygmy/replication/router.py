@@ -116,7 +116,10 @@ class Sightings:
       client at once, in two of ten trials of the catalog leader SIGSTOPped).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, via: dict[str, str] | None = None) -> None:
+        #: The URLs this process reaches some replicas by instead of theirs (``router_urls``: a
+        #: proxy per link): kept for the members a configuration names later.
+        self.via = dict(via or {})
         self._until: dict[str, float] = {}
         self.leader: str | None = None
         self._lock = threading.Lock()
@@ -187,7 +190,7 @@ class Sightings:
             if not isinstance(conf, dict) or not isinstance(conf.get("urls"), dict):
                 continue
             names = {*conf.get("voters", ()), *conf.get("learners", ())}
-            urls = {n: u for n, u in conf["urls"].items() if n in names and isinstance(u, str)}
+            urls = {n: self.via.get(n, u) for n, u in conf["urls"].items() if n in names and isinstance(u, str)}
             rank = (int(st.get("role") == "leader"), int(st.get("term", 0)), int(st.get("commit_index", 0)))
             if urls and (best is None or rank > best[0]):
                 best = (rank, urls)
