@@ -110,15 +110,23 @@ def build_toxiproxy() -> Path:
     """``go install`` Toxiproxy's server into build/toxiproxy once (Go modules are reachable here)."""
     if TOXIPROXY.exists():
         return TOXIPROXY
+    import fcntl
+    import tempfile
+
     from pygmy.verify.lincheck import _go
 
-    out = TOXIPROXY.parent
-    out.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run([_go(), "install", TOXIPROXY_MODULE], env={**os.environ, "GOBIN": str(out)},
-                          capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        raise RuntimeError(f"building Toxiproxy failed:\n{proc.stderr}")
-    os.replace(out / "server", TOXIPROXY)
+    TOXIPROXY.parent.mkdir(parents=True, exist_ok=True)
+    # Several test processes may want it at once: one builds, the others wait and find it built.
+    with open(TOXIPROXY.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if TOXIPROXY.exists():
+            return TOXIPROXY
+        with tempfile.TemporaryDirectory(dir=TOXIPROXY.parent) as out:
+            proc = subprocess.run([_go(), "install", TOXIPROXY_MODULE], env={**os.environ, "GOBIN": out},
+                                  capture_output=True, text=True, timeout=900)
+            if proc.returncode != 0:
+                raise RuntimeError(f"building Toxiproxy failed:\n{proc.stderr}")
+            os.replace(Path(out) / "server", TOXIPROXY)
     return TOXIPROXY
 
 
