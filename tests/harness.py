@@ -4,6 +4,8 @@ import os
 import re
 import socket
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +13,12 @@ from werkzeug.serving import make_server
 
 from pygmy.cluster.local import LocalCluster as Cluster
 from pygmy.cluster.local import free_port_base, pygmy, start_cluster
+from pygmy.verify import lincheck
+from pygmy.verify.chaos import ChaosWorkload
 
-__all__ = ["CHECKED", "FAULTS_AT_STOP", "MUTATIONS", "Cluster", "FakeLeadership", "StandIn", "cluster_env", "free_port_base", "hidden_faults",
-           "pygmy", "read_answer", "send_whole_buys", "start_cluster", "stop_checked"]
+__all__ = ["CHECKED", "FAULTS_AT_STOP", "MUTATIONS", "BackgroundLoad", "Cluster", "FakeLeadership", "StandIn", "cluster_env",
+           "free_port_base", "hidden_faults", "pygmy", "read_answer", "send_whole_buys", "start_cluster", "stop_checked",
+           "wait_for"]
 
 #: Test-only faults and mutations (``tests/mutations/sitecustomize.py``), for the processes of a cluster.
 MUTATIONS = Path(__file__).resolve().parent / "mutations"
@@ -119,3 +124,44 @@ def send_whole_buys(url: str, keys: list[str], item: int) -> list[socket.socket]
                      f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         socks.append(sock)
     return socks
+
+
+def wait_for(what: str, predicate: Callable[[], object], timeout: float = 60) -> object:
+    """``predicate()``'s first true value, asked until ``timeout`` s have passed (then the test fails)."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(0.05)
+    return value
+
+
+class BackgroundLoad(ChaosWorkload):
+    """The nemesis run's clients (lookups, updates, buys under keys, order reads; every operation
+    recorded for Porcupine), on a thread of their own from ``start`` until ``finish``."""
+
+    def start(self) -> None:
+        self._failure: BaseException | None = None
+        self.result: lincheck.History | None = None
+        self._thread = threading.Thread(target=self._run, name="background-load")
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.result = self.run(3600)
+        except BaseException as exc:  # re-raised by finish
+            self._failure = exc
+
+    def finish(self) -> lincheck.History:
+        self._stop_at = time.monotonic()  # retries under way give up once the drain is over
+        self._stop.set()
+        self._thread.join(120)
+        if self._failure is not None:
+            raise self._failure
+        assert self.result is not None, "the load did not stop"
+        return self.result
+
+    def buys_acked(self, more: int, timeout: float = 60) -> None:
+        """Until ``more`` buys beyond those acknowledged now are acknowledged."""
+        target = len(self.acked) + more
+        wait_for(f"{target} buys acknowledged", lambda: len(self.acked) >= target or self._failure, timeout)
+        assert self._failure is None, self._failure

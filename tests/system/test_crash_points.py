@@ -26,21 +26,15 @@ from pathlib import Path
 
 import pytest
 import requests
-from harness import Cluster, cluster_env, free_port_base
+from harness import BackgroundLoad, Cluster, cluster_env, free_port_base, wait_for
 
 from pygmy.cluster import launcher
-from pygmy.verify import chaos_check, lincheck
-from pygmy.verify.chaos import ChaosWorkload, final_state, leader_of, replica_status
+from pygmy.verify import chaos_check
+from pygmy.verify.chaos import final_state, leader_of, replica_status
 
 ITEMS = list(range(1, 8))
 
 
-def wait_for(what: str, predicate: Callable[[], object], timeout: float = 30) -> object:
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-        time.sleep(0.05)
-    return value
 
 
 def alive(c: Cluster, name: str) -> bool:
@@ -51,36 +45,6 @@ def leader(c: Cluster, tier: str) -> str:
     return str(wait_for(f"a {tier} leader", lambda: leader_of(c.cluster_config(), tier)))
 
 
-class Load(ChaosWorkload):
-    """The nemesis run's clients (lookups, updates, buys under keys, order reads; every operation
-    recorded for Porcupine), on a thread of their own until ``finish``."""
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="crash-points-load")
-        self._failure: BaseException | None = None
-        self.result: lincheck.History | None = None
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self.result = self.run(3600)
-        except BaseException as exc:  # re-raised by finish
-            self._failure = exc
-
-    def finish(self) -> lincheck.History:
-        self._stop_at = time.monotonic()  # retries under way give up once the drain is over
-        self._stop.set()
-        self._thread.join(120)
-        if self._failure is not None:
-            raise self._failure
-        assert self.result is not None, "the load did not stop"
-        return self.result
-
-    def buys_acked(self, more: int, timeout: float = 30) -> None:
-        """Until ``more`` buys beyond those acknowledged now are acknowledged."""
-        target = len(self.acked) + more
-        wait_for(f"{target} buys acknowledged", lambda: len(self.acked) >= target or self._failure, timeout)
-        assert self._failure is None, self._failure
 
 
 @pytest.fixture
@@ -108,7 +72,7 @@ def test_kills_at_each_step_of_a_ready(crash_cluster, tmp_path: Path, role: str)
     (``POINTS``), each victim restarted at once; then every guarantee is checked from outside."""
     flag = tmp_path / "crash-at"
     c = crash_cluster(PYGMY_TEST_CRASH_AT=str(flag))
-    load = Load([c.url], c.admin_token(), ITEMS, writers=3, readers=2, buyers=2, searchers=0, order_readers=1)
+    load = BackgroundLoad([c.url], c.admin_token(), ITEMS, writers=3, readers=2, buyers=2, searchers=0, order_readers=1)
     windows: list[dict] = []
     restarts: dict[str, threading.Thread] = {}
     failed: list[str] = []

@@ -23,60 +23,25 @@ from __future__ import annotations
 import json
 import random
 import socket
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
-from harness import Cluster, free_port_base, pygmy
+from harness import BackgroundLoad, Cluster, free_port_base, pygmy, wait_for
 
 from pygmy.cluster import local
 from pygmy.replication.transport import RAFT_PORT_OFFSET
-from pygmy.verify import chaos_check, lincheck
-from pygmy.verify.chaos import ChaosWorkload, final_state, leader_of
+from pygmy.verify import chaos_check
+from pygmy.verify.chaos import final_state, leader_of
 
 ITEMS = list(range(1, 8))
 
 
-def wait_for(what: str, predicate: Callable[[], object], timeout: float = 60) -> object:
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-        time.sleep(0.1)
-    return value
 
 
-class Load(ChaosWorkload):
-    """Lookups, updates, buys under keys and order reads, on a thread of their own until ``finish``."""
-
-    def start(self) -> None:
-        self._failure: BaseException | None = None
-        self.result: lincheck.History | None = None
-        self._thread = threading.Thread(target=self._run, name="membership-load")
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self.result = self.run(3600)
-        except BaseException as exc:  # re-raised by finish
-            self._failure = exc
-
-    def finish(self) -> lincheck.History:
-        self._stop_at = time.monotonic()
-        self._stop.set()
-        self._thread.join(120)
-        if self._failure is not None:
-            raise self._failure
-        assert self.result is not None, "the load did not stop"
-        return self.result
-
-    def buys_acked(self, more: int, timeout: float = 60) -> None:
-        target = len(self.acked) + more
-        wait_for(f"{target} buys acknowledged", lambda: len(self.acked) >= target or self._failure, timeout)
-        assert self._failure is None, self._failure
 
 
 def free_address(host: str) -> str:
@@ -165,7 +130,7 @@ def test_replicas_and_leaders_are_replaced_online_under_load(cluster: Cluster, t
     assert [(m["name"], m["role"], m["url"]) for m in after["members"]] == \
         [(m["name"], m["role"], m["url"]) for m in before["members"]]
 
-    load = Load([c.url], c.admin_token(), ITEMS, writers=2, readers=2, buyers=2, searchers=0, order_readers=1)
+    load = BackgroundLoad([c.url], c.admin_token(), ITEMS, writers=2, readers=2, buyers=2, searchers=0, order_readers=1)
     windows: list[dict[str, Any]] = []
     load.start()
     try:
