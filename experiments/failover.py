@@ -39,7 +39,7 @@ SWITCH_TIMEOUT = 10.0
 STUDY = {"catalog-leader": (4.98, 535.3), "order-leader": (9.33, 1073.9)}  # switch-over ms, recovery ms
 
 
-def _watch_port(port: int, gone: list[float], until: float) -> None:
+def watch_port(port: int, gone: list[float], until: float) -> None:
     """Append the wall time at which ``port`` first refuses a connection (the victim's sockets closed)."""
     while time.time() < until:
         try:
@@ -114,7 +114,7 @@ def trial(c: Any, scenario: str, clients: int, pre: float, post: float, seed: in
             return
         port = int(c.replica_url(victim).rsplit(":", 1)[1])
         gone: list[float] = []
-        watcher = threading.Thread(target=_watch_port, args=(port, gone, time.time() + 10), daemon=True)
+        watcher = threading.Thread(target=watch_port, args=(port, gone, time.time() + 10), daemon=True)
         watcher.start()
         c.kill(victim)
         watcher.join()

@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import random
 import shutil
-import socket
 import sys
 import tempfile
 import threading
@@ -46,6 +45,7 @@ import requests
 from pygmy.client.api import PygmyClient
 from pygmy.cluster.local import LocalCluster, free_port_base
 from pygmy.experiments import harness as h
+from pygmy.experiments.failover import watch_port
 from pygmy.kit.config import ClusterConfig
 from pygmy.verify import links as wl
 from pygmy.verify.links import LOOPBACK, Shape
@@ -231,17 +231,6 @@ def drive(c: LocalCluster, duration: float, seed: int, on_start: Any = None) -> 
     return h.Records(op, start, lat, status.astype(int), start_at, float(np.max(start + lat)))
 
 
-def _watch_port(port: int, gone: list[float], until: float) -> None:
-    """Append the wall time at which ``port`` first refuses a connection (the victim's sockets closed)."""
-    while time.time() < until:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.05):
-                pass
-        except OSError:
-            gone.append(time.time())
-            return
-        time.sleep(0.002)
-
 
 def window(c: LocalCluster, tier: str, seed: int, seconds: float) -> dict[str, Any]:
     """The steady load for ``seconds``: gaps, terms, leadership."""
@@ -269,7 +258,7 @@ def failover(c: LocalCluster, tier: str, seed: int) -> dict[str, Any]:
         time.sleep(max(0.0, start_at + PRE - time.time()))
         gone: list[float] = []
         port = int(c.replica_url(lead).rsplit(":", 1)[1])
-        watcher = threading.Thread(target=_watch_port, args=(port, gone, time.time() + 10), daemon=True)
+        watcher = threading.Thread(target=watch_port, args=(port, gone, time.time() + 10), daemon=True)
         watcher.start()
         c.kill(lead)
         watcher.join()
