@@ -164,6 +164,9 @@ def isolated(argv: Sequence[str], timeout: float | None = None, env: dict[str, s
     ``subprocess.Popen`` (e.g. ``stdout=subprocess.PIPE, text=True``)."""
     if os.environ.get(ISOLATED_ENV):
         raise RuntimeError(f"already in an isolated namespace ({os.environ[ISOLATED_ENV]}): not nesting another")
+    # The namespace has only its loopback: what must be fetched (Toxiproxy's Go module, on a fresh
+    # clone) is built here first, where the package registries are reachable.
+    nemesis.build_toxiproxy()
     with namespace() as ns:
         proc = subprocess.Popen(["ip", "netns", "exec", ns, *argv],
                                 env={**os.environ, **(env or {}), ISOLATED_ENV: ns}, **kw)
