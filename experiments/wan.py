@@ -387,7 +387,7 @@ def print_table(t: dict[str, Any]) -> None:
 
 # -- running it -------------------------------------------------------------------------------------------
 def run(settings: h.Settings, tiers: Sequence[str] | None = None, kill: bool | None = None,
-        reset: bool = True) -> dict[str, Any]:
+        reset: bool = True, only: Sequence[Shape] = (), keep: bool = False) -> dict[str, Any]:
     """In a network namespace of its own (this process re-run in one, unless it is in one already)."""
     tiers = list(tiers or settings.size(TIERS, TIERS, ("catalog",)))
     kill = settings.size(True, True, False) if kill is None else kill
@@ -395,20 +395,22 @@ def run(settings: h.Settings, tiers: Sequence[str] | None = None, kill: bool | N
         argv = [sys.executable, "-m", "pygmy.experiments.wan", "--results-dir", str(settings.results_dir),
                 "--plots-dir", str(settings.plots_dir), "--tiers", *tiers, *(["--quick"] if settings.quick else []),
                 *(["--tiny"] if settings.tiny else []), *([] if settings.progress else ["--no-progress"]),
-                *([] if kill else ["--no-kill"]), *([] if reset else ["--keep-connections"])]
+                *([] if kill else ["--no-kill"]), *([] if reset else ["--keep-connections"]),
+                *[f"--shape={x.one_way_ms},{x.jitter_ms},{x.loss:g}" for x in only], *(["--keep"] if keep else [])]
         proc = wl.isolated(argv, timeout=7200)
         if proc.returncode != 0:
             raise RuntimeError(f"the WAN experiment failed in its namespace (exit {proc.returncode})")
         return {"path": settings.results_dir / f"{NAME}.json"}
-    return _run(settings, tiers, kill, reset)
+    return _run(settings, tiers, kill, reset, only, keep)
 
 
-def _run(settings: h.Settings, tiers: Sequence[str], kill: bool, reset: bool) -> dict[str, Any]:
+def _run(settings: h.Settings, tiers: Sequence[str], kill: bool, reset: bool,
+         only: Sequence[Shape] = (), keep: bool = False) -> dict[str, Any]:
     started = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="pygmy-wan-"))
     base = free_port_base()
     points: list[dict[str, Any]] = []
-    todo = shapes(settings)
+    todo = list(only) or shapes(settings)
     seconds = settings.size(WINDOW, WINDOW, 4.0)
     with wl.ClusterLinks(ClusterConfig(port_base=base), log=tmp / "toxiproxy.log") as net:
         c = LocalCluster(tmp / "data", base, ["--books", str(h.write_books(tmp / "books.json"))], env=net.env())
@@ -437,7 +439,10 @@ def _run(settings: h.Settings, tiers: Sequence[str], kill: bool, reset: bool) ->
                               + (f", ERROR {p['error']}" if "error" in p else ""), file=sys.stderr, flush=True)
         finally:
             c.stop()
-            shutil.rmtree(tmp, ignore_errors=True)
+            if keep:
+                print(f"wan: the cluster's data and logs are kept in {tmp}", file=sys.stderr)
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
     t = table(points, seconds)
     plots = [plot(settings, points, mode["mode"], seconds)]
     path = h.save(settings, NAME, {
@@ -470,6 +475,14 @@ def _run(settings: h.Settings, tiers: Sequence[str], kill: bool, reset: bool) ->
     return {"path": path}
 
 
+def _shape(text: str) -> Shape:
+    try:
+        ms, jitter, loss = text.split(",")
+        return Shape(int(ms), int(jitter), float(loss))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected MS,JITTER,LOSS such as 150,50,0.1, not {text!r}") from exc
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m pygmy.experiments.wan", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="the issue's two cases and two more (a few minutes)")
@@ -479,13 +492,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--keep-connections", action="store_true",
                    help="do not cut the connections when a shape is applied (they keep the LAN's retransmission "
                         "timeout: loss is cheaper than on the link it stands for)")
+    p.add_argument("--shape", action="append", type=_shape, default=[], metavar="MS,JITTER,LOSS",
+                   help="only this shape (one-way ms, ± jitter ms, loss fraction), e.g. 150,50,0.1; repeatable")
+    p.add_argument("--keep", action="store_true", help="keep the cluster's data directories and logs")
     p.add_argument("--results-dir", type=Path, default=h.RESULTS)
     p.add_argument("--plots-dir", type=Path, default=h.PLOTS)
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
     s = h.Settings(quick=a.quick, tiny=a.tiny, results_dir=a.results_dir, plots_dir=a.plots_dir,
                    progress=not a.no_progress)
-    run(s, a.tiers, kill=False if a.no_kill else None, reset=not a.keep_connections)
+    run(s, a.tiers, kill=False if a.no_kill else None, reset=not a.keep_connections, only=a.shape, keep=a.keep)
 
 
 if __name__ == "__main__":

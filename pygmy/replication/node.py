@@ -67,7 +67,7 @@ from pygmy.replication.log_store import LogStore
 from pygmy.replication.snapshots import Incoming, stream_frames
 from pygmy.replication.statemachine import Pin, StateMachine
 from pygmy.replication.storage import describe, is_storage_fault
-from pygmy.replication.timers import Hold, RttMeter, derive
+from pygmy.replication.timers import Hold, RttMeter, derive, implied
 from pygmy.replication.transport import RAFT_CHANNEL, Channel, FrameClient, FrameServer, raft_address
 
 log = logging.getLogger("pygmy.replication")
@@ -1351,7 +1351,12 @@ class ReplicaNode:
             self._rtt = RttMeter()
             self._timing_hold = Hold()
             if is_leader:
-                self._leader_since = (core.term, time.monotonic(), core.election_gap)
+                now = time.monotonic()
+                self._leader_since = (core.term, now, core.election_gap)
+                # Until our own round trips say otherwise (for a hold), keep the window we took
+                # over: a new leader that fell back to the configured one before measuring
+                # anything would lose a WAN's followers and its leadership with them.
+                self._timing_hold.update(now, implied(core.timers()["election"]))
             self._notify.put((is_leader, core.term))
 
     def _timers_view(self, rtts: dict[str, float]) -> dict[str, Any]:

@@ -56,6 +56,15 @@ def derive(rtts: dict[str, tuple[float, float]], needed: int, tick_ms: float) ->
                   probe_ticks=math.ceil(PROBE_RTTS * median * per_tick) + heartbeat)
 
 
+def implied(election_ticks: int) -> Timing:
+    """The timing a window of ``election_ticks`` stands for (as ``derive`` would give it from the
+    median alone): what a new leader keeps before it has measured anything."""
+    per_rtt = election_ticks / ELECTION_RTTS
+    heartbeat = math.ceil(HEARTBEAT_RTTS * per_rtt)
+    return Timing(heartbeat_ticks=heartbeat, election_ticks=election_ticks,
+                  probe_ticks=math.ceil(PROBE_RTTS * per_rtt) + heartbeat)
+
+
 @dataclass
 class RttMeter:
     """Round trips to each peer, from heartbeats sent and their answers (the node's clock readings)."""

@@ -566,3 +566,29 @@ def test_a_fault_in_a_turn_is_counted_and_named(cluster: Harness) -> None:
     status = leader.status()
     assert status["loop_faults"] == {"storage": 0, "error": 1, "sender": 0}
     assert "RuntimeError: test fault: one turn" in status["last_loop_fault"] and leader.fault is None
+
+
+def test_a_new_leader_keeps_the_window_it_took_over_until_it_has_measured_for_a_while(
+        cluster: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A leader on a slow network announces a long window; after a hand-over, its successor (on
+    loopback here, so its own round trips ask for the configured window) must not fall back to the
+    configured one at its first retune: on the slow network that would lose its followers."""
+    from pygmy.replication import node as node_module
+    from pygmy.replication.core import Timing
+
+    slow = Timing(heartbeat_ticks=10, election_ticks=100, probe_ticks=30)
+    real = node_module.derive
+    monkeypatch.setattr(node_module, "derive", lambda *a, **k: slow)
+    old = cluster.leader()
+    deadline = time.monotonic() + 5
+    while any(n.core.floor != 100 for n in cluster.nodes.values()):
+        assert time.monotonic() < deadline, {n.name: n.core.floor for n in cluster.nodes.values()}
+        time.sleep(0.05)
+    monkeypatch.setattr(node_module, "derive", real)
+    new = old.transfer_leadership(None, timeout=5)
+    assert new is not None and new != old.name
+    time.sleep(2.5 * node_module.RETUNE_EVERY)  # two retunes and more: time enough to have lowered it
+    successor = cluster.nodes[new]
+    assert successor.is_leader()
+    assert successor.core.timers()["election"] == 100
+    assert all(n.core.floor == 100 for n in cluster.nodes.values())

@@ -161,6 +161,10 @@ def test_derive_follows_the_follower_a_majority_needs() -> None:
     assert core.timers() == before
 
 
+def test_the_timing_a_window_implies_is_what_its_median_round_trip_would_derive() -> None:
+    assert timers.implied(300) == timers.derive({"b": (0.3, 0.3)}, needed=1, tick_ms=10) == Timing(30, 300, 90)
+
+
 def test_the_meter_pairs_answers_with_heartbeats_and_takes_a_high_percentile() -> None:
     meter = timers.RttMeter()
     for i in range(10):
