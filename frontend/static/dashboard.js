@@ -50,7 +50,6 @@ function stateOf(r) {
 const TIMERS = ["heartbeat", "election", "lease", "probe"];
 
 const num = v => (typeof v === "number" && isFinite(v) ? String(+v.toFixed(1)) : "-");  // 0.1 ms at most
-const ms = v => (num(v) === "-" ? "-" : `${num(v)} ms`);
 
 function timersOf(r) {
   // What a card shows of a replica's timers: how they are set (`mode`) and each timer's value.
@@ -59,8 +58,8 @@ function timersOf(r) {
   const t = r.timers;
   if (t === undefined || t === null) return none("not reported");
   if (!TIMERS.some(k => `${k}_ms` in t)) return none("not yet");
-  const mode = t.adapt === false ? "fixed" : t.adapt === true ? "adaptive" : "-";
-  return { mode, values: Object.fromEntries(TIMERS.map(k => [k, ms(t[`${k}_ms`])])) };
+  const mode = t.adapt === false ? "fixed" : t.adapt === true ? "adaptive" : "";
+  return { mode: mode ? `${mode}, in ms` : "in ms", values: Object.fromEntries(TIMERS.map(k => [k, num(t[`${k}_ms`])])) };
 }
 
 function rttOf(view, r) {
