@@ -180,7 +180,7 @@ function renderWorkers(workers, now) {
 function quantile(q, lo, hi) {
   // Like Prometheus' histogram_quantile, over the requests between two answers: bucket deltas,
   // linear within the bucket the rank falls in. Seconds, or null without requests.
-  if (!lo || !hi || hi.buckets.length !== lo.buckets.length) return null;
+  if (!lo || !hi || !hi.buckets.length || hi.buckets.length !== lo.buckets.length) return null;
   const d = hi.buckets.map((b, i) => [b[0], b[1] - lo.buckets[i][1]]);
   const total = d[d.length - 1][1];
   if (total <= 0) return null;
