@@ -67,6 +67,13 @@ _REPLICA = {
         "loop_faults": {"type": "object", "additionalProperties": {"type": "integer"},
                         "description": "faults survived since start, by kind: storage, error (a bug), sender"},
         "last_loop_fault": {"type": "string", "nullable": True},
+        "timers": {"type": "object", "description": "Raft timers in force (ms), whether they follow the network "
+                   "(adapt), and on a leader each follower's median and p99 heartbeat round trip (ms)",
+                   "properties": {**{f"{k}_ms": {"type": "number", "minimum": 0} for k in
+                                     ("heartbeat", "election", "lease", "probe")},
+                                  "adapt": {"type": "boolean"},
+                                  **{k: {"type": "object", "additionalProperties": {"type": "number", "minimum": 0}}
+                                     for k in ("rtt_ms", "rtt_tail_ms")}}},
     },
 }
 _TIER = {

@@ -43,6 +43,38 @@ function stateOf(r) {
   return "up";
 }
 
+// ---- the timers ----------------------------------------------------------------------------
+// Each replica's own /status carries `timers` (ms): the ones in force on it and, on a leader, the
+// round trips to each follower they follow. An older replica has none, and one started less than a
+// second ago an empty object (it has not derived them yet): shown as such, never as zeros.
+const TIMERS = ["heartbeat", "election", "lease", "probe"];
+
+const num = v => (typeof v === "number" && isFinite(v) ? String(+v.toFixed(1)) : "-");  // 0.1 ms at most
+
+function timersOf(r) {
+  // What a card shows of a replica's timers: how they are set (`mode`) and each timer's value.
+  const none = mode => ({ mode, values: Object.fromEntries(TIMERS.map(k => [k, "-"])) });
+  if (!r.alive) return none("-");
+  const t = r.timers;
+  if (t === undefined || t === null) return none("not reported");
+  if (!TIMERS.some(k => `${k}_ms` in t)) return none("not yet");
+  const mode = t.adapt === false ? "fixed" : t.adapt === true ? "adaptive" : "";
+  return { mode: mode ? `${mode}, in ms` : "in ms", values: Object.fromEntries(TIMERS.map(k => [k, num(t[`${k}_ms`])])) };
+}
+
+function rttOf(view, r) {
+  // Median / p99 round trip of the tier leader's heartbeats to `r`: only a leader measures them.
+  if (!r.alive) return "-";
+  if (r.name === view.leader) return "leader";
+  if (!view.leader) return "no leader";
+  const leader = view.replicas.find(x => x.name === view.leader);
+  const t = leader ? leader.timers : undefined;
+  if (t === undefined || t === null) return "not reported";
+  const median = (t.rtt_ms || {})[r.name], tail = (t.rtt_tail_ms || {})[r.name];
+  if (typeof median !== "number") return "no samples yet";
+  return `${num(median)} / ${num(tail)} ms`;
+}
+
 function card(tier, name) {
   let c = $(`.replica[data-name="${name}"]`);
   if (c) return c;
@@ -50,9 +82,17 @@ function card(tier, name) {
   const head = el("div", { class: "name" });
   head.append(el("span", {}, name), el("span", { class: "role" }, "?"));
   const dl = el("dl");
-  for (const [key, label] of [["term", "term"], ["commit", "commit"], ["applied", "applied"], ["lag", "lag"],
-                              ["digest", "digest"], ["heard", "heard"]]) {
-    dl.append(el("dt", {}, label), el("dd", { "data-field": key }, "-"));
+  for (const [key, label, title] of [["term", "term"], ["commit", "commit"], ["applied", "applied"], ["lag", "lag"],
+                                     ["digest", "digest"], ["heard", "heard"],
+                                     ["rtt", "rtt", "the leader's heartbeats to this replica and back: median / p99"],
+                                     ["timers", "timers", "in force on this replica: adaptive (follow the round trips) or fixed"]]) {
+    dl.append(el("dt", title ? { title } : {}, label), el("dd", { "data-field": key }, "-"));
+  }
+  const timers = el("div", { class: "timers" });
+  for (const k of TIMERS) {
+    const cell = el("div");
+    cell.append(el("span", {}, k), el("b", { "data-timer": k }, "-"));
+    timers.append(cell);
   }
   const buttons = el("div", { class: "buttons", hidden: "" });
   for (const action of ["kill", "pause", "start"]) {
@@ -60,7 +100,7 @@ function card(tier, name) {
     b.addEventListener("click", () => fault(action, name));
     buttons.append(b);
   }
-  c.append(head, dl, buttons);
+  c.append(head, dl, timers, buttons);
   $(`#tier-${tier} .replicas`).append(c);
   return c;
 }
@@ -89,6 +129,10 @@ function renderTier(tier, view, now, faults) {
     set("digest", r.alive && r.state_digest ? r.state_digest.slice(0, 12) : "-");
     const heard = lastHeard[r.name];
     set("heard", heard === undefined ? "never" : `${Math.max(0, now - heard).toFixed(1)} s ago`);
+    set("rtt", rttOf(view, r));
+    const timers = timersOf(r);
+    set("timers", timers.mode);
+    for (const k of TIMERS) $(`[data-timer=${k}]`, c).textContent = timers.values[k];
     $(".buttons", c).hidden = !faults;
     noteTransition(tier, r, state, now);
   }
@@ -136,7 +180,7 @@ function renderWorkers(workers, now) {
 function quantile(q, lo, hi) {
   // Like Prometheus' histogram_quantile, over the requests between two answers: bucket deltas,
   // linear within the bucket the rank falls in. Seconds, or null without requests.
-  if (!lo || !hi || hi.buckets.length !== lo.buckets.length) return null;
+  if (!lo || !hi || !hi.buckets.length || hi.buckets.length !== lo.buckets.length) return null;
   const d = hi.buckets.map((b, i) => [b[0], b[1] - lo.buckets[i][1]]);
   const total = d[d.length - 1][1];
   if (total <= 0) return null;

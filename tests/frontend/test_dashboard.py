@@ -12,6 +12,8 @@ import pytest
 import requests
 from harness import Cluster
 
+from pygmy.replication.node import ReplicationConfig
+
 
 def state(c: Cluster) -> dict[str, Any]:
     r = requests.get(c.url + "/dashboard/state", timeout=5)
@@ -79,6 +81,38 @@ def test_state_shows_every_replica_both_leaders_workers_and_operations(cluster: 
     assert all(w["lease_term"] >= 1 and 0 < w["lease_left_ms"] <= 1000 for w in after["workers"])
     assert sum(w["hits"] + w["misses"] for w in after["workers"]) >= 1
     assert after["faults"] is True, "a cluster started by pygmy up has the launcher's control socket"
+
+
+def test_state_carries_each_replicas_timers_and_its_leaders_round_trips(cluster: Cluster) -> None:
+    """What the page's timers and round trips are drawn from: every replica's own ``timers``, in ms,
+    and on each leader the median and p99 round trip to every follower (issue #37)."""
+    floor = ReplicationConfig.from_env({})
+
+    def measured() -> dict[str, Any] | None:
+        """Both leaders with a sample of every follower (a new leadership measures afresh)."""
+        s = state(cluster)
+        for view in s["tiers"].values():
+            leader = next((r for r in view["replicas"] if r["name"] == view["leader"]), {})
+            if set(leader.get("timers", {}).get("rtt_ms", {})) != {r["name"] for r in view["replicas"]} - {view["leader"]}:
+                return None
+        return s
+
+    s = until(measured)
+    assert s, f"a leader's round trips are missing: {state(cluster)['tiers']}"
+    for view in s["tiers"].values():
+        for r in view["replicas"]:
+            t = r["timers"]
+            assert t["adapt"] is True, r
+            # Never below the configured timers; a lease shorter than the window, which outlasts a heartbeat.
+            assert t["heartbeat_ms"] >= floor.heartbeat_ticks * floor.tick_ms, r
+            assert t["election_ms"] >= floor.election_ticks_min * floor.tick_ms, r
+            assert t["heartbeat_ms"] < t["election_ms"] and 0 < t["lease_ms"] < t["election_ms"], r
+            assert t["probe_ms"] >= 2 * t["heartbeat_ms"], r
+            if r["name"] != view["leader"]:
+                assert "rtt_ms" not in t and "rtt_tail_ms" not in t, "only a leader measures round trips"
+                continue
+            assert t["rtt_tail_ms"].keys() == t["rtt_ms"].keys()
+            assert all(0 <= t["rtt_ms"][p] <= t["rtt_tail_ms"][p] for p in t["rtt_ms"]), t
 
 
 @pytest.mark.parametrize("body,token,code", [
