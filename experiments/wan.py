@@ -7,9 +7,11 @@ routers keep direct links. For each tier in turn (catalog, then order), and each
 six links of that tier get the shape (latency each way, ± jitter, loss on the caller's hop with an
 RTT-scaled retransmission timeout: see ``pygmy/verify/links.py`` for why and what it gets wrong), and
 every connection through them is cut once so that connections have to be made across the new
-links (``--keep-connections``: not). After ``SETTLE`` s, updates and buys go through the frontend at
-a steady open-loop rate for a window of ``WINDOW`` s, while every replica's ``/status`` is polled. Measured:
-the longest stretch with no acknowledged update, and with no acknowledged buy (window edges count),
+links (``--keep-connections``: not). Once one leader has held its lease for ``STABLE`` s (the
+timers have followed the switch; how long that took is recorded), updates and buys go through the frontend at
+a steady open-loop rate, ``LEAD`` s and then a window of ``WINDOW`` s, while every replica's ``/status`` is
+polled. Measured in the window: the longest stretch with no acknowledged update, and with no acknowledged
+buy (window edges count),
 new terms in the window (the tier's highest term at its end less at its start), the share of polls
 in which the tier had no leader and in which its leader held its lease. Then, still on the slow
 links and under the same load, the tier's leader gets SIGKILL (``pygmy kill``): the time until a
@@ -54,6 +56,12 @@ NAME = "wan"
 TIERS = ("catalog", "order")
 WINDOW = 15.0
 SETTLE = 2.0
+#: After a shape is applied, the window waits (up to SETTLE_MAX s) until one leader has held its
+#: lease for STABLE s: the timers fit the link, and the window measures the link, not the switch.
+STABLE, SETTLE_MAX = 3.0, 60.0
+#: The load runs this long before the window it is measured in: on a slow link a write takes a few
+#: round trips, and the window's first acknowledgement must not be counted from its first request.
+LEAD = 5.0
 #: Updates and buys per second in all (half each), evenly spaced, in a true open loop.
 RATE = 8
 MIX = {"update": 0.5, "buy": 0.5}
@@ -125,6 +133,7 @@ class Poller:
         self.headers = {"Authorization": f"Bearer {c.secret()}"}
         self.start_at = start_at
         self.samples: list[tuple[int, float, str, int, str, bool]] = []
+        self.windows: dict[tuple[int, str], float | None] = {}  # (round, name) -> its election window, ms
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -138,6 +147,7 @@ class Poller:
                         st = s.get(url + "/status", headers=self.headers, timeout=0.5).json()
                         self.samples.append((k, time.time() - self.start_at, name, int(st["term"]), str(st["role"]),
                                              bool(st.get("leader_lease"))))
+                        self.windows[(k, name)] = (st.get("timers") or {}).get("election_ms")
                     except (requests.RequestException, ValueError, KeyError, TypeError):
                         continue
                 k += 1
@@ -160,6 +170,16 @@ class Poller:
         return {"new_terms": max(x[3] for x in ordered[-1]) - max(x[3] for x in ordered[0]),
                 "no_leader_share": sum(not ls for ls in leaders) / len(ordered),
                 "lease_share": sum(any(x[5] for x in ls) for ls in leaders) / len(ordered), "polls": len(ordered)}
+
+    def timeline(self) -> list[list[Any]]:
+        """Per poll round: seconds after ``start_at``, then each replica's ``name term role window_ms``
+        (role L, F or C): how leadership and the election window moved."""
+        rounds: dict[int, list[Any]] = {}
+        for k, t, name, term, role, _ in self.samples:
+            window = self.windows.get((k, name))
+            rounds.setdefault(k, [round(t, 2)]).append(
+                f"{name} {term} {role[:1].upper()} {'-' if window is None else f'{window:g}'}")
+        return [rounds[k] for k in sorted(rounds)]
 
     def switch(self, tier: str, old_term: int, after: float) -> float | None:
         """When (after ``start_at``) a replica of ``tier`` first led in a term newer than ``old_term``."""
@@ -232,14 +252,16 @@ def drive(c: LocalCluster, duration: float, seed: int, on_start: Any = None) -> 
 
 
 
-def window(c: LocalCluster, tier: str, seed: int, seconds: float) -> dict[str, Any]:
+def window(c: LocalCluster, tier: str, seed: int, seconds: float, lead: float = LEAD) -> dict[str, Any]:
     """The steady load for ``seconds``: gaps, terms, leadership."""
     names = list(c.cluster_config().peers(tier))
     polls: list[Poller] = []
-    rec = drive(c, seconds, seed, on_start=lambda start_at, stop: polls.append(Poller(c, names, start_at)))
+    rec = drive(c, lead + seconds, seed, on_start=lambda start_at, stop: polls.append(Poller(c, names, start_at)))
     polls[0].stop()
-    return {"seconds": seconds, "update": gaps(rec, "update", 0.0, seconds), "buy": gaps(rec, "buy", 0.0, seconds),
-            **polls[0].tier(tier, 0.0, seconds), "tail_s": max(0.0, rec.wall - seconds)}
+    end = lead + seconds
+    return {"seconds": seconds, "update": gaps(rec, "update", lead, end), "buy": gaps(rec, "buy", lead, end),
+            **polls[0].tier(tier, lead, end), "tail_s": max(0.0, rec.wall - end),
+            "timeline": polls[0].timeline()}
 
 
 def failover(c: LocalCluster, tier: str, seed: int) -> dict[str, Any]:
@@ -293,15 +315,40 @@ def restore(c: LocalCluster, net: wl.ClusterLinks, tier: str, victim: str | None
     return {"ready_s": waited, "restore_s": time.monotonic() - t0}
 
 
+def settle(c: LocalCluster, tier: str, stable: float = STABLE) -> float | None:
+    """Seconds (from now, just after the switch) until one leader of ``tier`` has held its lease in
+    every poll for ``stable`` s, at least ``SETTLE``; None if not within ``SETTLE_MAX``."""
+    t0 = time.monotonic()
+    urls = [c.replica_url(n) for n in c.cluster_config().peers(tier)]
+    held: tuple[str, int] | None = None
+    since = t0
+    with requests.Session() as session:
+        session.headers["Authorization"] = f"Bearer {c.secret()}"
+        while (now := time.monotonic()) - t0 < SETTLE_MAX:
+            leaders = set()
+            for url in urls:
+                with contextlib.suppress(requests.RequestException, ValueError, KeyError, TypeError):
+                    st = session.get(url + "/status", timeout=1).json()
+                    if st["role"] == "leader" and st.get("leader_lease"):
+                        leaders.add((url, int(st["term"])))
+            current = next(iter(leaders)) if len(leaders) == 1 else None
+            if current != held:
+                held, since = current, now
+            elif held is not None and now - since >= stable and now - t0 >= SETTLE:
+                return now - t0
+            time.sleep(POLL)
+    return None
+
+
 def point(c: LocalCluster, net: wl.ClusterLinks, tier: str, shape: Shape, seed: int, kill: bool,
-          seconds: float = WINDOW, reset: bool = True) -> dict[str, Any]:
+          seconds: float = WINDOW, reset: bool = True, lead: float = LEAD, stable: float = STABLE) -> dict[str, Any]:
     out: dict[str, Any] = {"tier": tier, "shape": asdict(shape), "rtt_ms": max(1, shape.rtt_ms),
                            "label": shape.label()}
     victim = None
     try:
         net.shape(shape, tier, reset=reset)
-        time.sleep(SETTLE)
-        out["window"] = window(c, tier, seed, seconds)
+        out["settle_s"] = settle(c, tier, stable)
+        out["window"] = window(c, tier, seed, seconds, lead)
         if kill:
             out["failover"] = failover(c, tier, seed + 1)
             victim = out["failover"]["victim"]
@@ -323,13 +370,13 @@ def table(points: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
         sh = p["shape"]
         jitter = f" ±{sh['jitter_ms']}" if sh["jitter_ms"] else ""
         rows.append([p["tier"], f"{sh['one_way_ms']}{jitter}", p["rtt_ms"], f"{sh['loss']:.0%}",
-                     _s(w.get("update", {}).get("longest_gap_s")), _s(w.get("buy", {}).get("longest_gap_s")),
+                     _s(p.get("settle_s")), _s(w.get("update", {}).get("longest_gap_s")), _s(w.get("buy", {}).get("longest_gap_s")),
                      f"{w['update']['acked']}/{w['update']['sent']}" if w else "-",
                      f"{w['buy']['acked']}/{w['buy']['sent']}" if w else "-",
                      w.get("new_terms"), _s(w.get("no_leader_share")), _s(w.get("lease_share")),
                      _s(f.get("new_leader_s")), _s(f.get("update_back_s")), _s(f.get("buy_back_s")),
                      p.get("error") or f.get("skipped", "")])
-    return {"columns": ["tier", "each way ms", "RTT ms", "loss", "longest update gap s", "longest buy gap s",
+    return {"columns": ["tier", "each way ms", "RTT ms", "loss", "settled after s", "longest update gap s", "longest buy gap s",
                         "updates acked/sent", "buys acked/sent", f"new terms ({seconds:g} s)", "no-leader share",
                         "lease share", "failover: new leader s", "failover: update back s",
                         "failover: buy back s", "error"], "rows": rows}
@@ -412,6 +459,7 @@ def _run(settings: h.Settings, tiers: Sequence[str], kill: bool, reset: bool,
     points: list[dict[str, Any]] = []
     todo = list(only) or shapes(settings)
     seconds = settings.size(WINDOW, WINDOW, 4.0)
+    lead, stable = settings.size(LEAD, LEAD, 1.0), settings.size(STABLE, STABLE, 1.0)
     with wl.ClusterLinks(ClusterConfig(port_base=base), log=tmp / "toxiproxy.log") as net:
         c = LocalCluster(tmp / "data", base, ["--books", str(h.write_books(tmp / "books.json"))], env=net.env())
         try:
@@ -426,7 +474,7 @@ def _run(settings: h.Settings, tiers: Sequence[str], kill: bool, reset: bool,
                         break
                     try:
                         points.append(point(c, net, tier, shape, seed=100 * len(points) + k, kill=kill,
-                                            seconds=seconds, reset=reset))
+                                            seconds=seconds, reset=reset, lead=lead, stable=stable))
                     except Exception as exc:  # the cluster would not take writes again: keep what was measured
                         points.append({"tier": tier, "shape": asdict(shape), "rtt_ms": max(1, shape.rtt_ms),
                                        "label": shape.label(), "error": f"not restored: {exc}"[:300]})
@@ -454,17 +502,20 @@ def _run(settings: h.Settings, tiers: Sequence[str], kill: bool, reset: bool,
             "shape: latency each way (RTT/2; ±50 ms of jitter each way from 150 ms of RTT on; the last point is the "
             "issue's 300 ±50 ms each way), and loss on the calling replica's hop with the retransmission timeout of "
             "a link of that RTT (see the module's docstring); connections are cut once so that they are made again "
-            f"across it. After {SETTLE:g} s, clients send {RATE // 2} updates and {RATE // 2} buys a second, evenly "
+            f"across it. Once one leader has held its lease for {stable:g} s in every poll (at least {SETTLE:g} s "
+            f"after the switch; settled after: how long that took, - if not within {SETTLE_MAX:g} s), clients send {RATE // 2} updates and {RATE // 2} buys a second, evenly "
             f"spaced (a true open loop: each request on a thread of its own, {CLIENT_TIMEOUT:g} s client timeout) for {seconds:g} s. Gaps "
-            "are the longest stretch of the "
-            "window with no acknowledged update (buy), edges included, so a window with none shows "
+            f"are the longest stretch of the window with no acknowledged update (buy), edges included (the load starts "
+            f"{lead:g} s before the window, so the first acknowledgement is not counted from the first request), so a "
+            "window with none shows "
             f"{seconds:g} s. New terms: the tier's highest term at the window's end less at its start (every "
             f"replica's /status every {POLL:g} s); no-leader and lease shares: of those poll rounds. Failover: "
             f"the tier's leader SIGKILLed {PRE:g} s into the same load on the same links; time until a survivor "
             f"leads in a newer term and until an update and a buy are acknowledged again (none within {POST:g} s: "
             "-). Timers: " + mode["mode"] + "."),
         "timers": mode,
-        "params": {"window_s": seconds, "settle_s": SETTLE, "rate": RATE, "mix": MIX, "poll_s": POLL,
+        "params": {"window_s": seconds, "lead_s": lead, "settle_min_s": SETTLE, "stable_s": stable,
+                   "settle_max_s": SETTLE_MAX, "rate": RATE, "mix": MIX, "poll_s": POLL,
                    "failover": kill, "pre_s": PRE, "post_s": POST, "tiers": list(tiers),
                    "shapes": [asdict(s) for s in todo], "reset_connections": reset,
                    "loss_model": "iptables statistic on the caller-side loopback hop, both ways; "

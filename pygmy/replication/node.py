@@ -1048,6 +1048,9 @@ class ReplicaNode:
         if timing != self._timing:
             self._timing = timing
             self.core.set_timing(timing)
+            log.info("%s: round trips %s ask for %s; in force: %s", self.name,
+                     {p: (round(m * 1000, 1), round(t * 1000, 1)) for p, (m, t) in rtts.items()}, timing,
+                     self.core.timers())
         for peer, (_, tail) in rtts.items():
             sender = self._senders.get(peer)
             if sender is not None:
@@ -1357,6 +1360,10 @@ class ReplicaNode:
                 # over: a new leader that fell back to the configured one before measuring
                 # anything would lose a WAN's followers and its leadership with them.
                 self._timing_hold.update(now, implied(core.timers()["election"]))
+                log.info("%s: leads in term %d (timers in ticks of %g ms: %s)", self.name, core.term,
+                         self.config.tick_ms, core.timers())
+            else:
+                log.info("%s: no longer leads (term %d, leader %s)", self.name, core.term, core.leader)
             self._notify.put((is_leader, core.term))
 
     def _timers_view(self, rtts: dict[str, float]) -> dict[str, Any]:
