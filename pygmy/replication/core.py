@@ -770,8 +770,11 @@ class RaftCore:
         # of the window that message announced.
         voters = [qf for p, qf in self._vote_quiet.items() if self._votes.get(p)]
         self.election_gap = min(q - self.cfg.effective_lease_ticks(f) for q, f in [(self._quiet, self.floor), *voters])
-        # No shorter a window than the one we last heard announced: we have measured nothing yet.
-        window = max(self._window(), self._wanted_window(), won_with)
+        # No shorter a window than the longest one we or our voters last heard announced: we have
+        # measured nothing yet, and a voter may have heard a raise that never reached us. Announcing
+        # less would undo a slow link's window on every follower at once, and the next election with it.
+        heard = min(max((f for _, f in voters), default=0), self.cfg.election_ticks_cap)
+        window = max(self._window(), self._wanted_window(), won_with, heard)
         self.floor = self._as_floor(window)
         self._floors = [(self.now, window)]
         self._lease_reach = 0

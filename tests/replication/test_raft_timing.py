@@ -137,6 +137,18 @@ def test_a_new_leader_announces_at_least_the_window_it_last_heard() -> None:
     assert heartbeats(core)["b"].floor == 40
 
 
+def test_a_new_leader_announces_at_least_the_window_its_voters_last_heard() -> None:
+    """A raise its voter heard and it did not: announcing less would undo it on every follower."""
+    core = RaftCore("a", list("abcde"), hard_state=HardState(1, None, 0), config=CFG, rng=1)
+    core.tick(20)
+    for p in "bc":
+        core.step(Message("pre_vote_resp", p, "a", 2, success=True))
+    core.step(Message("vote_resp", "b", "a", 2, success=True, quiet=50, floor=40))
+    core.step(Message("vote_resp", "c", "a", 2, success=True, quiet=30, floor=0))
+    assert core.is_leader()
+    assert heartbeats(core)["b"].floor == 40 and core.timers()["election"] == 40
+
+
 def test_the_window_a_leader_announces_is_capped() -> None:
     cfg = CoreConfig(heartbeat_ticks=2, election_ticks_min=10, election_ticks_max=20, election_ticks_cap=25)
     core = make_leader(RaftCore("a", list("abc"), config=cfg, rng=1))
