@@ -118,6 +118,9 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
             subscriber_address(url)
         except ValueError as exc:
             return answer(400, str(exc))
+        rtt = body.get("rtt", 0.0)
+        if isinstance(rtt, bool) or not isinstance(rtt, int | float) or not 0 <= rtt <= 60:
+            return answer(400, "rtt, if given, is the worker's renewal round trip in seconds (0 to 60)")
         if not rt.node.is_leader():
             leader = rt.node.leader()
             return answer(421, f"{rt.name} is not the catalog leader", leader=leader[0] if leader else None)
@@ -125,7 +128,7 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
             # Grant leases only under our leader lease: then no other leader can exist right now,
             # and a successor's lease wait after its election outlasts every lease we granted.
             return answer(503, f"{rt.name} cannot grant invalidation leases right now (no quorum contact)")
-        grant = invalidator.subscribe(sub_id, url)
+        grant = invalidator.subscribe(sub_id, url, float(rtt))
         # Read after the grant: at least the index of every write released before it.
         return {"status": 200, "body": {"leader": rt.name, "term": rt.node.term(),
                                         "commit_index": state.applied_index(), **grant}}

@@ -47,6 +47,14 @@ PUSH_FAILURES = Counter("pygmy_invalidation_push_failures", "Push frames a worke
 
 LEASE = 0.4
 PUSH_TIMEOUT = 0.3
+#: A worker far from us (it reports its renewals' round trip) gets a longer lease and more time to
+#: answer a push: a grant takes a round trip to arrive and the next renewal another, so a lease of
+#: LEASE would be over before it could be used. Within LEASE_MAX, and never past our leader lease's
+#: end plus LEASE (``subscribe``), which is all a successor waits out: nearby workers keep LEASE.
+LEASE_RTTS = 3.0
+LEASE_MAX = 3.0
+PUSH_RTTS = 3.0
+PUSH_TIMEOUT_MAX = 2.0
 #: Tokens are ``term << TERM_SHIFT | n``: unique across leaders, and ordered, so a grant's
 #: ``next_token`` tells a worker which holds the leader has finished with.
 TERM_SHIFT = 32
@@ -67,6 +75,7 @@ class Invalidator:
         self.lease = lease
         self._term = -1  # the leadership term our tables belong to
         self._subs: dict[str, tuple[str, float]] = {}  # id -> (url, expiry on our monotonic clock)
+        self._rtts: dict[str, float] = {}  # url -> the round trip its worker last reported
         #: Revoked workers that have not renewed since -> the latest lease ever granted to them.
         #: Every hold reads it, so no write proceeds while such a worker may still use its cache.
         self._revoked: dict[str, float] = {}
@@ -112,21 +121,26 @@ class Invalidator:
         return (self._term << TERM_SHIFT) | (self._seq + 1)
 
     # -- leases -------------------------------------------------------------------------------------
-    def subscribe(self, sub_id: str, url: str) -> dict[str, Any]:
-        """Grant or renew a lease of ``self.lease`` seconds (``lease`` in the answer), with the holds
-        the worker must keep.
+    def lease_for(self, rtt: float) -> float:
+        """The lease a worker whose renewals take ``rtt`` s is offered: ``self.lease`` nearby."""
+        return min(max(self.lease, LEASE_RTTS * rtt + self.lease / 2), max(self.lease, LEASE_MAX))
+
+    def subscribe(self, sub_id: str, url: str, rtt: float = 0.0) -> dict[str, Any]:
+        """Grant or renew a lease (``lease`` in the answer: ``lease_for(rtt)`` seconds at most),
+        with the holds the worker must keep. ``rtt``: the worker's renewals' round trip, as it measured it.
 
         ``continued`` says whether it continues an unbroken lease. When it does not (new subscriber,
         expired, or revoked after a missed push), the worker must flush: it may have missed changes.
         """
         now = time.monotonic()
-        # Never past our leader lease's end plus a lease, even if this thread stalled since the
-        # caller checked the lease: a successor's wait (``_sync_term``) counts on it.
-        expiry = min(now + self.lease, self.node.leader_lease_until() + self.lease)
+        # Never past our leader lease's end plus ``self.lease``, even if this thread stalled since
+        # the caller checked the lease: a successor's wait (``_sync_term``) counts on it.
+        expiry = min(now + self.lease_for(rtt), self.node.leader_lease_until() + self.lease)
         with self._lock:
             self._sync_term()
             old = self._subs.get(sub_id)
             self._subs[sub_id] = (url, expiry)
+            self._rtts[url] = rtt
             # A revoked worker gets ``continued: false`` (old is None) and flushes before it uses
             # this lease; later writes reach it again, so they need not wait for the old one.
             self._revoked.pop(sub_id, None)
@@ -215,9 +229,13 @@ class Invalidator:
                 return
 
     # -- pushes -------------------------------------------------------------------------------------
+    def push_timeout(self, url: str) -> float:
+        """How long a push to ``url`` may take to be acknowledged: PUSH_TIMEOUT nearby, more for a far worker."""
+        return min(max(PUSH_TIMEOUT, PUSH_RTTS * self._rtts.get(url, 0.0)), PUSH_TIMEOUT_MAX)
+
     def _push_all(self, targets: dict[str, tuple[str, float]], body: dict[str, Any]) -> list[str]:
         futures = {self._pool.submit(self._push, url, body): sid for sid, (url, _) in targets.items()}
-        done, _ = wait(futures, timeout=PUSH_TIMEOUT + 0.2)
+        done, _ = wait(futures, timeout=max(self.push_timeout(url) for url, _ in targets.values()) + 0.2)
         return [futures[f] for f in futures if f not in done or not f.result()]
 
     def _revoke(self, failed: list[str], targets: dict[str, tuple[str, float]]) -> float:
@@ -247,8 +265,10 @@ class Invalidator:
                 live = {u for u, _ in self._subs.values()}
                 for old in [u for u in self._channels if u not in live]:
                     self._channels.pop(old).close()
+                    self._rtts.pop(old, None)
                 channel = self._channels[url] = _Channel(url, self._secret, self.node.name)
-        return channel.push(body)
+            timeout = self.push_timeout(url)
+        return channel.push(body, timeout)
 
 
 class _Channel:
@@ -259,10 +279,12 @@ class _Channel:
     def __init__(self, url: str, secret: str, name: str) -> None:
         self.client = FrameClient(subscriber_address(url), secret, name, PUSH_CHANNEL, connect_timeout=0.1)
         self._combiner: Combiner[dict[str, Any], bool] = Combiner(self._send)
+        self.timeout = PUSH_TIMEOUT  # the latest push's (the worker's round trip may change)
 
-    def push(self, body: dict[str, Any]) -> bool:
+    def push(self, body: dict[str, Any], timeout: float = PUSH_TIMEOUT) -> bool:
+        self.timeout = timeout
         try:
-            return self._combiner.call(body, 2 * PUSH_TIMEOUT + 0.1)
+            return self._combiner.call(body, 2 * timeout + 0.1)
         except CombinerTimeout:
             return False  # still queued: it may go out later, which only holds a key longer
 
@@ -271,7 +293,7 @@ class _Channel:
                  "releases": [r for body in bodies for r in body.get("releases", ())]}
         PUSH_BATCH.observe(len(frame["holds"]) + len(frame["releases"]))
         try:
-            ok = self.client.call(frame, PUSH_TIMEOUT) == {"ok": True}
+            ok = self.client.call(frame, self.timeout) == {"ok": True}
         except OSError:
             ok = False
         except Exception:  # never leave the pushes of this frame without an answer

@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +38,11 @@ RENEW_IDLE = 0.2
 IDLE_AFTER = 1.0
 #: Safety margin against the two clocks' rates, taken off our own view of the lease.
 MARGIN = 0.05
+#: A renewal's budget: RENEWAL_RTTS of our renewals' round trip, within these bounds. The round
+#: trip (the RTT_QUANTILE of the last RTT_SAMPLES) goes with each renewal: a far catalog leader
+#: grants a longer lease (``pygmy.catalog.invalidation.Invalidator.lease_for``).
+RENEWAL_TIMEOUT, RENEWAL_TIMEOUT_MAX, RENEWAL_RTTS = 0.5, 5.0, 4.0
+RTT_SAMPLES, RTT_QUANTILE = 16, 0.9
 
 
 def advertised_host(bind: str, advertise: str | None) -> str:
@@ -65,6 +71,7 @@ class Subscription:
         self._thread = threading.Thread(target=self._renew_loop, name="lease-renewal", daemon=True)
         self.pushes = 0
         self._reads_seen = (-1, 0.0)  # (hits + misses of our cache, when that count last moved)
+        self._rtts: deque[float] = deque(maxlen=RTT_SAMPLES)  # our recent renewals' round trips
         #: Told after every renewal and every push (the owner mirrors them into per-worker metrics).
         self.on_change: Callable[[], None] = lambda: None
 
@@ -89,14 +96,24 @@ class Subscription:
         return max(0.0, self._valid_until - time.monotonic())
 
     # -- lease ------------------------------------------------------------------------------------
+    def rtt(self) -> float:
+        """Our renewals' round trip, as we tell the leader: a high quantile of the recent ones."""
+        if not self._rtts:
+            return 0.0
+        ordered = sorted(self._rtts)
+        return ordered[min(len(ordered) - 1, int(RTT_QUANTILE * len(ordered)))]
+
     def renew(self) -> bool:
         sent = time.monotonic()
+        rtt = self.rtt()
+        budget = min(max(RENEWAL_TIMEOUT, RENEWAL_RTTS * rtt), RENEWAL_TIMEOUT_MAX)
         try:
-            reply = self.catalog.call({"id": self.id, "url": self.url}, deadline=sent + 0.5)
+            reply = self.catalog.call({"id": self.id, "url": self.url, "rtt": round(rtt, 4)}, deadline=sent + budget)
         except TierUnavailable:
             return False
         if reply.status != 200:
             return False
+        self._rtts.append(time.monotonic() - sent)
         body = reply.body
         holder = (body["leader"], int(body["term"]))
         # New leader, a gap in our lease, or a push we missed: writes may have gone by without

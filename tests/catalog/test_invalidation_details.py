@@ -152,6 +152,31 @@ def test_a_lease_renewed_at_its_very_end_is_not_continued(env: Env) -> None:
     assert inv.subscribe("w", "http://w")["continued"] is False
 
 
+def test_a_far_worker_gets_a_longer_lease_but_never_past_the_leader_lease_plus_one(env: Env) -> None:
+    """A worker reports its renewals' round trip: nearby ones keep LEASE; a far one gets time for
+    its grant and its next renewal to arrive, within LEASE_MAX, and never past the leader lease's
+    end plus LEASE, all that a successor waits out (``_sync_term``)."""
+    clock, node, inv, _pushes = env
+    clock.now = 10.0
+    assert inv.subscribe("near", "tcp://near:1", rtt=0.002)["lease"] == pytest.approx(LEASE)
+    far = inv.subscribe("far", "tcp://far:1", rtt=0.3)["lease"]
+    assert far == pytest.approx(inv_mod.LEASE_RTTS * 0.3 + LEASE / 2) and far > 2 * 0.3 + LEASE / 2
+    assert inv.subscribe("far", "tcp://far:1", rtt=30)["lease"] == pytest.approx(inv_mod.LEASE_MAX)
+    node.lease_until = 10.5
+    assert inv.subscribe("far", "tcp://far:1", rtt=0.3)["lease"] == pytest.approx(0.5 + LEASE)
+    assert inv._subs["far"][1] == pytest.approx(10.5 + LEASE)
+
+
+def test_a_push_to_a_far_worker_is_given_time_for_its_round_trip(env: Env) -> None:
+    _clock, _node, inv, _pushes = env
+    inv.subscribe("near", "tcp://near:1", rtt=0.001)
+    inv.subscribe("far", "tcp://far:1", rtt=0.4)
+    assert inv.push_timeout("tcp://near:1") == inv_mod.PUSH_TIMEOUT
+    assert inv.push_timeout("tcp://far:1") == pytest.approx(inv_mod.PUSH_RTTS * 0.4)
+    inv.subscribe("far", "tcp://far:1", rtt=59)
+    assert inv.push_timeout("tcp://far:1") == inv_mod.PUSH_TIMEOUT_MAX
+
+
 # -- releases -----------------------------------------------------------------------------------------
 def test_a_release_is_pushed_with_its_index_to_live_workers_only(env: Env) -> None:
     clock, _node, inv, pushes = env

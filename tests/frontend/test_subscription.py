@@ -32,3 +32,31 @@ def test_an_idle_worker_renews_half_as_often_and_a_read_brings_it_back(monkeypat
     cache.stats.hits += 1
     assert every() == RENEW_EVERY
     assert RENEW_IDLE + 0.15 <= LEASE - subscription.MARGIN  # 150 ms for the two round trips
+
+
+def test_a_worker_reports_its_renewals_round_trip_and_gives_a_far_leader_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each renewal carries a high quantile of the recent round trips (what a far leader lengthens
+    the lease by), and its budget grows with them; a near leader keeps the 0.5 s budget."""
+    from pygmy.replication.router import Reply
+
+    clock = [100.0]
+    monkeypatch.setattr(subscription.time, "monotonic", lambda: clock[0])
+    calls: list[tuple[dict, float]] = []
+    took = [0.3]
+
+    def call(body: dict, deadline: float) -> Reply:
+        calls.append((body, deadline - clock[0]))
+        clock[0] += took[0]
+        return Reply(200, {"leader": "catalog-1", "term": 1, "commit_index": 0, "lease": 1.0, "continued": True,
+                           "holds": [], "next_token": 1}, "catalog-1")
+
+    sub = Subscription.__new__(Subscription)
+    sub.cache, sub.catalog, sub.id, sub.url = ReadCache(4), SimpleNamespace(call=call), "w", "tcp://w:1"
+    sub._rtts, sub._holder, sub._valid_until, sub.on_change = subscription.deque(maxlen=16), None, 0.0, lambda: None
+    assert sub.renew()
+    assert calls[-1] == ({"id": "w", "url": "tcp://w:1", "rtt": 0.0}, subscription.RENEWAL_TIMEOUT)
+    for _ in range(5):
+        sub.renew()
+    assert calls[-1][0]["rtt"] == pytest.approx(0.3)
+    assert calls[-1][1] == pytest.approx(subscription.RENEWAL_RTTS * 0.3)
+    assert sub.valid_for() == pytest.approx(1.0 - 0.3 - subscription.MARGIN)

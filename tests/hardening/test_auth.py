@@ -148,7 +148,8 @@ def test_lease_renewals_need_the_secret_and_a_well_formed_request(hard_cluster: 
         stream = s.makefile("rb")
         s.sendall(encode({"hello": "probe", "secret": c.secret(), "channel": "subscribe"}))
         assert read_frame(stream) == {"ok": True}
-        for bad in ({"id": "i"}, {"id": "i", "url": "http://127.0.0.1:9"}, [1, 2]):
+        for bad in ({"id": "i"}, {"id": "i", "url": "http://127.0.0.1:9"}, [1, 2],
+                    *({"id": "i", "url": "tcp://127.0.0.1:9", "rtt": rtt} for rtt in (-1, 61, "1", True, None))):
             s.sendall(encode(bad))
             assert read_frame(stream)["status"] == 400, bad
     with socket.create_connection(raft_address(c.replica_url(follower)), timeout=5) as s:

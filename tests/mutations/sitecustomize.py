@@ -105,7 +105,7 @@ def _mutate(name: str) -> None:
     elif name == "ignore-lost-pushes":
         subscribe = inv.Invalidator.subscribe
         inv.Invalidator._revoke = lambda self, failed, targets: 0.0
-        inv.Invalidator.subscribe = lambda self, sid, url: {**subscribe(self, sid, url), "holds": []}
+        inv.Invalidator.subscribe = lambda self, sid, url, rtt=0.0: {**subscribe(self, sid, url, rtt), "holds": []}
     elif name == "no-lease-wait":
         ReplicaNode.vote_quiet_s = lambda self: 3600.0
     elif name == "ack-before-persist":
