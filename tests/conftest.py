@@ -104,6 +104,23 @@ def fresh_cluster(tmp_path: Path) -> Iterator[Cluster]:
     c.stop()
 
 
+# -- the long tests first ---------------------------------------------------------------------------
+#: Folders whose tests start clusters of their own and take tens of seconds to minutes each.
+LONG = ("system", "verify", "experiments")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Long tests first (in their order), the rest after: xdist hands tests out in this order, and a
+    minutes-long test handed out last would run on alone after every other worker has finished."""
+    here = Path(__file__).resolve().parent
+
+    def rank(item: pytest.Item) -> int:
+        path = Path(str(item.path)).resolve()
+        return 0 if path.is_relative_to(here) and path.relative_to(here).parts[0] in LONG else 1
+
+    items.sort(key=rank)
+
+
 # -- no silent skips where every test must run -----------------------------------------------------
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Under ``PYGMY_NO_SKIP=1`` (``.ci/run``) a skipped test fails the run: CI installs what every
