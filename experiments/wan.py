@@ -259,9 +259,12 @@ def window(c: LocalCluster, tier: str, seed: int, seconds: float, lead: float = 
     rec = drive(c, lead + seconds, seed, on_start=lambda start_at, stop: polls.append(Poller(c, names, start_at)))
     polls[0].stop()
     end = lead + seconds
+    leadership = polls[0].tier(tier, lead, end)
+    quiet = not leadership["new_terms"] and not leadership["no_leader_share"]
     return {"seconds": seconds, "update": gaps(rec, "update", lead, end), "buy": gaps(rec, "buy", lead, end),
-            **polls[0].tier(tier, lead, end), "tail_s": max(0.0, rec.wall - end),
-            "timeline": polls[0].timeline()}
+            **leadership, "tail_s": max(0.0, rec.wall - end),
+            # Kept where leadership moved: what moved, when, and with which windows.
+            **({} if quiet else {"timeline": polls[0].timeline()})}
 
 
 def failover(c: LocalCluster, tier: str, seed: int) -> dict[str, Any]:
