@@ -373,11 +373,15 @@ class Network:
         with ``everything`` of all its packets but loopback's: the host's too, which carries its
         delayed links (Toxiproxy listens on the gateway)."""
         others = f"{self.config.netns_subnet}.2-{self.config.netns_subnet}.254"
-        match = (lambda way: ["!", "-i" if way == "--src-range" else "-o", "lo"]) if everything else (
-            lambda way: ["-m", "iprange", way, others])
-        self._run({name: [["iptables", "-A", chain, *match(way), "-m", "statistic", "--mode",
+
+        def match(chain: str) -> list[str]:
+            if everything:
+                return ["!", "-i" if chain == "INPUT" else "-o", "lo"]
+            return ["-m", "iprange", "--src-range" if chain == "INPUT" else "--dst-range", others]
+
+        self._run({name: [["iptables", "-A", chain, *match(chain), "-m", "statistic", "--mode",
                            "random", "--probability", f"{probability:.3f}", "-j", "DROP"]
-                          for chain, way in (("INPUT", "--src-range"), ("OUTPUT", "--dst-range"))]})
+                          for chain in ("INPUT", "OUTPUT")]})
 
     def isolate(self, name: str) -> None:
         """Host ``name`` cut from everything but itself, both ways: peers, frontends, the host's
