@@ -489,7 +489,9 @@ class Nemesis:
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
-        self._serial: dict[str, int] = {}  # per tier, the last replica number given to a new host
+        # Per tier, the highest replica number given so far: a new host never takes a lost one's name.
+        self._serial = {tier: max((parse_name(n)[1] for n in self.net.replicas(tier)), default=0)
+                        for tier in ("catalog", "order")}
         self._stop = threading.Event()  # stop now: cuts a hold or a gap short
         self._lock = threading.Lock()
         self._wanted = False  # stop asked for, due once the rounds are complete
@@ -531,7 +533,7 @@ class Nemesis:
 
     def _new_name(self, tier: str) -> str:
         """A replica name never used in this run: a new host is a new member, never an old one back."""
-        k = max(self._serial.get(tier, 0), *(parse_name(n)[1] for n in self.net.replicas(tier))) + 1
+        k = max(self._serial[tier], *(parse_name(n)[1] for n in self.net.replicas(tier))) + 1
         self._serial[tier] = k
         return f"{tier}-{k}"
 
@@ -547,10 +549,10 @@ class Nemesis:
         port, pid = self.net.port(old), self.pid(old)
         if pid is None:
             raise RuntimeError(f"{old} has no pid")
+        new = self._new_name(tier)  # while ``old`` is still a host: never its name again
         os.killpg(pid, signal.SIGKILL)  # the machine gone: every process of the replica at once
         disks.wipe(self.data_dir(old))
         self.net.remove_host(old)
-        new = self._new_name(tier)
         steps: list[dict[str, Any]] = [{"action": "lost", "name": old, "at": time.monotonic_ns()}]
 
         def replace() -> None:

@@ -79,3 +79,22 @@ def test_the_old_replica_must_be_a_voter() -> None:
     tier = FakeTier(["order-1", "order-2", "order-3"])
     with pytest.raises(hosts.OperatorError, match="not a voter"):
         hosts.replace(tier, "order", "order-9", "order-4", "http://10.0.0.5:8203", tier.start)
+
+
+def test_a_new_host_never_takes_a_name_used_before() -> None:
+    """Losing the highest-numbered replica first must not give its name to the new host (its
+    data and log entries would be taken for the old one's)."""
+    from types import SimpleNamespace
+
+    from pygmy.verify import nemesis
+
+    names = ["catalog-1", "catalog-2", "catalog-3"]
+    net = SimpleNamespace(replicas=lambda tier: [n for n in names if n.startswith(tier)])
+    nem = nemesis.Nemesis(net, lambda tier: None, print, print, lambda name: None, Path)  # type: ignore[arg-type]
+    seen = set(names)
+    for old in ("catalog-3", "catalog-4", "catalog-1"):  # the lost host's name goes first
+        names.remove(old)
+        new = nem._new_name("catalog")
+        names.append(new)
+        assert new not in seen, new
+        seen.add(new)
