@@ -53,9 +53,11 @@ lincheck: install
 	$(BIN)/python -m pygmy.verify.linearizability --runs $(RUNS) --duration $(DURATION)
 
 # A randomized nemesis (root, iproute2, iptables, Go): DURATION seconds of faults, then the checker.
+# KINDS narrows the faults (comma-separated; `host` for the host kinds), e.g. KINDS=host,kill.
 SEED ?=
+KINDS ?=
 chaos: install
-	$(BIN)/python -m pygmy.experiments.chaos_report --duration $(DURATION) $(if $(SEED),--seed $(SEED),)
+	$(BIN)/python -m pygmy.experiments.chaos_report --duration $(DURATION) $(if $(SEED),--seed $(SEED),) $(if $(KINDS),--kinds $(KINDS),)
 
 experiments: install
 	$(BIN)/python -m pygmy.experiments.run_all $(if $(QUICK),--quick,)

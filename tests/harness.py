@@ -152,8 +152,7 @@ class BackgroundLoad(ChaosWorkload):
             self._failure = exc
 
     def finish(self) -> lincheck.History:
-        self._stop_at = time.monotonic()  # retries under way give up once the drain is over
-        self._stop.set()
+        self.stop()
         self._thread.join(120)
         if self._failure is not None:
             raise self._failure

@@ -67,7 +67,7 @@ from pygmy.replication.log_store import LogStore
 from pygmy.replication.snapshots import Incoming, stream_frames
 from pygmy.replication.statemachine import Pin, StateMachine
 from pygmy.replication.storage import describe, is_storage_fault
-from pygmy.replication.timers import Hold, RttMeter, derive, implied
+from pygmy.replication.timers import Hold, RttMeter, derive, implied, ticks_due
 from pygmy.replication.transport import RAFT_CHANNEL, Channel, FrameClient, FrameServer, raft_address
 
 log = logging.getLogger("pygmy.replication")
@@ -1064,12 +1064,13 @@ class ReplicaNode:
 
     def _tick_until(self, until: float) -> None:
         """Advance the core by every tick due by ``until`` (monotonic), in one call. Far behind (a stall
-        longer than two election timeouts), the rest are dropped rather than stormed: fewer ticks
-        than time passed only make every timer later, never earlier."""
+        longer than two election timeouts past the core's next timer), the rest are dropped rather
+        than stormed (``timers.ticks_due``)."""
         tick_s = self.config.tick_ms / 1000.0
         if until < self._next_tick:
             return
-        due = min(int((until - self._next_tick) / tick_s) + 1, 2 * self.config.election_ticks_max)
+        due = ticks_due(until - self._next_tick, tick_s, self.core.ticks_until_timer(),
+                        2 * self.config.election_ticks_max)
         self.core.tick(due)  # one call: the ticks that only count are counted at once
         self._next_tick += due * tick_s
         if until >= self._next_tick:

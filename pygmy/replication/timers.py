@@ -36,6 +36,20 @@ ELECTION_TAILS = 2.0
 HOLD = 30.0
 
 
+def ticks_due(behind: float, tick_s: float, until_timer: int, slack: int) -> int:
+    """How many ticks a driver counts when its next tick fell due ``behind`` seconds ago and the
+    core's next timer is ``until_timer`` ticks away: every tick that passed, except after a stall,
+    when it counts the ticks up to that timer and only ``slack`` beyond it (the rest dropped rather
+    than stormed: fewer ticks than time passed only make timers later, never earlier).
+
+    Up to the timer, not ``slack`` alone: an idle follower sleeps until its election timer, which
+    the timers stretch to seconds on a slow network (or after a slow learner was promoted). Capped
+    at ``slack`` per wake, a follower with a 7 s timeout counted 1.2 s per sleep and slept again
+    for the rest: it campaigned after some 24 s, a tier whose leader died went that long without
+    one (found by the nemesis' ``host-lost``)."""
+    return min(int(behind / tick_s) + 1, max(1, until_timer) + slack)
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]

@@ -8,8 +8,10 @@ small tmpfs data disk per replica, and runs for ``duration`` seconds:
   (with a key and retried the same way, or without a key and not retried), lookups, searches and
   reads of orders that were acknowledged, alternating between the two frontends;
 - the nemesis (``pygmy.verify.nemesis``): isolated leaders, a frontend that reaches only a minority,
-  majority/minority splits, one-way cuts, delay, loss, SIGSTOP, SIGKILL and full disks, one at a time
-  in seeded shuffled rounds.
+  majority/minority splits, one-way cuts, delay, loss, SIGSTOP, SIGKILL and full disks, and faults of
+  a replica's host as a whole: isolated, slow and lossy, or lost for good and replaced by a new host
+  with ``pygmy member``; one at a time in seeded shuffled rounds. Leaders, the final state and the
+  databases checked are those of the members at the time (``cluster.json``), not the first ones.
 
 Every operation is recorded with invoke and complete times and its outcome. After the nemesis heals
 everything and the replicas converge, the run records each replica's final state, then
@@ -37,7 +39,7 @@ import requests
 from pygmy import ROOT
 from pygmy.cluster.local import LocalCluster, free_port_base
 from pygmy.kit.config import ClusterConfig
-from pygmy.verify import chaos_check, lincheck, nemesis
+from pygmy.verify import chaos_check, hosts, lincheck, nemesis
 from pygmy.verify.linearizability import DEFINITE_FAILURES, Workload
 
 RESULTS = ROOT / "experiments" / "results" / "chaos"
@@ -79,15 +81,22 @@ class ChaosWorkload(Workload):
         self._stop_at = time.monotonic() + seconds
         return super().run(seconds, drain)
 
+    def stop(self) -> None:
+        """End the run now (``run`` returns once the clients have finished; retries under way give
+        up once the drain is over)."""
+        self._stop_at = time.monotonic()
+        self._stop.set()
+
     def _send(self, send: Any) -> requests.Response | None:
         """``send(attempt)`` until a definite answer (the same key every time), for up to
-        ``RETRY_FOR`` seconds, and no longer than ``DRAIN`` seconds past the end of the run."""
-        deadline = min(time.monotonic() + RETRY_FOR, self._stop_at + DRAIN)
+        ``RETRY_FOR`` seconds, and no longer than ``DRAIN`` seconds past the end of the run (which
+        ``stop`` may bring forward)."""
+        retry_until = time.monotonic() + RETRY_FOR
         for attempt in itertools.count():
             r = send(attempt)
             if r is not None and r.status_code < 500:
                 return r
-            if time.monotonic() > deadline:
+            if time.monotonic() > min(retry_until, self._stop_at + DRAIN):
                 break
             time.sleep(0.1)
         return None
@@ -251,7 +260,7 @@ def run(duration: float, seed: int, out: Path, kinds: tuple[str, ...] = nemesis.
         data = Path(tmp) / "data"
         config.data_dir = str(data)
         disks = [config.replica_dir(n) for n in config.names() if not n.startswith("frontend")]
-        with nemesis.tmpfs_disks(disks), nemesis.Network(config, out) as net:
+        with nemesis.tmpfs_disks(disks) as mounted, nemesis.Network(config, out) as net:
             cluster = LocalCluster(data, config.port_base, [
                 "--frontends", "2", "--frontend-workers", "2", "--netns", config.netns,
                 "--netns-subnet", config.netns_subnet], env)
@@ -266,21 +275,38 @@ def run(duration: float, seed: int, out: Path, kinds: tuple[str, ...] = nemesis.
                     except (OSError, ValueError):
                         return None
 
-                nem = nemesis.Nemesis(net, lambda tier: leader_of(config, tier), cluster.kill, cluster.restart,
-                                      pid, config.replica_dir, seed=seed, kinds=kinds,
+                # The members as ``pygmy member`` left them (``host-lost`` replaces hosts), not the first ones.
+                nem = nemesis.Nemesis(net, lambda tier: leader_of(cluster.cluster_config(), tier), cluster.kill,
+                                      cluster.restart, pid, config.replica_dir, seed=seed, kinds=kinds,
+                                      operator=hosts.Operator(data, env), disks=mounted,
                                       **({"hold": hold} if hold else {}))
-                nem.start()
-                stopper = threading.Timer(duration, nem.stop)
-                stopper.start()
-                try:  # clients go on a little after the nemesis stops (a healed network resolves retries)
-                    history = load.run(duration + SETTLE)
-                finally:
-                    stopper.cancel()
+                def end() -> None:
+                    """At ``duration``: the nemesis stops once its first round is over and the fault under
+                    way healed (a lost host replaced), and clients go on for ``SETTLE`` s more (a healed
+                    network resolves retries): every fault happens under load."""
                     nem.stop()
+                    if not ended.wait(SETTLE):
+                        load.stop()
+
+                ended = threading.Event()
+                nem.start()
+                stopper = threading.Timer(duration, end)
+                stopper.start()
+                try:
+                    history = load.run(duration + SETTLE + nemesis.STOP_WAIT)
+                finally:
+                    ended.set()
+                    stopper.cancel()
+                    nem.stop(now=True)
+                    stopper.join()
                 net.heal()
+                config = cluster.cluster_config()
                 for name in config.names():  # anything the nemesis left down comes back
                     if pid(name) is None or not _alive(pid(name)):
-                        cluster.restart(name)
+                        try:
+                            cluster.restart(name)
+                        except AssertionError as exc:  # judged as the nemesis' fault (and unconverged)
+                            nem.errors.append(f"restart {name} after the run: {str(exc)[:300]}")
                 max_order = max((n for n, _ in load.acked), default=0)
                 final = final_state(config, cluster.secret(), items, max_order)
             finally:
@@ -314,7 +340,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=None, help="nemesis seed (default: random, printed)")
     p.add_argument("--out", type=Path, default=None, help="result directory (default experiments/results/chaos/seed-S)")
-    p.add_argument("--kinds", default=",".join(nemesis.KINDS), help="comma-separated fault kinds")
+    p.add_argument("--kinds", default=",".join(nemesis.KINDS),
+                   help="comma-separated fault kinds; 'host' stands for the host kinds (host-isolated, ...)")
     p.add_argument("--plot", action="store_true", help="also draw the run's timeline (timeline.png)")
     return p
 
@@ -323,7 +350,8 @@ def execute(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[int, 
     """Run and judge: the checker's exit status (0 no anomaly, 1 anomalies, 2 could not run) and
     the run's directory."""
     seed = args.seed if args.seed is not None else random.randrange(1_000_000)
-    kinds = tuple(k for k in args.kinds.split(",") if k)
+    kinds = tuple(k for part in args.kinds.split(",") if part
+                  for k in (nemesis.HOST_KINDS if part == "host" else (part,)))
     unknown = set(kinds) - set(nemesis.KINDS)
     if unknown:
         p.error(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(nemesis.KINDS)}")

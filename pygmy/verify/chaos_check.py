@@ -9,6 +9,8 @@ and digest after healing), and checks the guarantees of docs/replication.md:
   frontends and workers, and "stock never negative" for every value read.
 - ``converged``: after healing every tier has one leader and its replicas one applied index and one
   state digest, which equals the digest recomputed from every row on each replica.
+- ``members``: the replicas read are the voters of the configuration every one of them holds,
+  committed, with no learner left (after ``host-lost`` replaced hosts: the new members).
 - ``lost-buy``: every acknowledged buy is a confirmed order with its book and quantity on every order
   replica.
 - ``doubled-buy``: no order number was given to two buys; per book, no more confirmed orders than
@@ -62,6 +64,22 @@ def longest_gaps(ops: list[dict[str, Any]], start: int, end: int) -> dict[str, f
     return out
 
 
+def members(tier: str, replicas: dict[str, Any], anomaly: Any) -> None:
+    """The replicas read are exactly the voters of the tier's configuration, which every one of them
+    holds, committed, with no learner left: after hosts were replaced, the new members are the ones
+    checked (a run from before membership changes records no configuration and is not judged)."""
+    confs = {(tuple(sorted(m["voters"])), tuple(sorted(m["learners"])), bool(m.get("pending")))
+             for r in replicas.values() if (m := r["status"].get("membership")) is not None}
+    if not confs:
+        return
+    if len(confs) != 1:
+        anomaly("members", f"{tier} replicas hold different configurations: {sorted(confs)}")
+    for voters, learners, pending in sorted(confs):
+        if set(voters) != set(replicas) or learners or pending:
+            anomaly("members", f"{tier}: the configuration has voters {list(voters)}, learners {list(learners)}"
+                               f"{' (pending)' if pending else ''}; the replicas read are {sorted(replicas)}")
+
+
 def check(run: Path, timeout: float = 300) -> dict[str, Any]:
     history, nem, final = load(run)
     ops: list[dict[str, Any]] = history["ops"]
@@ -102,6 +120,8 @@ def check(run: Path, timeout: float = 300) -> dict[str, Any]:
             if v is not None and not v["ok"]:
                 anomaly("converged", f"{name}: maintained digest {v['state_digest']} but its rows give "
                                      f"{v['recomputed']}")
+        for tier in ("catalog", "order"):
+            members(tier, {n: r for n, r in replicas.items() if n.startswith(tier)}, anomaly)
 
     for db, verdict_ in final.get("integrity", {}).items():
         if verdict_ != "ok":

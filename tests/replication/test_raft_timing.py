@@ -12,6 +12,7 @@ from raft_sim import Cluster, SafetyError, make_leader
 
 from pygmy.replication import timers
 from pygmy.replication.core import (
+    FOLLOWER,
     HEARTBEAT,
     HEARTBEAT_RESP,
     PRE_VOTE,
@@ -356,3 +357,33 @@ def test_without_backing_off_a_slow_link_elects_nobody(monkeypatch: pytest.Monke
     finish (the issue at 300 ms: no leader, nothing acknowledged)."""
     monkeypatch.setattr(RaftCore, "_campaign", lambda self: self._become_pre_candidate())
     assert [wan_run(adapt=True, seed=s, base=30)[0] for s in range(3)] == [0, 0, 0]
+
+
+def test_an_idle_follower_campaigns_once_its_stretched_timeout_is_up_not_later() -> None:
+    """The node sleeps until the core's next timer (``_wake_at``) and then counts the ticks that
+    passed (``timers.ticks_due``, as ``ReplicaNode._tick_until``). A follower whose leader announced
+    a 7 s window, and then died, campaigns when its timeout is up: when every wake counted at most
+    1.2 s, it slept again for the rest, again and again, and campaigned some 24 s later."""
+    cfg = CoreConfig()
+    tick_s = 0.01
+    core = RaftCore("b", ["a", "b", "c"], hard_state=HardState(term=1, floor=700), rng=1, config=cfg)
+    timeout = core.ticks_until_timer()
+    assert timeout >= 700
+    now = next_tick = 0.0
+    while core.role == FOLLOWER and now < 60:
+        now = next_tick + (core.ticks_until_timer() - 1) * tick_s  # asleep until the timer
+        due = timers.ticks_due(now - next_tick, tick_s, core.ticks_until_timer(), 2 * cfg.election_ticks_max)
+        core.tick(due)
+        next_tick += due * tick_s
+        if now >= next_tick:
+            next_tick = now + tick_s
+        core.ready()
+    assert core.role != FOLLOWER and now <= (timeout + 1) * tick_s, (core.role, now, timeout)
+
+
+def test_a_stall_counts_the_ticks_up_to_the_next_timer_and_a_little_more() -> None:
+    """After a process stood still (SIGSTOP), timers are not stormed: the ticks up to the next
+    timer count, and at most ``slack`` beyond it; short of the timer, every tick that passed."""
+    assert timers.ticks_due(100.0, 0.01, until_timer=30, slack=120) == 150
+    assert timers.ticks_due(7.0, 0.01, until_timer=700, slack=120) == 701
+    assert timers.ticks_due(0.055, 0.01, until_timer=700, slack=120) == 6

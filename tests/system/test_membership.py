@@ -5,8 +5,9 @@ every operation recorded for Porcupine). Then, one tier after the other:
 
 - catalog-3 is SIGKILLed for good; ``pygmy member add catalog catalog-4 URL`` (at an address and
   port of its own, a "new host" on loopback), ``pygmy start catalog-4``, wait until ``pygmy member
-  list`` says it has caught up as a learner, ``promote``, ``remove catalog-3``; the same for the
-  order tier (order-3 -> order-4);
+  list`` says it has caught up as a learner, ``promote``, ``remove catalog-3``
+  (``pygmy.verify.hosts.replace``, as the nemesis' ``host-lost`` does it on hosts of their own); the
+  same for the order tier (order-3 -> order-4);
 - the catalog leader is SIGKILLed for good and replaced the same way (catalog-5);
 - the order leader, alive, is replaced: a new replica is added and promoted, then ``pygmy member
   remove`` of the leader makes it hand leadership over before it is removed, and it is stopped.
@@ -30,18 +31,14 @@ from typing import Any
 
 import pytest
 import requests
-from harness import BackgroundLoad, Cluster, free_port_base, pygmy, wait_for
+from harness import BackgroundLoad, Cluster, free_port_base, wait_for
 
 from pygmy.cluster import local
 from pygmy.replication.transport import RAFT_PORT_OFFSET
-from pygmy.verify import chaos_check
+from pygmy.verify import chaos_check, hosts
 from pygmy.verify.chaos import final_state, leader_of
 
 ITEMS = list(range(1, 8))
-
-
-
-
 
 
 def free_address(host: str) -> str:
@@ -63,40 +60,16 @@ def free_address(host: str) -> str:
     raise RuntimeError(f"no free port pair on {host}")
 
 
-class Operator:
-    """What an operator types, on the cluster ``c``: ``pygmy member ...`` and ``pygmy start``."""
-
-    def __init__(self, c: Cluster) -> None:
-        self.c = c
-
-    def member(self, *args: str, ok: bool = True) -> str:
-        r = pygmy("member", *args, "--data-dir", str(self.c.data_dir), env=self.c.env, timeout=120)
-        assert (r.returncode == 0) == ok, f"pygmy member {' '.join(args)}: {r.returncode}\n{r.stdout}{r.stderr}"
-        return r.stdout + r.stderr
-
-    def members(self, tier: str) -> dict[str, Any]:
-        return json.loads(self.member("list", tier, "--json"))
-
-    def roles(self, tier: str) -> dict[str, str]:
-        return {m["name"]: m["role"] for m in self.members(tier)["members"]}
-
-    def replace(self, tier: str, old: str, new: str, host: str, kill_first: bool = True) -> None:
-        """``old`` out, ``new`` in: add it as a learner, start it, promote it once caught up,
-        remove ``old`` (SIGKILLed first, for good, or, alive, stopped once removed)."""
-        if kill_first:
-            self.c.kill(old)
-        url = free_address(host)
-        self.member("add", tier, new, url)
-        self.c.restart(new)  # pygmy start: the first start of a replica cluster.json now names
-        wait_for(f"{new} caught up as a learner",
-                 lambda: {m["name"]: m for m in self.members(tier)["members"]}[new]["caught_up"])
-        assert self.roles(tier)[new] == "learner"
-        self.member("promote", tier, new, "--wait", "60")
-        self.member("remove", tier, old, "--wait", "30")
-        if not kill_first:
-            self.c.kill(old)
-        roles = self.roles(tier)
-        assert old not in roles and roles[new] == "voter" and len(roles) == 3, roles
+def replace(c: Cluster, op: hosts.Operator, tier: str, old: str, new: str, host: str, kill_first: bool) -> None:
+    """``old`` out, ``new`` in (``pygmy.verify.hosts.replace``: add, start, promote once caught up,
+    remove), ``old`` SIGKILLed first, for good, or, alive, stopped once removed."""
+    if kill_first:
+        c.kill(old)
+    hosts.replace(op, tier, old, new, free_address(host), c.restart)
+    if not kill_first:
+        c.kill(old)
+    roles = op.roles(tier)
+    assert old not in roles and roles[new] == "voter" and len(roles) == 3, roles
 
 
 @pytest.fixture
@@ -116,7 +89,7 @@ def frontend_sees(c: Cluster, tier: str, names: set[str]) -> bool:
 
 
 def test_replicas_and_leaders_are_replaced_online_under_load(cluster: Cluster, tmp_path: Path) -> None:
-    c, op = cluster, Operator(cluster)
+    c, op = cluster, hosts.Operator(cluster.data_dir, cluster.env)
     # Refused changes change nothing, and say why.
     before = op.members("catalog")
     assert "already a member" in op.member("add", "catalog", "catalog-2", "http://127.0.0.9:9999", ok=False)
@@ -143,7 +116,7 @@ def test_replicas_and_leaders_are_replaced_online_under_load(cluster: Cluster, t
         for tier, old, new, host, kill_first in steps:
             old = old or str(wait_for(f"a {tier} leader", lambda tier=tier: leader_of(c.cluster_config(), tier)))
             start = time.monotonic_ns()
-            op.replace(tier, old, new, host, kill_first)
+            replace(c, op, tier, old, new, host, kill_first)
             windows.append({"kind": f"replace-{tier}", "detail": f"{old} -> {new}", "start": start,
                             "end": time.monotonic_ns()})
             expected[tier] = expected[tier] - {old} | {new}

@@ -1,6 +1,7 @@
 """Quick nemesis runs on real processes in network namespaces, judged by the chaos checker.
 
-One clean run with every fault kind must find no anomaly; one run of a deliberately broken build
+One clean run with every fault kind must find no anomaly (the host kinds too: a host isolated, one
+slow and lossy, and one lost for good and replaced by a new host with ``pygmy member``); one run of a deliberately broken build
 (``stale-leader``: a leader that neither checks its lease nor steps down when cut off) must be caught,
 so the checker is shown to fail when a guarantee breaks. ``make chaos`` is the long version.
 """
@@ -31,6 +32,14 @@ def test_a_quick_run_with_every_fault_finds_no_anomaly(tmp_path: Path) -> None:
     assert result["by_outcome"].get("buy/out_of_stock", 0) > 0, "two books are meant to sell out"
     final = json.loads((out / "final.json").read_text())
     assert final["converged"] and len(final["integrity"]) == 12  # 6 replicas x (log, state), all checked
+    # Each lost host was replaced: the lost replicas are gone, the new hosts' replicas are the ones
+    # read and checked (and their databases), each added, caught up, promoted, then the old removed.
+    steps = [w["steps"] for w in json.loads((out / "nemesis.json").read_text())["windows"] if w["kind"] == "host-lost"]
+    lost = {s[0]["name"] for s in steps}
+    new = {s[1]["name"] for s in steps} - lost
+    assert all([x["action"] for x in s] == ["lost", "new-host", "add", "started", "caught-up", "promote", "remove"] for s in steps)
+    assert new and new <= set(final["replicas"]) and not lost & set(final["replicas"]), (lost, new)
+    assert {n.partition("/")[0] for n in final["integrity"]} == set(final["replicas"])
 
 
 def test_the_checker_catches_an_isolated_leader_serving_stale_reads(tmp_path: Path) -> None:

@@ -40,9 +40,13 @@ def clean_run() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     nem = {"seed": 1, "duration": 1, "windows": [{"kind": "split", "detail": "x", "start": 25 * MS, "end": 65 * MS}],
            "errors": []}
     orders = {str(n): {"order_number": n, "item_number": 1, "quantity": 1} for n in (1, 2, 3)}
+    # The order tier's hosts were replaced (order-3 by order-4); the catalog's were not.
+    orders_conf = {"voters": ["order-1", "order-2", "order-4"], "learners": [], "pending": False}
     status = {"applied_index": 9, "state_digest": "abc"}
-    replicas = {f"order-{k}": {"status": dict(status), "orders": copy.deepcopy(orders)} for k in (1, 2, 3)}
-    replicas |= {f"catalog-{k}": {"status": {"applied_index": 7, "state_digest": "def"},
+    replicas = {f"order-{k}": {"status": {**status, "membership": copy.deepcopy(orders_conf)},
+                               "orders": copy.deepcopy(orders)} for k in (1, 2, 4)}
+    replicas |= {f"catalog-{k}": {"status": {"applied_index": 7, "state_digest": "def", "membership": {
+        "voters": ["catalog-1", "catalog-2", "catalog-3"], "learners": []}},
                                   "books": {"1": {"stock": 9}, "2": {"stock": 5}}} for k in (1, 2, 3)}
     return history, nem, {"converged": True, "replicas": replicas}
 
@@ -77,11 +81,15 @@ def broken(mutate: Any) -> tuple[dict[str, Any], ...]:
     ("stock-equation", lambda h, n, f: f["replicas"]["catalog-3"]["books"]["1"].update(stock=10)),
     ("converged", lambda h, n, f: f["replicas"]["catalog-2"]["status"].update(state_digest="other")),
     ("converged", lambda h, n, f: f.update(converged=False, status={})),
-    ("converged", lambda h, n, f: f["replicas"]["order-3"].update(
+    ("converged", lambda h, n, f: f["replicas"]["order-4"].update(
         verify={"ok": False, "state_digest": "abc", "recomputed": "abd"})),
     ("own-order", lambda h, n, f: h["ops"].append(
         op("order", 0, 120, 130, {"status": 404, "item": None, "quantity": None}, order_number=1))),
     ("nemesis", lambda h, n, f: n["errors"].append("loss: iptables failed")),
+    # A final state read from the first members only: the new host's replica goes unchecked.
+    ("members", lambda h, n, f: f["replicas"].pop("order-4")),
+    ("members", lambda h, n, f: [r["status"]["membership"].update(learners=["order-5"])
+                                 for k, r in f["replicas"].items() if k.startswith("order")]),
     ("integrity", lambda h, n, f: f.update(integrity={"order-1/raft.db": "*** in database main ***"})),
 ])
 def test_each_broken_guarantee_is_named(tmp_path: Path, what: str, mutate: Any) -> None:

@@ -46,7 +46,7 @@ def net(tmp_path: Path) -> Iterator[nemesis.Network]:
 def reaches(n: nemesis.Network, src: str, dst: str) -> bool:
     """Whether ``src`` can open a TCP connection to ``dst``'s service port (within 0.5 s)."""
     return subprocess.run(["ip", "netns", "exec", n.ns(src), sys.executable, "-c", CONNECT,
-                           n.config.address(dst), str(n.port(dst))], capture_output=True, timeout=30).returncode == 0
+                           n.address(dst), str(n.port(dst))], capture_output=True, timeout=30).returncode == 0
 
 
 def wait_reachable(n: nemesis.Network, src: str, dst: str) -> bool:
@@ -72,12 +72,15 @@ def test_a_one_way_cut_stops_only_requests_from_one_side(net: nemesis.Network) -
     assert reaches(net, a, b)
 
 
-def test_total_loss_on_a_replica_spares_the_host(net: nemesis.Network) -> None:
+@pytest.mark.parametrize("everything", [False, True])
+def test_total_loss_on_a_replica_spares_the_host_unless_everything(net: nemesis.Network, everything: bool) -> None:
+    """Plain loss spares the host's namespace (clients, the nemesis' probes); a slow host's loss
+    (``everything``) takes its hops to Toxiproxy on the gateway too."""
     a = "order-1"
-    net.lossy(a, 1.0)
+    net.lossy(a, 1.0, everything=everything)
     assert not reaches(net, "catalog-1", a) and not reaches(net, a, "frontend-1")
-    probe = subprocess.run([sys.executable, "-c", CONNECT, net.config.address(a), str(net.port(a))], timeout=30)
-    assert probe.returncode == 0, "the host (clients, the nemesis' probes) still reaches it"
+    probe = subprocess.run([sys.executable, "-c", CONNECT, net.address(a), str(net.port(a))], timeout=30)
+    assert (probe.returncode != 0) == everything
     net.heal()
     assert reaches(net, "catalog-1", a)
 
@@ -91,3 +94,39 @@ def test_heal_is_idempotent_and_removes_every_rule(net: nemesis.Network) -> None
     for name in net.names:
         rules = nemesis.sh("ip", "netns", "exec", net.ns(name), "iptables", "-S").stdout
         assert "DROP" not in rules, (name, rules)
+
+
+def test_an_isolated_host_reaches_nothing_and_nothing_reaches_it(net: nemesis.Network) -> None:
+    a = "catalog-1"
+    net.isolate(a)
+    assert not reaches(net, a, "catalog-2") and not reaches(net, "order-1", a) and not reaches(net, "frontend-1", a)
+    probe = subprocess.run([sys.executable, "-c", CONNECT, net.address(a), str(net.port(a))], timeout=30)
+    assert probe.returncode != 0, "the host's namespace (clients, probes, pygmy member) is cut off too"
+    assert reaches(net, "catalog-2", "order-1")  # the others still reach each other
+    net.heal()
+    assert reaches(net, "frontend-1", a) and reaches(net, a, "catalog-2")
+
+
+def test_hosts_added_later_are_on_the_bridge_and_leave_nothing_behind(net: nemesis.Network) -> None:
+    """A new host gets an address of its own and takes faults like the first ones; one removed
+    leaves no namespace, and one still there when the network closes goes with it (the fixture)."""
+    servers = []
+    try:
+        for name in ("catalog-3", "catalog-4"):
+            address = net.add_host(name, net.port("catalog-2"))  # a new machine: the same port as the old
+            assert address not in {net.address(n) for n in net.names if n != name}
+            servers.append(subprocess.Popen(["ip", "netns", "exec", net.ns(name), sys.executable, "-c", LISTEN,
+                                             address, str(net.port(name))]))
+            assert wait_reachable(net, "catalog-1", name) and wait_reachable(net, name, "catalog-2")
+        assert net.replicas("catalog") == ["catalog-1", "catalog-2", "catalog-3", "catalog-4"]
+        net.cut("catalog-3", "catalog-1")
+        assert not reaches(net, "catalog-1", "catalog-3") and reaches(net, "catalog-1", "catalog-4")
+        net.heal()
+        net.remove_host("catalog-3")
+        assert "catalog-3" not in net.replicas()
+        assert net.ns("catalog-3") not in nemesis.sh("ip", "netns", "list").stdout
+        assert reaches(net, "catalog-1", "catalog-4") and reaches(net, "catalog-4", "catalog-2")
+    finally:
+        for p in servers:
+            p.kill()
+            p.wait()
