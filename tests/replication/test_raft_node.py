@@ -588,7 +588,8 @@ def test_a_new_leader_keeps_the_window_it_took_over_until_it_has_measured_for_a_
     new = old.transfer_leadership(None, timeout=5)
     assert new is not None and new != old.name
     time.sleep(2.5 * node_module.RETUNE_EVERY)  # two retunes and more: time enough to have lowered it
-    successor = cluster.nodes[new]
-    assert successor.is_leader()
+    # Whoever leads now (on a busy machine another election may have followed the hand-over) took
+    # over the window since the hand-over and has measured only loopback since.
+    successor = cluster.leader()
     assert successor.core.timers()["election"] == 100
     assert all(n.core.floor == 100 for n in cluster.nodes.values())
