@@ -235,11 +235,14 @@ def snapshots_installed(c: LocalCluster, name: str) -> int:
 
 
 def wait_caught_up(c: LocalCluster, tier: str, timeout: float = 60) -> None:
-    """Until every replica of ``tier`` answers and has applied the leader's commit index."""
+    """Until every replica of ``tier`` answers and has applied the leader's commit index (the
+    replicas the frontend names, asked again each round: it learns a membership change in seconds)."""
     deadline = time.monotonic() + timeout
-    names = [r["name"] for r in tier_status(c, tier)["replicas"]]
     last: Any = None
+    names: list[str] = []
     while time.monotonic() < deadline:
+        with contextlib.suppress(PygmyError, KeyError, TypeError):
+            names = [r["name"] for r in tier_status(c, tier)["replicas"]]
         sts = [replica_status(c, n) for n in names]
         lead = [s for s in sts if s and s.get("role") == "leader"]
         if lead and all(s and s.get("applied_index", -1) >= lead[0]["commit_index"] for s in sts):

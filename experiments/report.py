@@ -25,8 +25,8 @@ from typing import Any
 from pygmy.experiments import harness as h
 
 SECTIONS = ("baseline", "sequential", "cache_miss", "invalidation", "concurrency", "scaling", "failover",
-            "recovery", "cache_size", "overload", "growth", "store_size", "rebuild", "wan", "bench", "writepath",
-            "chaos")
+            "recovery", "cache_size", "overload", "growth", "store_size", "rebuild", "wan", "replace", "bench",
+            "writepath", "chaos")
 
 #: What ``make bench`` runs, in order (the Makefile); ``bench`` measures the baseline first.
 MAKE_BENCH = ("bench", "writepath", "store_size", "rebuild")
@@ -41,6 +41,7 @@ DIVISORS = {
     "growth": "the same cluster fresh, at the start of its own run",
     "chaos": "- (no ratios)",
     "wan": "- (no ratios)",
+    "replace": "- (no ratios)",
 }
 
 README_START = "<!-- figures: written by `python -m pygmy.experiments.report --readme` from experiments/results; do not edit -->"

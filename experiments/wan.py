@@ -202,8 +202,8 @@ def gaps(rec: h.Records, op: str, start: float, end: float) -> dict[str, Any]:
             "max_ms": float(np.max(lat) * 1000) if lat.size else None}
 
 
-def drive(c: LocalCluster, duration: float, seed: int, on_start: Any = None) -> h.Records:
-    """``RATE // 2`` updates and as many buys a second, evenly spaced, for ``duration`` s: a true open
+def drive(c: LocalCluster, duration: float, seed: int, on_start: Any = None, rate: int = RATE) -> h.Records:
+    """``rate // 2`` updates and as many buys a second, evenly spaced, for ``duration`` s: a true open
     loop (each request on a thread of its own at its scheduled time, whatever the others are doing;
     its start is that time). ``on_start(start_at, stop)`` as ``harness.run_load``'s."""
     start_at = time.time() + 0.2
@@ -230,10 +230,10 @@ def drive(c: LocalCluster, duration: float, seed: int, on_start: Any = None) -> 
         with lock:
             rows.append((op, scheduled, time.time() - start_at - scheduled, status))
 
-    every = 2 / RATE
+    every = 2 / rate
     schedule = sorted((k * every + (every / 2 if op == "buy" else 0.0), op) for op in MIX
                       for k in range(int(duration / every) + 1))
-    with ThreadPoolExecutor(max_workers=int(RATE * (CLIENT_TIMEOUT + 2)), thread_name_prefix="wan-load") as pool:
+    with ThreadPoolExecutor(max_workers=int(rate * (CLIENT_TIMEOUT + 2)), thread_name_prefix="wan-load") as pool:
         if on_start is not None:
             threading.Thread(target=on_start, args=(start_at, lambda t: end.__setitem__(0, min(end[0], t))),
                              daemon=True).start()

@@ -20,12 +20,35 @@ in which a replacement went wrong fails even if the cluster happened to survive 
 from __future__ import annotations
 
 import json
+import random
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pygmy.cluster import local
 from pygmy.cluster.local import pygmy
+from pygmy.replication.transport import RAFT_PORT_OFFSET
+
+
+def free_address(host: str) -> str:
+    """``http://host:P`` with P and its peer port (P + 50) free on ``host`` (a loopback address
+    standing for a new machine), from this process's share of the ports (``PYGMY_PORT_SLICE``)."""
+    low, high = local._port_slice()
+    for _ in range(200):
+        port = random.randrange(low, high - RAFT_PORT_OFFSET)
+        ok = True
+        for p in (port, port + RAFT_PORT_OFFSET):
+            with socket.socket() as s:
+                try:
+                    s.bind((host, p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return f"http://{host}:{port}"
+    raise RuntimeError(f"no free port pair on {host}")
 
 
 class OperatorError(RuntimeError):

@@ -22,8 +22,6 @@ frontend learns the members without a restart. Refused changes change nothing.
 from __future__ import annotations
 
 import json
-import random
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,31 +31,10 @@ import pytest
 import requests
 from harness import BackgroundLoad, Cluster, free_port_base, wait_for
 
-from pygmy.cluster import local
-from pygmy.replication.transport import RAFT_PORT_OFFSET
 from pygmy.verify import chaos_check, hosts
 from pygmy.verify.chaos import final_state, leader_of
 
 ITEMS = list(range(1, 8))
-
-
-def free_address(host: str) -> str:
-    """``http://host:P`` with P and its peer port (P + 50) free on ``host``, from this test
-    worker's share of the ports (``PYGMY_PORT_SLICE``)."""
-    low, high = local._port_slice()
-    for _ in range(200):
-        port = random.randrange(low, high - RAFT_PORT_OFFSET)
-        ok = True
-        for p in (port, port + RAFT_PORT_OFFSET):
-            with socket.socket() as s:
-                try:
-                    s.bind((host, p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return f"http://{host}:{port}"
-    raise RuntimeError(f"no free port pair on {host}")
 
 
 def replace(c: Cluster, op: hosts.Operator, tier: str, old: str, new: str, host: str, kill_first: bool) -> None:
@@ -65,7 +42,7 @@ def replace(c: Cluster, op: hosts.Operator, tier: str, old: str, new: str, host:
     remove), ``old`` SIGKILLed first, for good, or, alive, stopped once removed."""
     if kill_first:
         c.kill(old)
-    hosts.replace(op, tier, old, new, free_address(host), c.restart)
+    hosts.replace(op, tier, old, new, hosts.free_address(host), c.restart)
     if not kill_first:
         c.kill(old)
     roles = op.roles(tier)
