@@ -280,7 +280,8 @@ test_stack() {
             compose logs --no-color --tail 40 >&2 || true
         fi
         log "tearing down $TEST_PROJECT"
-        compose down -v --remove-orphans --timeout 5 >/dev/null 2>&1 || true
+        # With the spare file too: its replicas and volumes, if the test started them, go as well.
+        compose -f "$ROOT/docker-compose.spare.yml" down -v --remove-orphans --timeout 5 >/dev/null 2>&1 || true
         [[ -n "$USER_IMAGE" ]] || docker image rm "$IMAGE" >/dev/null 2>&1 || true
         exit "$rc"
     }
@@ -291,7 +292,8 @@ test_stack() {
         || die "the stack did not become healthy"
     log "stack healthy $((SECONDS - built))s after 'up'; running the smoke and failover test"
     "$(host_python)" "$ROOT/scripts/compose_test.py" --url "http://127.0.0.1:$TEST_PORT" \
-        --compose "docker compose -f $ROOT/docker-compose.yml -f $ROOT/docker-compose.override.yml"
+        --compose "docker compose -f $ROOT/docker-compose.yml -f $ROOT/docker-compose.override.yml" \
+        --spare "$ROOT/docker-compose.spare.yml"
     log "compose test passed in $((SECONDS - TEST_START))s in all"
 }
 

@@ -9,7 +9,11 @@ Run by ``bash scripts/compose.sh test`` (``make compose-test``) once the stack i
    containers with ``docker compose kill``, and check that lookups and buys go on (new leaders, every
    buy acknowledged exactly once, retried with its Idempotency-Key through at most one failover window);
 3. recovery: ``docker compose start`` them again and check that they catch up: every replica of a tier
-   alive with the same ``applied_index`` and ``state_digest``; stock and orders add up.
+   alive with the same ``applied_index`` and ``state_digest``; stock and orders add up;
+4. replacement (``--spare docker-compose.spare.yml``): a catalog follower's and then the order leader's
+   container killed and removed for good, each replaced by its tier's spare with ``pygmy member`` (add,
+   start, promote once caught up, remove), buys going on; the frontend routes to the new members
+   without a restart, and stock and orders still add up.
 
 Standard library only, so it runs with any Python 3.11 on the host.
 """
@@ -247,6 +251,78 @@ def recovery(compose: list[str], killed: tuple[str, str], stock0: int, orders: l
     log(f"all {len(orders)} acknowledged orders are there; stock {stock0} -> {stock0 - bought}")
 
 
+def member(compose: list[str], *args: str, timeout: float = 90) -> dict[str, Any]:
+    """``pygmy member ARGS --json`` run in the frontend's container (the tiers' URLs and the secret are
+    in its environment): the JSON it printed."""
+    r = subprocess.run([*compose, "exec", "-T", "frontend", "pygmy", "member", *args, "--json"],
+                       capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        fail(f"pygmy member {' '.join(args)}: exit {r.returncode}: {r.stdout[-400:]} {r.stderr[-400:]}")
+    return json.loads(r.stdout)
+
+
+def replacement(compose: list[str], spare_file: str, stock0: int, orders: list[dict[str, Any]],
+                args: argparse.Namespace) -> None:
+    """A host lost for good, replaced online: a catalog follower's container is killed and removed,
+    the spare catalog-4 (docker-compose.spare.yml) is added as a learner with ``pygmy member``,
+    started, promoted once caught up, and the lost one removed; the same for the order leader with
+    order-4. Buys go on throughout, and the frontend learns the new members without a restart."""
+    spare = [*compose, "-f", spare_file]
+    code, book2 = call("GET", "/lookup/2")
+    check(code == 200, f"lookup 2 before the replacements ({code} {book2})")
+    for tier, role in (("catalog", "follower"), ("order", "leader")):
+        st = status()
+        lead = (st.get(tier) or {}).get("leader")
+        names = sorted(r["name"] for r in (st.get(tier) or {}).get("replicas", []))
+        lost = lead if role == "leader" else next(n for n in reversed(names) if n != lead)
+        new = f"{tier}-4"
+        log(f"{tier}: {lost} ({role}) lost for good; replacing it with {new}")
+        subprocess.run([*compose, "kill", lost], check=True, capture_output=True)
+        subprocess.run([*compose, "rm", "-f", lost], check=True, capture_output=True)
+        deadline = time.monotonic() + args.window
+        while True:  # a lost leader: its successor must be elected before it takes a change
+            r = subprocess.run([*spare, "exec", "-T", "frontend", "pygmy", "member", "add", tier, new,
+                                f"http://{new}:8000", "--json"], capture_output=True, text=True, timeout=60)
+            if r.returncode == 0:
+                added = json.loads(r.stdout)
+                break
+            if time.monotonic() > deadline:
+                fail(f"pygmy member add {tier} {new}: {r.stdout[-300:]} {r.stderr[-300:]}")
+            time.sleep(1)
+        check(new in added["learners"] and lost in added["voters"], f"{new} joins {tier} as a learner ({added})")
+        subprocess.run([*spare, "up", "-d", "--no-deps", new], check=True, capture_output=True)
+        order, _ = buy(2, f"compose-replace-{uuid.uuid4()}", args.window)
+        orders.append(order)
+        promoted = member(spare, "promote", tier, new, "--wait", str(args.catchup_timeout),
+                          timeout=args.catchup_timeout + 30)
+        check(new in promoted["voters"], f"{new} promoted once caught up ({promoted})")
+        removed = member(spare, "remove", tier, lost, "--wait", "30")
+        check(lost not in removed["voters"] and len(removed["voters"]) == 3,
+              f"{lost} removed: {tier} has three voters again ({removed})")
+        deadline = time.monotonic() + 30
+        while {r["name"] for r in (status().get(tier) or {}).get("replicas", [])} != set(removed["voters"]):
+            if time.monotonic() > deadline:
+                fail(f"the frontend still routes {tier} to {(status().get(tier) or {}).get('replicas')}")
+            time.sleep(1)
+        check(True, f"the frontend routes {tier} to {', '.join(removed['voters'])} without a restart")
+        order, _ = buy(1, f"compose-replace-{uuid.uuid4()}", args.window)
+        orders.append(order)
+    deadline = time.monotonic() + args.catchup_timeout
+    while not all(tier_in_sync(status(), tier)[0] for tier in ("catalog", "order")):
+        if time.monotonic() > deadline:
+            fail(f"the tiers did not agree after the replacements: {tier_in_sync(status(), 'catalog')[1]}")
+        time.sleep(1)
+    for item, before in ((1, stock0), (2, book2["stock"])):  # item 2 is bought only here
+        code, book = call("GET", f"/lookup/{item}")
+        bought = sum(o["quantity"] for o in orders if o["item_number"] == item)
+        check(code == 200 and book.get("stock") == before - bought,
+              f"stock of item {item} is {before} - {bought} bought after the replacements ({code} {book})")
+    for o in orders:
+        code, got = call("GET", f"/orders/{o['order_number']}")
+        check(code == 200 and got.get("item_number") == o["item_number"], f"order {o['order_number']} is kept")
+    log("replacement ok: a lost catalog follower and a lost order leader replaced online with pygmy member")
+
+
 def main() -> int:
     global URL
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -261,6 +337,8 @@ def main() -> int:
                    help="stray read failures tolerated after that (a loaded machine can time out a request)")
     p.add_argument("--catchup-timeout", type=float, default=90)
     p.add_argument("--smoke-only", action="store_true", help="only the smoke test (e.g. for a Swarm stack)")
+    p.add_argument("--spare", help="docker-compose.spare.yml: also replace a lost catalog follower and a lost "
+                                   "order leader with its spares, online")
     args = p.parse_args()
     URL = args.url.rstrip("/")
     compose = shlex.split(args.compose)
@@ -273,6 +351,8 @@ def main() -> int:
         return 0
     killed = failover(compose, orders, args)
     recovery(compose, killed, stock0, orders, args)
+    if args.spare:
+        replacement(compose, args.spare, stock0, orders, args)
     log(f"all {len(CHECKS)} checks passed in {time.monotonic() - t0:.0f}s")
     return 0
 

@@ -117,6 +117,11 @@ def resolve(args: argparse.Namespace, use_cluster_file: bool, serve: bool = Fals
         given = getattr(args, dest, None)
         if given is not None:
             base[field_name] = given
+    if serve:  # a replica joining its tier in a container: it names itself among the learners
+        for tier in ("catalog", "order"):
+            if learners := os.environ.get(f"PYGMY_{tier.upper()}_LEARNERS"):
+                base["tier_learners"] = {**base.get("tier_learners", {}),
+                                         tier: [n.strip() for n in learners.split(",") if n.strip()]}
     base["data_dir"] = data_dir
     config = ClusterConfig.from_dict(base)
     for tier in ("catalog", "order"):
@@ -241,11 +246,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "member":
             from pygmy.cluster import members
 
-            config = ClusterConfig.load(args.data_dir)
-            config.data_dir = args.data_dir
             if args.action != "list" and not args.name:
                 raise SystemExit(f"pygmy member {args.action}: name the replica, e.g. {args.tier}-4")
-            return members.run(config, args.action, args.tier, args.name, args.url, args.wait, args.json)
+            if ClusterConfig(data_dir=args.data_dir).cluster_file().exists() or not os.environ.get(
+                    f"PYGMY_{args.tier.upper()}_URLS"):
+                config = ClusterConfig.load(args.data_dir)
+                config.data_dir = args.data_dir
+                return members.run(config, args.action, args.tier, args.name, args.url, args.wait, args.json)
+            # In a container (no cluster.json, the tier's URLs in the environment, as `pygmy serve` reads
+            # them): the replicas to ask come from there, and nothing is recorded.
+            config = resolve(argparse.Namespace(data_dir=args.data_dir), use_cluster_file=False, serve=True)
+            return members.run(config, args.action, args.tier, args.name, args.url, args.wait, args.json,
+                               record_changes=False)
         if args.command == "verify":
             config = ClusterConfig.load(args.data_dir)
             config.data_dir = args.data_dir

@@ -90,7 +90,9 @@ def _check(tier: str, name: str | None) -> None:
 
 
 def run(config: ClusterConfig, action: str, tier: str, name: str | None, url: str | None, wait: float,
-        as_json: bool, out: Any = sys.stdout) -> int:
+        as_json: bool, out: Any = sys.stdout, record_changes: bool = True) -> int:
+    """One ``pygmy member`` command; ``record_changes``: keep ``cluster.json`` in step (not in a
+    container, whose replicas take their peers from the environment and their members from the log)."""
     _check(tier, name)
     if action == "list":
         view = call(config, tier, "GET", "/members")
@@ -117,7 +119,8 @@ def run(config: ClusterConfig, action: str, tier: str, name: str | None, url: st
     else:
         conf = call(config, tier, "DELETE", f"/members/{name}", timeout=max(10.0, wait))
         what = f"removed {name} from {tier}"
-    record(config, tier, conf)
+    if record_changes:
+        record(config, tier, conf)
     print(json.dumps(conf, indent=2) if as_json else
           f"{what} (voters {', '.join(conf['voters'])}; learners {', '.join(conf['learners']) or 'none'})", file=out)
     return 0

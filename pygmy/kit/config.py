@@ -26,7 +26,8 @@ MIN_KEY_WINDOW = 10.0
 
 #: Settings of one service run by hand (``serve``, as in a container): ``up`` ignores them and does not
 #: pass them on, or every service it starts would take the same port or the same peers.
-SERVE_ONLY_ENV = frozenset({"PYGMY_PORT", "PYGMY_CATALOG_URLS", "PYGMY_ORDER_URLS", "PYGMY_ADVERTISE_HOST"})
+SERVE_ONLY_ENV = frozenset({"PYGMY_PORT", "PYGMY_CATALOG_URLS", "PYGMY_ORDER_URLS", "PYGMY_ADVERTISE_HOST",
+                            "PYGMY_CATALOG_LEARNERS", "PYGMY_ORDER_LEARNERS"})
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -353,3 +354,28 @@ def test_up_refuses_unsafe_raft_settings_before_starting_anything(tmp_path: Path
     r = pygmy("up", "--data-dir", str(tmp_path / "d"), "--port-base", str(free_port_base()), env=setting)
     assert r.returncode != 0 and says in r.stderr, r.stderr
     assert not (tmp_path / "d" / "run").exists() or groups(tmp_path / "d") == {}
+
+
+def test_pygmy_member_in_a_container_takes_the_tiers_from_the_environment(tmp_path: Path, cluster: Cluster) -> None:
+    """In a container there is no cluster.json: ``pygmy member`` asks the replicas that
+    ``PYGMY_<TIER>_URLS`` names (with ``PYGMY_SECRET``), as ``pygmy serve`` reads them, and records
+    nothing; a replica started with its name in ``PYGMY_<TIER>_LEARNERS`` joins as a learner."""
+    config = cluster.cluster_config()
+    env = {"PYGMY_CATALOG_URLS": ",".join(config.peers("catalog").values()), "PYGMY_SECRET": cluster.secret(),
+           "PYGMY_DATA_DIR": str(tmp_path)}
+    r = pygmy("member", "list", "catalog", "--json", "--data-dir", str(tmp_path), env=env)
+    assert r.returncode == 0, r.stderr
+    assert {m["name"] for m in json.loads(r.stdout)["members"]} == set(config.peers("catalog"))
+    assert not (tmp_path / "run").exists()
+    r = pygmy("member", "list", "catalog", "--data-dir", str(tmp_path), env={"PYGMY_DATA_DIR": str(tmp_path)})
+    assert r.returncode == 1 and "cluster.json not found" in r.stderr
+    from pygmy.cluster.cli import build_parser, resolve
+
+    args = build_parser(True).parse_args(["serve", "catalog", "--id", "4", "--data-dir", str(tmp_path)])
+    urls = "http://c1:8000,http://c2:8000,http://c3:8000,http://c4:8000"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYGMY_CATALOG_URLS", urls)
+        mp.setenv("PYGMY_CATALOG_LEARNERS", "catalog-4")
+        joined = resolve(args, use_cluster_file=True, serve=True)
+        assert joined.peers("catalog")["catalog-4"] == "http://c4:8000" and joined.learners("catalog") == ["catalog-4"]
+        assert resolve(args, use_cluster_file=False).learners("catalog") == []  # pygmy up ignores it
