@@ -41,7 +41,8 @@ class CatalogState(SQLiteStateMachine):
         """CREATE TABLE IF NOT EXISTS books (
                item_number INTEGER PRIMARY KEY, title TEXT NOT NULL, topic TEXT NOT NULL,
                topic_key TEXT NOT NULL, stock INTEGER NOT NULL CHECK (stock >= 0),
-               cost_cents INTEGER NOT NULL, version INTEGER NOT NULL DEFAULT 0)""",
+               cost_cents INTEGER NOT NULL, version INTEGER NOT NULL DEFAULT 0,
+               stock_added INTEGER NOT NULL DEFAULT 0)""",
         "CREATE INDEX IF NOT EXISTS books_topic ON books(topic_key, item_number)",
         # ``at``: the key's time (Unix seconds, in the command, so the same on every replica): for a
         # decrement, when the order leader sent it (the first time: a repeat returns the first row);
@@ -51,6 +52,14 @@ class CatalogState(SQLiteStateMachine):
     digest_tables = ("books", "idempotency")
 
     def migrate(self, conn: sqlite3.Connection) -> None:
+        # ``stock_added``: the copies updates and restocks added to a book (net), so that a copy of
+        # the state alone says stock = initial + added - sold (``pygmy backup --verify``). A book
+        # from before the ledger starts at 0 with its history unknown: ``stock_ledger`` 0 says so.
+        if "stock_added" not in {r[1] for r in conn.execute("PRAGMA table_info(books)")}:
+            conn.execute("ALTER TABLE books ADD COLUMN stock_added INTEGER NOT NULL DEFAULT 0")
+            conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('stock_ledger', 0)")
+        else:
+            conn.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('stock_ledger', 1)")
         if "at" not in {r[1] for r in conn.execute("PRAGMA table_info(idempotency)")}:
             conn.execute("ALTER TABLE idempotency ADD COLUMN at REAL NOT NULL DEFAULT 0")
         conn.execute("CREATE INDEX IF NOT EXISTS idempotency_at ON idempotency(at)")
@@ -105,6 +114,31 @@ class CatalogState(SQLiteStateMachine):
 
     def key_count(self) -> int:
         return int(self.read("SELECT COUNT(*) FROM idempotency")[0][0])
+
+    # -- a backup's copy (``pygmy.cluster.backup``) --------------------------------------------------
+    def remembered(self) -> dict[str, tuple[dict[str, Any], float]]:
+        """Every remembered key: its first result and its time."""
+        return {r["key"]: (json.loads(r["result"]), r["at"]) for r in self.read("SELECT * FROM idempotency")}
+
+    def ledger(self) -> dict[int, tuple[int, int]]:
+        """Each book's stock and the copies updates and restocks added to it: ``{item: (stock, added)}``."""
+        return {r[0]: (r[1], r[2]) for r in self.read("SELECT item_number, stock, stock_added FROM books")}
+
+    def ledger_complete(self) -> bool:
+        """Whether ``stock_added`` covers the whole history (not a catalogue from before the ledger)."""
+        rows = self.read("SELECT value FROM meta WHERE key='stock_ledger'")
+        return bool(rows and rows[0][0])
+
+    def undo_decrement(self, conn: sqlite3.Connection, key: str, item: int, quantity: int) -> None:
+        """Forget a decrement whose buy is not in the copy of the orders: its copies go back to
+        stock if it took them (its result says), and its key is dropped, so that a retry on the
+        restored store is a new buy that takes stock again. Inside ``amend``."""
+        row = conn.execute("SELECT result FROM idempotency WHERE key=?", (key,)).fetchone()
+        if row is None:
+            return
+        if json.loads(row[0]).get("ok"):
+            conn.execute("UPDATE books SET stock = stock + ? WHERE item_number = ?", (quantity, item))
+        conn.execute("DELETE FROM idempotency WHERE key=?", (key,))
 
     # -- commands ---------------------------------------------------------------------------------
     def execute(self, conn: sqlite3.Connection, index: int, command: dict[str, Any]) -> Any:
@@ -176,8 +210,9 @@ class CatalogState(SQLiteStateMachine):
         else:
             cost = cents(cmd["cost"]) if cmd.get("cost") is not None else row["cost_cents"]
             conn.execute(
-                "UPDATE books SET stock = stock + ?, cost_cents = ?, version = ? WHERE item_number = ?",
-                (delta, cost, index, item),
+                "UPDATE books SET stock = stock + ?, stock_added = stock_added + ?, cost_cents = ?, version = ? "
+                "WHERE item_number = ?",
+                (delta, delta, cost, index, item),
             )
             # The row as just written, without reading it back (one statement fewer per update).
             result = {"ok": True, "book": {**book_dict(row), "stock": row["stock"] + delta, "cost": cost / 100,
@@ -196,8 +231,8 @@ class CatalogState(SQLiteStateMachine):
         named = cmd.get("items")
         sold_out = [r[0] for r in conn.execute("SELECT item_number FROM books WHERE stock = 0")]
         items = sold_out if named is None else [n for n in sold_out if n in set(named)]
-        conn.executemany("UPDATE books SET stock = stock + ?, version = ? WHERE item_number = ?",
-                         [(cmd["amount"], index, n) for n in items])
+        conn.executemany("UPDATE books SET stock = stock + ?, stock_added = stock_added + ?, version = ? "
+                         "WHERE item_number = ?", [(cmd["amount"], cmd["amount"], index, n) for n in items])
         return {"ok": True, "items": items, "index": index}
 
 

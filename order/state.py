@@ -79,6 +79,13 @@ class OrderState(SQLiteStateMachine):
     def key_count(self) -> int:
         return int(self.read("SELECT COUNT(*) FROM orders WHERE key IS NOT NULL")[0][0])
 
+    def all_orders(self) -> list[dict[str, Any]]:
+        return [order_dict(r) for r in self.read("SELECT * FROM orders ORDER BY order_number")]
+
+    def by_key(self, key: str) -> dict[str, Any] | None:
+        rows = self.read("SELECT * FROM orders WHERE key=?", (key,))
+        return order_dict(rows[0]) if rows else None
+
     # -- commands ---------------------------------------------------------------------------------
     def execute(self, conn: sqlite3.Connection, index: int, command: dict[str, Any]) -> Any:
         op = command["op"]

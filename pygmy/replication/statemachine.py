@@ -273,6 +273,13 @@ class SQLiteStateMachine(StateMachine):
             finally:
                 change.total, change.open = 0, False
 
+    @contextmanager
+    def amend(self) -> Iterator[sqlite3.Connection]:
+        """A change made outside the log, digest kept: only for a copy that no replica runs (a
+        backup settling the buys its cut split, ``pygmy.cluster.backup``), never a live state."""
+        with self._write_lock, self._writing() as conn:
+            yield conn
+
     def read(self, sql: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
         return self._conn().execute(sql, params).fetchall()
 
