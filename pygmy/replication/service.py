@@ -7,14 +7,16 @@ turns its exceptions into HTTP answers (421 with the leader's name, 503 while no
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import urlsplit
 
-from flask import Flask, Response, jsonify, request
+from flask import Flask, Response, jsonify, request, send_file
 
 from pygmy.kit.config import ClusterConfig, parse_name
 from pygmy.kit.logs import request_id_scope, valid_request_id
@@ -166,6 +168,29 @@ class ReplicaRuntime:
             applied, digest, recomputed = self.node.sm.full_digest()
             return jsonify({"name": self.name, "applied_index": applied, "state_digest": digest,
                             "recomputed": recomputed, "ok": digest == recomputed})
+
+        @app.get("/backup")
+        @self.guard
+        def backup() -> Response:
+            """This replica's state, whole, at an index at least the leader's commit index as of the
+            request (a linearizable read, like every read here): pinned, copied page by page beside
+            the snapshots (``snapshots/out``, emptied at start), sent, deleted. ``pygmy backup`` asks
+            one replica of each tier, the order tier's first (docs/replication.md, "Backups")."""
+            self.ensure_readable()
+            path = self.node.snapshot_out / f"backup-{secrets.token_hex(6)}.db"
+            pin = self.sm.pin()
+            try:
+                pin.write(path)
+            finally:
+                pin.close()
+            digest = hashlib.sha256()
+            with path.open("rb") as f:
+                while chunk := f.read(1 << 20):
+                    digest.update(chunk)
+            resp = send_file(path, mimetype="application/vnd.sqlite3", max_age=0, conditional=False, etag=False)
+            resp.headers.update({"X-Pygmy-Applied-Index": str(pin.index), "X-Pygmy-Sha256": digest.hexdigest()})
+            resp.call_on_close(lambda: path.unlink(missing_ok=True))
+            return resp
 
         self._member_routes(app)
         if self.node.blueprint is not None:
