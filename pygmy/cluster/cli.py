@@ -168,6 +168,41 @@ def verify(config: ClusterConfig) -> int:
     return 1 if bad else 0
 
 
+def run_backup(args: argparse.Namespace) -> int:
+    """``pygmy backup DEST``, ``pygmy backup --verify ARCHIVE``, ``pygmy restore ARCHIVE``."""
+    from pathlib import Path
+
+    from pygmy.cluster import backup, launcher
+
+    def say(line: str) -> None:
+        print(f"pygmy {args.command}: {line}", file=sys.stderr, flush=True)
+
+    try:
+        if args.command == "backup":
+            if bool(args.verify) == bool(args.dest):
+                raise SystemExit("pygmy backup: name the archive to write (DEST) or the one to check (--verify ARCHIVE)")
+            if args.verify:
+                backup.verify(Path(args.verify), say)
+                return 0
+            config = ClusterConfig.load(args.data_dir)
+            config.data_dir = args.data_dir
+            backup.backup(config, Path(args.dest), args.with_secrets, say)
+            return 0
+        overrides = {field_name: getattr(args, dest) for dest, (field_name, _, _) in SETTINGS.items()
+                     if getattr(args, dest, None) is not None and dest != "data_dir"}
+        with backup.opened(Path(args.archive)) as (folder, _):
+            settings = json.loads((folder / "settings.json").read_text())
+        config = backup.restore_settings(settings, overrides, args.data_dir or os.environ.get("PYGMY_DATA_DIR") or "data")
+        if min(config.replicas("catalog"), config.replicas("order")) < 1:
+            raise SystemExit("pygmy restore: --catalog-replicas and --order-replicas must be at least 1")
+        backup.restore(Path(args.archive), config, args.force, say)
+        say(f"wrote {config.root}; starting it (later: pygmy up --data-dir {config.data_dir})")
+        return launcher.up(config)
+    except backup.BackupError as exc:
+        print(f"pygmy {args.command}: {exc}", file=sys.stderr)
+        return 1
+
+
 def build_parser(serving: bool = False) -> argparse.ArgumentParser:
     """Every command; ``serving``: without the client's commands, whose module imports Requests,
     which a service process never uses (about a tenth of its start-up's CPU, in every process)."""
@@ -202,6 +237,19 @@ def build_parser(serving: bool = False) -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="every replica's state digest against a full recompute, and replicas "
                                       "of a tier against each other (exit 1 on a mismatch)")
     p.add_argument("--data-dir", default=os.environ.get("PYGMY_DATA_DIR", "data"))
+    p = sub.add_parser("backup", help="an online backup of both tiers at one cut, into one archive; or check one "
+                                      "(--verify ARCHIVE)")
+    p.add_argument("dest", nargs="?", help="the archive to write (a new file)")
+    p.add_argument("--verify", metavar="ARCHIVE", help="check an archive instead: hashes, digests, no pending order, "
+                                                       "one order per key, stock = initial + added - sold")
+    p.add_argument("--with-secrets", action="store_true", help="put the internal secret and the admin token in "
+                                                                "the archive too (default: left out)")
+    p.add_argument("--data-dir", default=os.environ.get("PYGMY_DATA_DIR", "data"))
+    p = sub.add_parser("restore", help="build a new cluster from a backup in an empty data dir, check it holds "
+                                       "the archive's state, and run it in the foreground (as up)")
+    p.add_argument("archive", help="an archive written by pygmy backup")
+    add_cluster_options(p)
+    p.add_argument("--force", action="store_true", help="delete the store the data dir holds first")
     if not serving:
         from pygmy.client import cli as client_cli
 
@@ -258,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
             config = resolve(argparse.Namespace(data_dir=args.data_dir), use_cluster_file=False, serve=True)
             return members.run(config, args.action, args.tier, args.name, args.url, args.wait, args.json,
                                record_changes=False)
+        if args.command in ("backup", "restore"):
+            return run_backup(args)
         if args.command == "verify":
             config = ClusterConfig.load(args.data_dir)
             config.data_dir = args.data_dir

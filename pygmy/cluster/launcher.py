@@ -492,6 +492,9 @@ def up(config: ClusterConfig, reset_state: bool = False, out: object = sys.stdou
             spawn(config, name)
         wait_healthy(config, names, progress=say)
         wait_leaders(config)
+        from pygmy.cluster.backup import check_restored  # here: it imports this module
+
+        check_restored(config, say)  # a restored data dir: its replicas hold the archive's state
         try:
             server = control.ControlServer(config.run_dir(), faults.handle, faults.resume_due)
             server.start()
