@@ -88,10 +88,12 @@ def pygmy(*args: str, env: dict[str, str] | None = None, timeout: float = 60,
 
 class LocalCluster:
     def __init__(self, data_dir: Path, port_base: int, args: list[str], env: dict[str, str] | None = None,
-                 root: Path = ROOT) -> None:
+                 root: Path = ROOT, command: tuple[str, ...] = ("up",)) -> None:
         """``env`` is added to the environment of every process started here (tests' fault hooks);
-        ``root`` is the checkout whose code the services run (another version, for ``pygmy.experiments.ab``)."""
+        ``root`` is the checkout whose code the services run (another version, for ``pygmy.experiments.ab``);
+        ``command`` what runs the cluster in the foreground (``("restore", ARCHIVE)``: one built from a backup)."""
         self.data_dir, self.port_base, self.args, self.root = data_dir, port_base, args, root
+        self.command = command
         self.env = dict(env or {})
         if root != ROOT:
             self.env["PYTHONPATH"] = str(root)  # its packages, not this checkout's installed ones
@@ -102,7 +104,7 @@ class LocalCluster:
 
     # -- life cycle -----------------------------------------------------------------------------
     def start(self, reset: bool = False, timeout: float = 60) -> LocalCluster:
-        cmd = [sys.executable, "-m", cli_module(self.root), "up", "--port-base", str(self.port_base),
+        cmd = [sys.executable, "-m", cli_module(self.root), *self.command, "--port-base", str(self.port_base),
                "--data-dir", str(self.data_dir), *self.args] + (["--reset"] if reset else [])
         self.proc = subprocess.Popen(cmd, cwd=self.root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, **self.env})

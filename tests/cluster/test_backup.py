@@ -1,0 +1,137 @@
+"""Settling the buys a backup's cut splits, and the invariants an archive is checked for, on state
+files built command by command (no cluster: tests/system/test_backup.py runs the real thing)."""
+
+import shutil
+import sqlite3
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from pygmy.catalog.books import load as load_books
+from pygmy.catalog.state import CatalogState, build_seed
+from pygmy.cluster import backup
+from pygmy.order.state import OrderState
+
+NOW = datetime.now(UTC).isoformat(timespec="milliseconds")
+
+
+def intent(key: str, item: int = 2, quantity: int = 1, created_at: str = NOW) -> dict:
+    return {"op": "intent", "key": key, "item": item, "quantity": quantity, "created_at": created_at}
+
+
+def decrement(key: str, item: int = 2, quantity: int = 1) -> dict:
+    return {"op": "decrement", "key": key, "item": item, "quantity": quantity, "at": time.time()}
+
+
+def copy_of(state: CatalogState | OrderState, path: Path) -> Path:
+    """A pinned copy, as ``GET /backup`` makes it."""
+    state.snapshot_to(path)
+    return path
+
+
+@pytest.fixture
+def cut(tmp_path: Path) -> dict[str, Path]:
+    """Copies of both tiers split across six buys and an update, as a backup under load takes them:
+
+    a: intent, decrement, confirm, all before the order copy    -> confirmed as it was
+    b: intent before the order copy, decrement before the catalog copy, no confirm -> confirmed
+    c: the same, but the catalog refused it (too many copies)   -> failed with the catalog's 409
+    d: intent before the order copy, no decrement by the catalog copy -> failed (not in the backup)
+    e: intent after the order copy, decrement before the catalog copy -> decrement undone
+    f: the same as e, refused by the catalog                    -> its key forgotten, no stock moved
+    u: an admin update (+5 copies of book 3) under its own key  -> kept, in the ledger
+    """
+    build_seed(load_books(None), tmp_path / "seed.db")
+    live = tmp_path / "live"
+    orders, catalog = OrderState(live / "order.db"), CatalogState(live / "catalog.db")
+    catalog.restore(0, tmp_path / "seed.db")
+    for i, cmd in enumerate([intent("a"), intent("b"), intent("c", quantity=999_999), intent("d")], 1):
+        orders.apply(i, cmd)
+    for i, cmd in enumerate([decrement("a"), decrement("b"), decrement("c", quantity=999_999)], 1):
+        catalog.apply(i, cmd)
+    orders.apply(5, {"op": "confirm", "key": "a", "title": "RPCs for Dummies", "cost": 15.0, "at": time.time()})
+    folder = tmp_path / "archive"
+    folder.mkdir()
+    copy_of(orders, folder / "order.db")  # the order cut
+    orders.apply(6, intent("e", item=4, quantity=3))
+    orders.apply(7, intent("f", item=4, quantity=999_999))
+    catalog.apply(4, decrement("e", item=4, quantity=3))
+    catalog.apply(5, decrement("f", item=4, quantity=999_999))
+    catalog.apply(6, {"op": "update", "item": 3, "stock_delta": 5, "key": "u"})
+    copy_of(catalog, folder / "catalog.db")  # the catalog cut
+    catalog.apply(7, decrement("d"))  # too late for the catalog copy
+    copy_of(orders, tmp_path / "order-after.db")
+    shutil.copyfile(tmp_path / "seed.db", folder / "seed.db")
+    orders.close_all()
+    catalog.close_all()
+    return {"folder": folder, "after": tmp_path / "order-after.db"}
+
+
+def settle(cut: dict[str, Path]) -> dict[str, int]:
+    f = cut["folder"]
+    return backup.settle(f / "order.db", f / "catalog.db", cut["after"], time.time(), 86_400)
+
+
+def rows(db: Path, sql: str) -> list[tuple]:
+    conn = sqlite3.connect(db)
+    try:
+        return conn.execute(sql).fetchall()
+    finally:
+        conn.close()
+
+
+def test_each_split_buy_is_settled_to_what_its_client_may_have_seen(cut: dict[str, Path]) -> None:
+    assert settle(cut) == {"confirmed": 1, "failed": 1, "failed_not_in_catalog": 1, "undone": 1,
+                           "forgotten_refusals": 1}
+    f = cut["folder"]
+    status = dict(rows(f / "order.db", "SELECT key, status FROM orders"))
+    assert status == {"a": "confirmed", "b": "confirmed", "c": "failed", "d": "failed"}
+    assert rows(f / "order.db", "SELECT error_code FROM orders WHERE key='d'") == [(409,)]
+    keys = {k for (k,) in rows(f / "catalog.db", "SELECT key FROM idempotency")}
+    assert keys == {"a", "b", "c", "u"}  # e's and f's decrements are forgotten, the update's key kept
+    stock = dict(rows(f / "catalog.db", "SELECT item_number, stock FROM books"))
+    initial = dict(rows(f / "seed.db", "SELECT item_number, stock FROM books"))
+    assert stock[2] == initial[2] - 2 and stock[4] == initial[4] and stock[3] == initial[3] + 5
+    problems, facts = backup.check(f)
+    assert problems == [] and facts["confirmed"] == 2 and facts["copies_sold"] == 2 and facts["stock_ledger"]
+
+
+def test_unsettled_copies_fail_the_check(cut: dict[str, Path]) -> None:
+    """What a backup that skipped settling would write: caught by the stock equation and the pending orders."""
+    problems, _ = backup.check(cut["folder"])
+    assert any("book 4: stock" in p for p in problems), problems  # e's copies taken, no order for them
+    assert any("book 2: stock" in p for p in problems), problems  # b's copies taken, b still pending
+    assert any("is pending" in p for p in problems), problems
+
+
+def test_a_catalog_copy_older_than_the_order_copy_fails_the_check(tmp_path: Path, cut: dict[str, Path]) -> None:
+    """Copies taken the wrong way round: a confirmed order whose decrement the catalog copy lacks."""
+    f = cut["folder"]
+    build_seed(load_books(None), tmp_path / "fresh-seed.db")
+    early = CatalogState(tmp_path / "early.db")
+    early.restore(0, tmp_path / "fresh-seed.db")
+    early.close_all()
+    shutil.copyfile(tmp_path / "early.db", f / "catalog.db")
+    settle(cut)
+    problems, _ = backup.check(f)
+    assert any("book 2: stock" in p for p in problems), problems
+
+
+def test_a_store_whose_catalogue_predates_the_ledger_is_checked_without_the_equation(cut: dict[str, Path]) -> None:
+    f = cut["folder"]
+    settle(cut)
+    conn = sqlite3.connect(f / "catalog.db")
+    conn.execute("UPDATE meta SET value=0 WHERE key='stock_ledger'")
+    conn.commit()
+    conn.close()
+    problems, facts = backup.check(f)
+    assert problems == [] and not facts["stock_ledger"]
+
+
+def test_an_intent_pending_longer_than_the_key_window_is_not_guessed(cut: dict[str, Path]) -> None:
+    """The catalog may have forgotten its key: the backup refuses rather than pick an outcome."""
+    f = cut["folder"]
+    with pytest.raises(backup.BackupError, match="longer than the key window"):
+        backup.settle(f / "order.db", f / "catalog.db", cut["after"], time.time() + 100, 10)
