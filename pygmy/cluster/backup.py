@@ -107,7 +107,7 @@ def fetch_copy(config: ClusterConfig, tier: str, dest: Path, say: Say) -> dict[s
                     raise BackupError(f"the copy arrived damaged ({size} bytes)")
             except (requests.RequestException, BackupError, KeyError, ValueError, OSError) as exc:
                 last = f"{name}: {exc}"
-                say(f"{tier}: no copy from {name} ({str(exc)[:160]}); asking another replica")
+                say(f"{tier}: no copy from {name} ({str(exc).strip()[:160]}); asking another replica")
                 continue
             say(f"{tier}: copied {name} at index {index} ({size / 2**20:.1f} MiB in "
                 f"{time.monotonic() - started:.1f} s)")

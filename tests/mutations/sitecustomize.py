@@ -78,6 +78,8 @@ Without the variables below it does nothing.
   of decrements before sending it to the catalog: buys stay in flight (their intents recorded,
   the stock not yet taken), so a test can fill the write path, or let a buy's time run out after
   its intent was proposed.
+- ``PYGMY_TEST_BACKUP_GATE=<dir>``: ``pygmy backup`` makes ``<dir>/before-<n>-<tier>`` before each
+  of its copies and waits until the file is gone, so a test can kill a leader between copies.
 """
 
 from __future__ import annotations
@@ -285,6 +287,27 @@ def _hold_decrements(flag: str) -> None:
     Combiner.__init__ = holding_init
 
 
+def _backup_gate(folder: str) -> None:
+    """``pygmy backup`` (the process with this variable) stops before each of its copies: it makes
+    ``<folder>/before-<n>-<tier>`` and waits (30 s at most) until the test has removed it, so that a
+    fault lands between two copies, however fast they are."""
+    import itertools
+
+    from pygmy.cluster import backup
+
+    fetch, steps = backup.fetch_copy, itertools.count(1)
+
+    def gated(config, tier, dest, say):  # type: ignore[no-untyped-def]
+        flag = os.path.join(folder, f"before-{next(steps)}-{tier}")
+        open(flag, "w").close()  # noqa: SIM115
+        deadline = time.monotonic() + 30
+        while os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return fetch(config, tier, dest, say)
+
+    backup.fetch_copy = gated
+
+
 def _die_if_named(flag: str, service: str, role: str = "") -> None:
     """If ``flag`` names ``service``'s tier (and ``role``, when it names one): delete it and SIGKILL
     our own process group, here."""
@@ -457,6 +480,8 @@ if os.environ.get("PYGMY_TEST_CRASH_UNPERSISTED"):
     _crash_unpersisted(os.environ["PYGMY_TEST_CRASH_UNPERSISTED"])
 if os.environ.get("PYGMY_TEST_CRASH_AT"):
     _crash_at(os.environ["PYGMY_TEST_CRASH_AT"])
+if os.environ.get("PYGMY_TEST_BACKUP_GATE"):
+    _backup_gate(os.environ["PYGMY_TEST_BACKUP_GATE"])
 if os.environ.get("PYGMY_TEST_RENEW_FAULT"):
     _renew_fault(os.environ["PYGMY_TEST_RENEW_FAULT"], os.environ.get("PYGMY_TEST_RENEW_FAULT_SERVICE", "frontend-1"))
 if os.environ.get("PYGMY_TEST_CACHE_LEASE"):
