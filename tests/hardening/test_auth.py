@@ -235,7 +235,7 @@ def listeners(c: Cluster, frontend: str = "frontend-1") -> list[tuple[str, int]]
 def test_the_admin_token_opens_no_internal_endpoint(hard_cluster: Cluster) -> None:
     """Whoever holds the admin token can update books at the frontend, and nothing else: every
     internal endpoint (the peer transport of every replica and its lease channel, read index, replica
-    reads and writes, the digest check, a frontend worker's cache-push listener) refuses it with 403
+    reads and writes, the digest check, a backup's copy, a frontend worker's cache-push listener) refuses it with 403
     and nothing changes."""
     c = hard_cluster
     token = c.admin_token()
@@ -245,6 +245,7 @@ def test_the_admin_token_opens_no_internal_endpoint(hard_cluster: Cluster) -> No
     calls: list[tuple[str, str, dict[str, Any] | None]] = [
         *[("GET", c.replica_url(n) + "/raft/read_index", None) for n in NAMES],
         *[("GET", c.replica_url(n) + "/verify", None) for n in NAMES],
+        *[("GET", c.replica_url(n) + "/backup", None) for n in NAMES],  # a copy of the whole state
         ("GET", cat + "/books/1", None),
         ("GET", cat + "/books?topic=distributed%20systems", None),
         ("POST", cat + "/books/1/decrement", {"quantity": 5, "key": "intruder"}),
