@@ -288,6 +288,7 @@ def backup(config: ClusterConfig, dest: Path, with_secrets: bool = False, say: S
         if problems:
             raise BackupError("the settled copies break an invariant (a bug; nothing written): " + "; ".join(problems[:5]))
         settings = {k: v for k, v in config.to_dict().items() if k not in MACHINE_SETTINGS}
+        settings.update(catalog_replicas=config.replicas("catalog"), order_replicas=config.replicas("order"))
         (work / "settings.json").write_text(json.dumps(settings, indent=1))
         members = ["settings.json", *DBS]
         if with_secrets:
@@ -380,6 +381,9 @@ def restore(archive: Path, config: ClusterConfig, force: bool = False, say: Say 
     the data dir holds a store (unless ``force``: then that store is deleted). What ``pygmy up``
     must find before it says ready (``check_restored``)."""
     facts = verify(archive, say)
+    live = [n for n in launcher.service_names(config) if launcher.running(config, n)]
+    if live:
+        raise BackupError(f"services of {config.root} are running ({', '.join(live[:5])}): stop them first")
     existing = holds_store(config)
     if existing and not force:
         raise BackupError(f"{config.root} holds a store already ({', '.join(existing[:5])}): restore into an "

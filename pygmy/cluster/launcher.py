@@ -343,13 +343,21 @@ def keep_members(config: ClusterConfig) -> None:
         config.members, config.tier_learners = previous.members, previous.tier_learners
 
 
-def reset(config: ClusterConfig) -> None:
-    """Forget all state in the data dir (replica databases, logs, run files; secret and admin token
-    stay): of every replica, those ``pygmy member`` added and removed too."""
+def service_names(config: ClusterConfig) -> list[str]:
+    """The services of this data dir: those of the config, and every other one with a directory,
+    a pid file (``pygmy member`` added and removed replicas too)."""
     names = set(config.names())
     if config.root.is_dir():
         names |= {p.name for p in config.root.iterdir() if p.is_dir() and _is_service_name(p.name)}
-    for name in sorted(names):
+    if config.run_dir().is_dir():
+        names |= {p.stem for p in config.run_dir().glob("*.pid") if _is_service_name(p.stem)}
+    return sorted(names)
+
+
+def reset(config: ClusterConfig) -> None:
+    """Forget all state in the data dir (replica databases, logs, run files; secret and admin token
+    stay): of every replica, those ``pygmy member`` added and removed too."""
+    for name in service_names(config):
         shutil.rmtree(config.replica_dir(name), ignore_errors=True)
     shutil.rmtree(config.run_dir(), ignore_errors=True)
     shutil.rmtree(config.log_dir(), ignore_errors=True)

@@ -131,6 +131,9 @@ def scene(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         try:
             wait_for("buys under way", lambda: len(load.buys) >= 30)
             started, killed, output = back_up_killing_leaders(c, tmp / "store.tar", tmp / "gate")
+            with_secrets = pygmy("backup", str(tmp / "with-secrets.tar"), "--with-secrets", "--data-dir", str(c.data_dir))
+            assert with_secrets.returncode == 0, with_secrets.stderr
+            secret = c.secret()
             time.sleep(1)  # buys and updates go on after the backup: none of them may be in it
         finally:
             load.stop.set()
@@ -143,7 +146,7 @@ def scene(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     members = tmp / "members"
     with tarfile.open(tmp / "store.tar") as tar:
         tar.extractall(members, filter="data")
-    yield {"archive": tmp / "store.tar", "members": members, "initial": initial, "load": load, "started": started,
+    yield {"archive": tmp / "store.tar", "with_secrets": tmp / "with-secrets.tar", "secret": secret, "members": members, "initial": initial, "load": load, "started": started,
            "killed": killed, "output": output, "tmp": tmp}
 
 
@@ -252,3 +255,16 @@ def test_restore_refuses_a_data_dir_that_holds_a_store(scene: dict[str, Any], tm
     assert r.returncode == 1 and "holds a store already" in r.stderr and "--force" in r.stderr, r.stderr
     assert sorted(p.name for p in d.rglob("*")) == ["catalog-1", "state.db"]
     assert (d / "catalog-1" / "state.db").read_bytes() == b"a store"  # nothing changed
+    with tarfile.open(scene["archive"]) as tar:
+        assert not {"secret", "admin-token"} & set(tar.getnames())
+    # --force: that store deleted, the archive's with its credentials in its place, one replica a tier.
+    c = Cluster(d, free_port_base(), ["--catalog-replicas", "1", "--order-replicas", "1"],
+                command=("restore", str(scene["with_secrets"]), "--force"))
+    c.start()
+    try:
+        assert c.secret() == scene["secret"]
+        assert requests.get(f"{c.url}/lookup/1", timeout=5).json()["stock"] >= 0
+        assert requests.post(f"{c.url}/buy/1", json={"quantity": 1}, timeout=10).status_code == 200
+    finally:
+        c.stop()
+    assert sorted(p.name for p in d.iterdir() if p.name.startswith(("catalog-", "order-"))) == ["catalog-1", "order-1"]
