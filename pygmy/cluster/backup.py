@@ -48,6 +48,7 @@ from pygmy.kit.config import ClusterConfig
 from pygmy.order.state import CONFIRMED, FAILED, PENDING, OrderState
 from pygmy.replication.core import HardState, Membership
 from pygmy.replication.log_store import LogStore
+from pygmy.replication.service import Periodic
 
 FORMAT = 1
 DBS = ("seed.db", "catalog.db", "order.db")
@@ -60,7 +61,8 @@ COPY_TIMEOUT = (2.0, 60.0)
 RESTORE_CHECK = 60.0
 #: Settings that describe the machines of the cluster backed up, not its store: a restore derives them.
 MACHINE_SETTINGS = {"data_dir": "data", "members": {}, "tier_learners": {}, "catalog_urls": [], "order_urls": [],
-                    "advertise_host": None, "port": None, "peer_addresses": {}, "router_urls": {}, "netns": ""}
+                    "advertise_host": None, "port": None, "peer_addresses": {}, "router_urls": {}, "netns": "",
+                    "backup_dir": ""}
 NOT_IN_BACKUP = "not in the backup this store was restored from: no stock was taken (buy again with a new key)"
 
 Say = Callable[[str], None]
@@ -455,3 +457,26 @@ def check_restored(config: ClusterConfig, say: Say) -> None:
                     time.sleep(0.2)
             say(f"{tier}: every replica holds the restored state (digest {want['digest']})")
     marker.unlink()
+
+
+class Scheduled(Periodic):
+    """``pygmy up --backup-every S``: an archive every ``S`` seconds into the backup folder, named by
+    its time (``pygmy-20261126T204500Z.tar``), the newest ``backup_keep`` kept: the restocker's
+    style, in the process that runs the cluster. A round that fails says why; the next one tries again."""
+
+    def __init__(self, config: ClusterConfig, say: Say) -> None:
+        super().__init__("scheduled-backups", config.backup_every)
+        self.config, self.say = config, say
+        self.folder = Path(config.backup_dir) if config.backup_dir else config.root / "backups"
+
+    def work(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        dest = self.folder / f"pygmy-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S%fZ')}.tar"
+        try:
+            backup(self.config, dest)
+        except (BackupError, OSError, sqlite3.Error) as exc:
+            self.say(f"scheduled backup failed (next in {self.every:g} s): {exc}")
+            return
+        self.say(f"backed up into {dest}")
+        for old in sorted(self.folder.glob("pygmy-*.tar"))[:-self.config.backup_keep]:
+            old.unlink(missing_ok=True)

@@ -47,6 +47,9 @@ SETTINGS: dict[str, tuple[str, Any, str]] = {
     "books": ("books", str, "PYGMY_BOOKS"),
     "restock_every": ("restock_every", float, "PYGMY_RESTOCK_EVERY"),
     "restock_amount": ("restock_amount", int, "PYGMY_RESTOCK_AMOUNT"),
+    "backup_every": ("backup_every", float, "PYGMY_BACKUP_EVERY"),
+    "backup_dir": ("backup_dir", str, "PYGMY_BACKUP_DIR"),
+    "backup_keep": ("backup_keep", int, "PYGMY_BACKUP_KEEP"),
     "key_window": ("key_window", float, "PYGMY_KEY_WINDOW"),
     "catalog_urls": ("catalog_urls", _urls, "PYGMY_CATALOG_URLS"),
     "order_urls": ("order_urls", _urls, "PYGMY_ORDER_URLS"),
@@ -76,6 +79,9 @@ def add_cluster_options(p: argparse.ArgumentParser, serve: bool = False) -> None
     p.add_argument("--books", help="JSON file with the initial catalogue")
     p.add_argument("--restock-every", type=float, help="seconds between deliveries for sold-out books (off)")
     p.add_argument("--restock-amount", type=int, help="copies delivered per sold-out book")
+    p.add_argument("--backup-every", type=float, help="pygmy up: back the store up every this many seconds (off)")
+    p.add_argument("--backup-dir", help="where scheduled backups go (default D/backups)")
+    p.add_argument("--backup-keep", type=int, help="scheduled backups kept, the newest (default 7)")
     p.add_argument("--key-window", type=float, help="seconds an idempotency key is remembered (default 86400)")
     p.add_argument("--bind", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--netns", help="run service NAME in network namespace NETNS-NAME (made beforehand; "
@@ -134,6 +140,8 @@ def resolve(args: argparse.Namespace, use_cluster_file: bool, serve: bool = Fals
     bad_links = config.check_links()
     if bad_links:
         raise SystemExit("pygmy: " + "; ".join(bad_links))
+    if config.backup_every < 0 or (config.backup_every and config.backup_keep < 1):
+        raise SystemExit("pygmy: --backup-every must be at least 0, and --backup-keep at least 1")
     if not config.key_window >= MIN_KEY_WINDOW:
         raise SystemExit(f"pygmy: --key-window must be at least {MIN_KEY_WINDOW:g} s (longer than a buy may take)")
     return config

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import requests
 
@@ -32,6 +32,9 @@ from pygmy.catalog.books import load as load_books
 from pygmy.catalog.state import build_seed
 from pygmy.kit import control
 from pygmy.kit.config import SERVE_ONLY_ENV, ClusterConfig, parse_name
+
+if TYPE_CHECKING:
+    from pygmy.cluster.backup import Scheduled
 
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 10.0
@@ -495,6 +498,7 @@ def up(config: ClusterConfig, reset_state: bool = False, out: object = sys.stdou
     signal.signal(signal.SIGTERM, on_signal)
     faults = Faults(config, say)
     server: control.ControlServer | None = None
+    scheduled: Scheduled | None = None
     try:
         for name in names:
             spawn(config, name)
@@ -509,6 +513,11 @@ def up(config: ClusterConfig, reset_state: bool = False, out: object = sys.stdou
         except (control.ControlError, OSError) as exc:
             say(f"no fault buttons on the dashboard: {exc}")
         print(f"ready {config.frontend_url(1)}", file=out, flush=True)  # type: ignore[call-overload]
+        if config.backup_every > 0:
+            from pygmy.cluster import backup  # here: it imports this module, and Flask
+
+            scheduled = backup.Scheduled(config, say)
+            scheduled.start()
         while True:
             _reap()  # services killed for fault injection must not linger as zombies
             time.sleep(0.2)
@@ -519,6 +528,8 @@ def up(config: ClusterConfig, reset_state: bool = False, out: object = sys.stdou
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if server is not None:
             server.close()
+        if scheduled is not None:
+            scheduled.stop()  # a backup under way is left to finish or fail as the services stop
         faults.resume_due(everything=True)  # a stopped process would not hear SIGTERM
         # And the replicas started meanwhile (``pygmy start`` of one ``pygmy member`` added).
         started = sorted(p.stem for p in config.run_dir().glob("*.pid") if _is_service_name(p.stem))

@@ -48,6 +48,12 @@ class ClusterConfig:
     books: str | None = None
     restock_every: float = 0.0
     restock_amount: int = 0
+    #: Scheduled backups by ``pygmy up`` (``pygmy.cluster.backup.Scheduled``): every this many
+    #: seconds (0: off) an archive into ``backup_dir`` (empty: ``D/backups``), the newest
+    #: ``backup_keep`` kept.
+    backup_every: float = 0.0
+    backup_dir: str = ""
+    backup_keep: int = 7
     #: Explicit peer URLs (containers address peers by service name); empty means derive from ports.
     catalog_urls: list[str] = field(default_factory=list)
     order_urls: list[str] = field(default_factory=list)

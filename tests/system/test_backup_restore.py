@@ -26,7 +26,7 @@ import pytest
 import requests
 from harness import MUTATIONS, Cluster, free_port_base, start_cluster, stop_checked, wait_for
 
-from pygmy.cluster import launcher
+from pygmy.cluster import backup, launcher
 from pygmy.cluster.local import ROOT, pygmy
 from pygmy.kit.config import ClusterConfig
 
@@ -120,7 +120,7 @@ def back_up_killing_leaders(c: Cluster, archive: Path, gate: Path) -> tuple[floa
 @pytest.fixture(scope="module")
 def scene(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("backup")
-    c = start_cluster(tmp)
+    c = start_cluster(tmp, "--backup-every", "0.5", "--backup-dir", str(tmp / "scheduled"), "--backup-keep", "2")
     try:
         initial = {i: c.client().lookup(i)["stock"] for i in ITEMS}
         load = Load(c.url, c.admin_token())
@@ -135,6 +135,7 @@ def scene(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             assert with_secrets.returncode == 0, with_secrets.stderr
             secret = c.secret()
             time.sleep(1)  # buys and updates go on after the backup: none of them may be in it
+            wait_for("three scheduled backups", lambda: sum("backed up into" in line for line in c.output) >= 3)
         finally:
             load.stop.set()
             for t in threads:
@@ -245,6 +246,15 @@ def test_verify_catches_a_tampered_archive(scene: dict[str, Any], tmp_path: Path
     bad = pygmy("backup", "--verify", str(repack("edited.tar", fix_hash=True)))
     assert bad.returncode == 1 and "book 3: stock" in bad.stderr, bad.stderr
     assert "pygmy backup" in pygmy("backup", "--verify", str(tmp_path / "nothing.tar")).stderr
+
+
+def test_scheduled_backups_keep_the_newest(scene: dict[str, Any]) -> None:
+    """``pygmy up --backup-every 0.5 --backup-keep 2``, through the same failovers: the two newest
+    archives are kept, and each passes ``--verify``."""
+    kept = sorted((scene["tmp"] / "scheduled").glob("pygmy-*.tar"))
+    assert len(kept) == 2, kept
+    for archive in kept:
+        assert backup.verify(archive)["orders"] > 0
 
 
 def test_restore_refuses_a_data_dir_that_holds_a_store(scene: dict[str, Any], tmp_path: Path) -> None:
