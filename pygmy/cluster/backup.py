@@ -328,7 +328,9 @@ def opened(archive: Path) -> Iterator[tuple[Path, dict[str, Any]]]:
                     raise BackupError(f"{archive} has no manifest.json: not a pygmy backup")
                 tar.extractall(folder, filter="data")
             manifest = json.loads((folder / "manifest.json").read_text())
-        except (OSError, tarfile.TarError, ValueError) as exc:
+        except tarfile.TarError:
+            raise BackupError(f"{archive} is not a pygmy backup: not a tar archive, or a damaged one") from None
+        except (OSError, ValueError) as exc:
             raise BackupError(f"cannot read {archive} as a pygmy backup: {exc}") from None
         if manifest.get("format") != FORMAT:
             raise BackupError(f"{archive} is of format {manifest.get('format')!r}; this version reads {FORMAT}")

@@ -188,7 +188,9 @@ def run_backup(args: argparse.Namespace) -> int:
     try:
         if args.command == "backup":
             if bool(args.verify) == bool(args.dest):
-                raise SystemExit("pygmy backup: name the archive to write (DEST) or the one to check (--verify ARCHIVE)")
+                print("pygmy backup: name the archive to write (DEST) or the one to check (--verify ARCHIVE)",
+                      file=sys.stderr)
+                return 2
             if args.verify:
                 backup.verify(Path(args.verify), say)
                 return 0
