@@ -198,8 +198,17 @@ def run_backup(args: argparse.Namespace) -> int:
             config.data_dir = args.data_dir
             backup.backup(config, Path(args.dest), args.with_secrets, say)
             return 0
-        overrides = {field_name: getattr(args, dest) for dest, (field_name, _, _) in SETTINGS.items()
-                     if getattr(args, dest, None) is not None and dest != "data_dir"}
+        overrides: dict[str, Any] = {}  # as for up: flags, then PYGMY_* variables, then (here) the archive's
+        for dest, (field_name, parse, env) in SETTINGS.items():
+            if dest == "data_dir" or env in SERVE_ONLY_ENV:
+                continue
+            if os.environ.get(env):
+                try:
+                    overrides[field_name] = parse(os.environ[env])
+                except (ValueError, argparse.ArgumentTypeError) as exc:
+                    raise SystemExit(f"pygmy: {env}: {exc}") from None
+            if getattr(args, dest, None) is not None:
+                overrides[field_name] = getattr(args, dest)
         with backup.opened(Path(args.archive)) as (folder, _):
             settings = json.loads((folder / "settings.json").read_text())
         config = backup.restore_settings(settings, overrides, args.data_dir or os.environ.get("PYGMY_DATA_DIR") or "data")
