@@ -1188,7 +1188,9 @@ class ReplicaNode:
         now = time.monotonic()
         for m in msgs:
             if m.type == HEARTBEAT:
-                self._rtt.sent(m.dst, m.ctx, now)
+                pr = self.core.progress(m.dst)
+                self._rtt.sent(m.dst, m.ctx, now, caught_up=pr is not None
+                               and pr.match >= self.core.commit - self.config.promote_max_lag)
             sender = self._senders.get(m.dst) or self._sender(m.dst)
             if sender is not None:
                 sender.offer(m)

@@ -86,8 +86,20 @@ class RttMeter:
     samples: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
     #: (peer, the heartbeat's ctx) -> when it was sent.
     _sent: dict[tuple[str, int], float] = field(default_factory=dict)
+    #: Peers seen caught up with the leader at least once: only their heartbeats are timed.
+    _timed: set[str] = field(default_factory=set)
 
-    def sent(self, peer: str, ctx: int, now: float) -> None:
+    def sent(self, peer: str, ctx: int, now: float, caught_up: bool = True) -> None:
+        """A heartbeat to ``peer`` left at ``now``. Not timed until ``peer`` has once been
+        ``caught_up``: a replica that is still starting, or writing the log or snapshot it missed,
+        answers late because it is busy, not because the link is slow (a joining replica's first
+        seconds stretched a LAN tier's window to seconds, for the hold's 30 s). Once it was, it is
+        timed however far behind it falls: on a slow link a loaded follower lags, and that link's
+        round trips must count."""
+        if caught_up:
+            self._timed.add(peer)
+        if peer not in self._timed:
+            return
         self._sent[(peer, ctx)] = now
         if len(self._sent) > 16 * SAMPLES:  # answers that never came (a peer down, a lost frame)
             for key in [k for k, t in self._sent.items() if now - t > SAMPLE_AGE]:

@@ -585,7 +585,12 @@ def test_a_new_leader_keeps_the_window_it_took_over_until_it_has_measured_for_a_
         assert time.monotonic() < deadline, {n.name: n.core.floor for n in cluster.nodes.values()}
         time.sleep(0.05)
     monkeypatch.setattr(node_module, "derive", real)
-    new = old.transfer_leadership(None, timeout=5)
+    for _ in range(20):  # on a busy machine an election may come first: hand over from whoever leads
+        try:
+            new = old.transfer_leadership(None, timeout=5)
+            break
+        except NotLeader:
+            old = cluster.leader()
     assert new is not None and new != old.name
     time.sleep(2.5 * node_module.RETUNE_EVERY)  # two retunes and more: time enough to have lowered it
     # Whoever leads now (on a busy machine another election may have followed the hand-over) took

@@ -188,6 +188,18 @@ def test_the_meter_pairs_answers_with_heartbeats_and_takes_a_high_percentile() -
     assert meter.rtts(100.0 + timers.SAMPLE_AGE + 20) == {}
 
 
+def test_a_peer_is_timed_only_once_it_has_caught_up_and_then_however_far_it_lags() -> None:
+    meter = timers.RttMeter()
+    meter.sent("new", 1, 100.0, caught_up=False)  # still catching up: its answer measures its work
+    meter.answered("new", 1, 103.0)
+    assert meter.rtts(104.0) == {}
+    meter.sent("new", 2, 104.0, caught_up=True)
+    meter.answered("new", 2, 104.1)
+    meter.sent("new", 3, 105.0, caught_up=False)  # behind again (a slow link under load): still timed
+    meter.answered("new", 3, 105.3)
+    assert meter.rtts(106.0) == {"new": (pytest.approx(0.3), pytest.approx(0.3))}
+
+
 def test_the_hold_raises_at_once_and_lowers_only_after_a_while() -> None:
     hold = timers.Hold(hold=30)
     assert hold.update(0, Timing(5, 100, 10)) == Timing(5, 100, 10)
