@@ -26,7 +26,7 @@ from pygmy.experiments import harness as h
 
 SECTIONS = ("baseline", "sequential", "cache_miss", "invalidation", "concurrency", "scaling", "failover",
             "recovery", "cache_size", "overload", "growth", "store_size", "rebuild", "wan", "replace", "bench",
-            "writepath", "chaos")
+            "writepath", "chaos", "backup")
 
 #: What ``make bench`` runs, in order (the Makefile); ``bench`` measures the baseline first.
 MAKE_BENCH = ("bench", "writepath", "store_size", "rebuild")

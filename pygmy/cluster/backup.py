@@ -284,35 +284,46 @@ def backup(config: ClusterConfig, dest: Path, with_secrets: bool = False, say: S
             shutil.copyfile(config.seed_file(), work / "seed.db")
         else:  # a data dir begun before seeds: the catalogue named now, as a replica started from nothing reads
             build_seed(load_books(config.books), work / "seed.db")
-        for db in DBS:
-            _self_contained(work / db)
-        problems, facts = check(work)
-        if problems:
-            raise BackupError("the settled copies break an invariant (a bug; nothing written): " + "; ".join(problems[:5]))
-        settings = {k: v for k, v in config.to_dict().items() if k not in MACHINE_SETTINGS}
-        settings.update(catalog_replicas=config.replicas("catalog"), order_replicas=config.replicas("order"))
-        (work / "settings.json").write_text(json.dumps(settings, indent=1))
-        members = ["settings.json", *DBS]
-        if with_secrets:
-            for member, value in (("secret", config.secret()), ("admin-token", config.admin_token())):
-                (work / member).write_text(value)
-                (work / member).chmod(0o600)
-                members.append(member)
-        manifest = {
-            "format": FORMAT, "started_at": datetime.fromtimestamp(started, UTC).isoformat(timespec="milliseconds"),
-            "seconds": round(time.monotonic() - t0, 3),
-            "cut": {"order": order, "catalog": catalog}, "settled": settled, "state": facts,
-            "with_secrets": with_secrets, "sha256": {m: _sha256(work / m) for m in members},
-        }
-        (work / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        partial = work / "archive.tar"
-        with tarfile.open(partial, "w") as tar:
-            for m in ["manifest.json", *members]:
-                tar.add(work / m, arcname=m)
-        os.replace(partial, dest)
+        manifest = write_archive(work, config, dest, {"order": order, "catalog": catalog}, settled, started, t0,
+                                 with_secrets)
+        facts = manifest["state"]
     say(f"wrote {dest} ({dest.stat().st_size / 2**20:.1f} MiB): {facts['books']} books, {facts['orders']} orders "
         f"({facts['confirmed']} confirmed), order index {order['index']}, catalog index {catalog['index']}, "
         f"in {time.monotonic() - t0:.1f} s")
+    return manifest
+
+
+def write_archive(work: Path, config: ClusterConfig, dest: Path, cut: dict[str, Any], settled: dict[str, int],
+                  started: float, t0: float, with_secrets: bool = False) -> dict[str, Any]:
+    """The archive ``dest`` of the settled copies in ``work`` (``seed.db``, ``catalog.db``,
+    ``order.db``), once ``check`` finds them whole: with ``config``'s settings, the ``cut`` (each
+    tier's replica, index and bytes) and what was ``settled``; its manifest. ``started``: when the
+    copies were begun (Unix seconds; ``t0`` the same on ``time.monotonic``'s clock)."""
+    for db in DBS:
+        _self_contained(work / db)
+    problems, facts = check(work)
+    if problems:
+        raise BackupError("the settled copies break an invariant (a bug; nothing written): " + "; ".join(problems[:5]))
+    settings = {k: v for k, v in config.to_dict().items() if k not in MACHINE_SETTINGS}
+    settings.update(catalog_replicas=config.replicas("catalog"), order_replicas=config.replicas("order"))
+    (work / "settings.json").write_text(json.dumps(settings, indent=1))
+    members = ["settings.json", *DBS]
+    if with_secrets:
+        for member, value in (("secret", config.secret()), ("admin-token", config.admin_token())):
+            (work / member).write_text(value)
+            (work / member).chmod(0o600)
+            members.append(member)
+    manifest = {
+        "format": FORMAT, "started_at": datetime.fromtimestamp(started, UTC).isoformat(timespec="milliseconds"),
+        "seconds": round(time.monotonic() - t0, 3), "cut": cut, "settled": settled, "state": facts,
+        "with_secrets": with_secrets, "sha256": {m: _sha256(work / m) for m in members},
+    }
+    (work / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    partial = work / "archive.tar"
+    with tarfile.open(partial, "w") as tar:
+        for m in ["manifest.json", *members]:
+            tar.add(work / m, arcname=m)
+    os.replace(partial, dest)
     return manifest
 
 

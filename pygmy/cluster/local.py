@@ -101,6 +101,7 @@ class LocalCluster:
         self.proc: subprocess.Popen[str] | None = None
         self._lines: queue.Queue[str] = queue.Queue()
         self.output: list[str] = []
+        self.stamped: list[tuple[float, str]] = []  # (time.monotonic() it came at, line): the output, timed
 
     # -- life cycle -----------------------------------------------------------------------------
     def start(self, reset: bool = False, timeout: float = 60) -> LocalCluster:
@@ -127,6 +128,7 @@ class LocalCluster:
         assert proc.stdout is not None
         for line in proc.stdout:
             self.output.append(line)
+            self.stamped.append((time.monotonic(), line))
             self._lines.put(line)
 
     def stop(self, timeout: float = 30) -> None:
