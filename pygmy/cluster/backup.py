@@ -62,7 +62,10 @@ RESTORE_CHECK = 60.0
 #: Settings that describe the machines of the cluster backed up, not its store: a restore derives them.
 MACHINE_SETTINGS = {"data_dir": "data", "members": {}, "tier_learners": {}, "catalog_urls": [], "order_urls": [],
                     "advertise_host": None, "port": None, "peer_addresses": {}, "router_urls": {}, "netns": "",
-                    "backup_dir": ""}
+                    "backup_dir": "",
+                    # The books file the first cluster was built from: the archive's seed holds its
+                    # catalogue, and on the machine restored to the file may not exist.
+                    "books": None}
 NOT_IN_BACKUP = "not in the backup this store was restored from: no stock was taken (buy again with a new key)"
 
 Say = Callable[[str], None]

@@ -135,3 +135,15 @@ def test_an_intent_pending_longer_than_the_key_window_is_not_guessed(cut: dict[s
     f = cut["folder"]
     with pytest.raises(backup.BackupError, match="longer than the key window"):
         backup.settle(f / "order.db", f / "catalog.db", cut["after"], time.time() + 100, 10)
+
+
+def test_a_restore_takes_no_setting_that_names_the_old_machines_files_or_addresses() -> None:
+    """The books file the first cluster was built from may not exist where the archive is restored
+    (the archive's seed holds the catalogue); members and URLs belong to the old machines."""
+    from pygmy.cluster.backup import restore_settings
+
+    old = {"books": "/old/machine/books.json", "members": {"catalog": {"catalog-1": "http://10.0.0.1:8101"}},
+           "catalog_replicas": 5, "key_window": 3600.0}
+    config = restore_settings(old, {"catalog_replicas": 1}, "/new/data")
+    assert config.books is None and config.members == {} and config.data_dir == "/new/data"
+    assert config.catalog_replicas == 1 and config.key_window == 3600.0
