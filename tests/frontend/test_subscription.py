@@ -35,7 +35,7 @@ def test_an_idle_worker_renews_half_as_often_and_a_read_brings_it_back(monkeypat
 
 
 def test_a_worker_reports_its_renewals_round_trip_and_gives_a_far_leader_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each renewal carries a high quantile of the recent round trips (what a far leader lengthens
+    """Each renewal carries the median of the recent round trips (what a far leader lengthens
     the lease by), and its budget grows with them; a near leader keeps the 0.5 s budget."""
     from pygmy.replication.router import Reply
 
