@@ -240,7 +240,7 @@ def plot(run: Path) -> Path:
     ax2.set_ylabel("latency (ms)")
     ax2.set_xlabel("seconds into the run")
     ax2.legend(loc="upper right", fontsize=8)
-    colors = dict(zip(sorted({w["kind"] for w in nem["windows"]}), plt.cm.tab10.colors, strict=False))
+    colors = dict(zip(sorted({w["kind"] for w in nem["windows"]}), plt.cm.tab20.colors, strict=False))
     for w in nem["windows"]:
         if w["end"] is None:
             continue
