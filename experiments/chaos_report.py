@@ -33,7 +33,7 @@ def section(run_dir: Path, result: dict[str, Any]) -> Path:
             "replicas and 2 frontends x 2 workers, each service in its own network namespace, each replica on a "
             "64 MiB tmpfs. Clients update, buy (with and without a key), look up, search and read their orders "
             "through both frontends while one fault at a time is applied (docs/testing.md lists how). "
-            f"**{result['operations']} operations** ({outcomes}). Longest time a tier answered nothing: "
+            f"**{result['operations']} operations** ({outcomes}). Longest time with no answer (a tier; buys, updates): "
             f"{unavailable}. **Anomalies: {sum(result['anomalies_by_kind'].values())}**"
             + (f" ({result['anomalies_by_kind']})" if result["anomalies_by_kind"] else "")
             + f"; every book linearizable: {all(v == 'ok' for v in result['lincheck'].values())}. "

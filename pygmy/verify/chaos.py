@@ -222,7 +222,8 @@ def final_state(config: ClusterConfig, secret: str, items: list[int], max_order:
         time.sleep(0.3)
     auth = {"Authorization": f"Bearer {secret}"}
     replicas: dict[str, Any] = {}
-    with requests.Session() as s:
+    with requests.Session() as session:
+        s = _Patient(session)
         for tier, sts in st.items():
             for status in sts:
                 url, entry = status["url"], {"status": status}
@@ -240,6 +241,24 @@ def final_state(config: ClusterConfig, secret: str, items: list[int], max_order:
                 entry["verify"] = s.get(f"{url}/verify", headers=auth, timeout=60).json()
                 replicas[status["name"]] = entry
     return {"converged": True, "replicas": replicas}
+
+
+class _Patient:
+    """A session whose GETs try again after a timeout: one read stalled on a loaded machine (seen
+    once in some 12,000 reads of the final state) must not cost the whole run."""
+
+    def __init__(self, session: requests.Session) -> None:
+        self.session = session
+
+    def get(self, url: str, **kw: Any) -> requests.Response:
+        for attempt in range(3):
+            try:
+                return self.session.get(url, **kw)
+            except requests.Timeout:
+                if attempt == 2:
+                    raise
+                time.sleep(1)
+        raise AssertionError("unreachable")
 
 
 def run(duration: float, seed: int, out: Path, kinds: tuple[str, ...] = nemesis.KINDS,

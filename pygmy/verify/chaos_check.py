@@ -21,8 +21,9 @@ and digest after healing), and checks the guarantees of docs/replication.md:
 - ``integrity``: every replica's SQLite files pass ``PRAGMA integrity_check`` after the run.
 - ``nemesis``: every fault was applied and undone (a fault that failed tested nothing).
 
-Prints operations by outcome, faults by kind, the longest time each tier answered nothing, and every
-anomaly with the fault windows it overlapped; writes ``check.json``; exits 1 on any anomaly.
+Prints operations by outcome, faults by kind, the longest time each tier answered nothing (and no
+buy, no update was answered), and every anomaly with the fault windows it overlapped; writes
+``check.json``; exits 1 on any anomaly.
 ``--plot`` also draws the timeline (operations per second and latency, fault windows shaded).
 """
 
@@ -55,12 +56,16 @@ def outcome(op: dict[str, Any]) -> str:
 
 
 def longest_gaps(ops: list[dict[str, Any]], start: int, end: int) -> dict[str, float]:
-    """Per tier, the longest time (s) in [start, end] in which no operation of the tier succeeded."""
+    """Per tier, the longest time (s) in [start, end] in which no operation of the tier succeeded;
+    and the same for buys and updates alone (a tier's reads may go on while its writes cannot)."""
     out = {}
-    for tier in ("catalog", "order"):
-        times = sorted(op["complete"] for op in ops if TIER_OF.get(op["kind"]) == tier and outcome(op) != "unknown")
+    groups = {"catalog": lambda op: TIER_OF.get(op["kind"]) == "catalog",
+              "order": lambda op: TIER_OF.get(op["kind"]) == "order",
+              "buy": lambda op: op["kind"] == "buy", "update": lambda op: op["kind"] == "update"}
+    for name, member in groups.items():
+        times = sorted(op["complete"] for op in ops if member(op) and outcome(op) != "unknown")
         edges = [start, *times, end]
-        out[tier] = max((b - a) / 1e9 for a, b in zip(edges, edges[1:], strict=False)) if times else (end - start) / 1e9
+        out[name] = max((b - a) / 1e9 for a, b in zip(edges, edges[1:], strict=False)) if times else (end - start) / 1e9
     return out
 
 
@@ -240,7 +245,7 @@ def plot(run: Path) -> Path:
     ax2.set_ylabel("latency (ms)")
     ax2.set_xlabel("seconds into the run")
     ax2.legend(loc="upper right", fontsize=8)
-    colors = dict(zip(sorted({w["kind"] for w in nem["windows"]}), plt.cm.tab10.colors, strict=False))
+    colors = dict(zip(sorted({w["kind"] for w in nem["windows"]}), plt.cm.tab20.colors, strict=False))
     for w in nem["windows"]:
         if w["end"] is None:
             continue
