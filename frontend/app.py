@@ -144,7 +144,8 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
     app = create_base_app(name, limits=config.limits("frontend"))
     # What one router finds of a stopped replica or of the leader, the others of its tier use
     # (``Sightings``): the lease renewals' find of a new catalog leader sends the reads there too.
-    seen = {t: Sightings(via=config.router_urls.get(name, {})) for t in ("catalog", "order")}
+    seen = {t: Sightings(via=config.router_urls.get(name, {}), configured=lambda t=t: config.peers_now(name, t))
+            for t in ("catalog", "order")}
     catalog = TierRouter("catalog", config.peers_for(name, "catalog"), secret, sightings=seen["catalog"])
     orders = TierRouter("order", config.peers_for(name, "order"), secret, sightings=seen["order"])
     # Buys go as frames on the order replicas' peer transport (``/buys``'s work, without HTTP).

@@ -386,7 +386,8 @@ def parse_buy(body: Any, deadline: float) -> Buy:
 def create_app(config: ClusterConfig, k: int) -> Flask:
     state = OrderState(config.replica_dir(f"order-{k}") / "state.db")
     rt = ReplicaRuntime("order", k, config, state)
-    seen = Sightings(via=config.router_urls.get(rt.name, {}))  # what either router found: stopped replicas, the leader
+    # What either router found: stopped replicas, the leader, the members.
+    seen = Sightings(via=config.router_urls.get(rt.name, {}), configured=lambda: config.peers_now(rt.name, "catalog"))
     catalog = TierRouter("catalog", config.peers_for(rt.name, "catalog"), rt.secret, sightings=seen)
     # The decrements as frames on the catalog's peer transport (``/books/decrements``'s work).
     decrements = ChannelRouter("catalog", config.peers_for(rt.name, "catalog"), rt.secret, rt.name, DECREMENTS_CHANNEL,

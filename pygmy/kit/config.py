@@ -180,6 +180,15 @@ class ClusterConfig:
         given = self.peer_addresses.get(name, {}).get(peer)
         return None if given is None else host_port(given)
 
+    def peers_now(self, caller: str, tier: str) -> dict[str, str]:
+        """``peers_for`` as ``cluster.json`` says now (``pygmy member`` keeps it in step with the
+        tier's changes), or nothing where there is none (a container's peers are its environment's)."""
+        try:
+            now = ClusterConfig.load(self.data_dir)
+        except (RuntimeError, OSError, ValueError, TypeError):
+            return {}
+        return now.peers_for(caller, tier)
+
     def peers_for(self, caller: str, tier: str) -> dict[str, str]:
         """``peers(tier)`` as ``caller`` reaches them: ``router_urls`` where it names a replica."""
         given = self.router_urls.get(caller, {})

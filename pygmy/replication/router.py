@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -116,10 +116,16 @@ class Sightings:
       client at once, in two of ten trials of the catalog leader SIGSTOPped).
     """
 
-    def __init__(self, via: dict[str, str] | None = None) -> None:
+    def __init__(self, via: dict[str, str] | None = None,
+                 configured: Callable[[], dict[str, str]] | None = None) -> None:
         #: The URLs this process reaches some replicas by instead of theirs (``router_urls``: a
         #: proxy per link): kept for the members a configuration names later.
         self.via = dict(via or {})
+        #: The tier's replicas as the deployment's configuration names them now (``cluster.json``,
+        #: which ``pygmy member`` keeps): asked when none of the members we know answers, as when
+        #: every one of them was replaced while we were not looking.
+        self.configured = configured or dict
+        self._answered = False  # in the look under way: a known member gave its configuration
         self._until: dict[str, float] = {}
         self.leader: str | None = None
         self._lock = threading.Lock()
@@ -178,8 +184,9 @@ class Sightings:
         ahead). True if the members changed."""
         members = dict(self.members)
         order = ([self.leader] if self.leader in members else []) + [n for n in members if n != self.leader]
+        self._answered = False
         best: tuple[tuple[int, int, int], dict[str, str]] | None = None
-        for name in order:
+        for name in self._candidates(order, members):
             try:
                 r = http.request("GET", members[name] + "/status", timeout=urllib3.Timeout(connect=0.25, read=0.5),
                                  redirect=False)
@@ -189,6 +196,7 @@ class Sightings:
             conf = st.get("membership") if isinstance(st, dict) else None
             if not isinstance(conf, dict) or not isinstance(conf.get("urls"), dict):
                 continue
+            self._answered = True
             names = {*conf.get("voters", ()), *conf.get("learners", ())}
             urls = {n: self.via.get(n, u) for n, u in conf["urls"].items() if n in names and isinstance(u, str)}
             rank = (int(st.get("role") == "leader"), int(st.get("term", 0)), int(st.get("commit_index", 0)))
@@ -203,6 +211,21 @@ class Sightings:
             self.members = best[1]
             self.members_version += 1
         return True
+
+    def _candidates(self, order: list[str], members: dict[str, str]) -> Iterator[str]:
+        """``order``, then, only if none of them gave a configuration (``members`` is filled in as
+        they come), the replicas the deployment's configuration names that we did not ask."""
+        yield from order
+        if self._answered:
+            return
+        try:
+            configured = self.configured()
+        except Exception:  # a hint: a missing or half-written file is no reason to fail
+            configured = {}
+        for name, url in configured.items():
+            if name not in order:
+                members[name] = self.via.get(name, url)
+                yield name
 
     def forget_leader(self, name: str) -> None:
         """``name`` did not answer: no longer ask it first, unless another router has moved on."""
@@ -251,6 +274,10 @@ class _LeaderSeeker:
         self.peers = dict(peers)
         self.names = list(peers)
         self.sightings.know(self.peers)
+        # Look at the members from now on, not from the first request: a replica that sends the
+        # tier nothing for a while (an order follower) must still follow its replacements, or it
+        # leads one day knowing only replicas long gone.
+        self.sightings.watch()
         self._members_version = 0
         #: Bounds the retries that could add to an overload (see ``_to_leader``).
         self.budget = RetryBudget()
@@ -470,6 +497,7 @@ class ChannelRouter(_LeaderSeeker):
         return st
 
     def close(self) -> None:
+        self.sightings.close()  # its look at the members stops with the routers that share it
         for client in self._clients.values():
             client.close()
         for pool in self._status_pools.values():
@@ -537,6 +565,7 @@ class TierRouter(_LeaderSeeker):
         super()._set_peers(peers)
 
     def close(self) -> None:
+        self.sightings.close()  # its look at the members stops with the routers that share it
         self._pool.shutdown(wait=False, cancel_futures=True)
         for pool in self._pools.values():
             pool.close()

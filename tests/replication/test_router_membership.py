@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -120,3 +121,29 @@ def test_routers_sharing_sightings_follow_one_look(replicas: dict[str, Replica])
         http_router.close()
         frames.close()
         seen.close()
+
+
+def test_when_no_known_member_answers_the_deployments_configuration_is_asked(replicas: dict[str, Replica]) -> None:
+    """Every replica a router knows was replaced while it was not looking (an order follower that
+    sent the catalog nothing, then led): none answers, so it asks those ``cluster.json`` names now
+    (``Sightings.configured``), and only then: while a known member answers, the file is not read."""
+    r = replicas
+    read: list[int] = []
+
+    def configured() -> dict[str, str]:
+        read.append(1)
+        return {"t-2": r["t-2"].url, "t-3": r["t-3"].url}
+
+    seen = Sightings(configured=configured)
+    router = TierRouter("t", {"gone-1": "http://127.0.0.1:9", "gone-2": "http://127.0.0.1:9"}, "secret",
+                        sightings=seen)
+    try:
+        assert seen._watching == os.getpid()  # looking from the start, not from its first request
+        r["t-2"].role, r["t-2"].conf = "leader", configuration(r, ["t-2", "t-3"])
+        http = urllib3.PoolManager()
+        assert seen.look(http) and read == [1]
+        router.follow_members()
+        assert sorted(router.names) == ["t-2", "t-3"]
+        assert not seen.look(http) and read == [1]  # a known member answered: the file is not read
+    finally:
+        router.close()
