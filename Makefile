@@ -28,13 +28,15 @@ run: $(BIN)/pygmy
 # service process the tests start would otherwise compile the project's modules again (~0.2 s of CPU
 # per process, a few hundred processes per run). Python still reads .pyc files it did not write.
 # Workers: pytest-xdist runs the suite on 3 processes (most tests wait on clusters, not on the CPU);
-# WORKERS=0 runs it in one. scripts/check_prereqs.py names what is missing in the first seconds.
+# WORKERS=0 runs it in one. Work stealing: a worker that runs out takes tests still queued on a busy
+# one, so the minutes-long system tests (handed out first, tests/conftest.py) do not leave the others
+# idle at the end. scripts/check_prereqs.py names what is missing in the first seconds.
 WORKERS ?= 3
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/python scripts/check_prereqs.py
 	$(BIN)/python -m compileall -q -j 0 catalog client experiments frontend order pygmy
-	$(BIN)/pytest -q -n $(WORKERS)
+	$(BIN)/pytest -q -n $(WORKERS) --dist worksteal
 
 lint: install
 	$(BIN)/ruff check .
