@@ -50,6 +50,7 @@ from pygmy.replication.router import (
     Sightings,
     TierRouter,
     TierUnavailable,
+    Watchers,
     overloaded,
 )
 from pygmy.replication.transport import BUYS_CHANNEL, SUBSCRIBE_CHANNEL
@@ -192,6 +193,7 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
 
     subscription.on_change = mirror_lease
     app.extensions["pygmy_subscription"] = subscription
+    app.extensions["pygmy_sightings"] = Watchers(*seen.values())  # stopped with the worker (pygmy/cluster/serve.py)
 
     def send_buys(items: list[tuple[dict[str, Any], float]]) -> list[Reply]:
         """This worker's buys in flight, as one request to the order leader (``Combiner``): its

@@ -29,7 +29,7 @@ from pygmy.kit.web import ApiError, fail, int_field, json_body, parse_item, requ
 from pygmy.order.state import CONFIRMED, FAILED, PENDING, OrderState, confirmed
 from pygmy.replication.batching import Combiner, CombinerTimeout
 from pygmy.replication.node import NotLeader, ProposalTimeout
-from pygmy.replication.router import ChannelRouter, Reply, Sightings, TierRouter, TierUnavailable
+from pygmy.replication.router import ChannelRouter, Reply, Sightings, TierRouter, TierUnavailable, Watchers
 from pygmy.replication.service import Periodic, ReplicaRuntime
 from pygmy.replication.transport import BUYS_CHANNEL, DECREMENTS_CHANNEL
 
@@ -395,6 +395,7 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
     buys = BuyProcessor(rt, state, decrements)
     app = rt.create_app()
     app.extensions["pygmy_runtime"] = rt
+    app.extensions["pygmy_sightings"] = Watchers(seen)  # stopped with the worker (pygmy/cluster/serve.py)
 
     def run(batch: list[Buy]) -> list[tuple[int, dict[str, Any]]]:
         rt.leader_only()

@@ -53,7 +53,7 @@ def _worker_exit(server: Any, worker: Any) -> None:
         if left:
             logging.getLogger(__name__).warning("stopping with %d frame requests still in flight", left)
     for ext in ("pygmy_key_expirer", "pygmy_buys", "pygmy_restocker", "pygmy_subscription", "pygmy_invalidator",
-                "pygmy_runtime"):
+                "pygmy_sightings", "pygmy_runtime"):
         owner = getattr(app, "extensions", {}).get(ext)
         if owner is not None:
             try:

@@ -126,6 +126,7 @@ class Sightings:
         #: every one of them was replaced while we were not looking.
         self.configured = configured or dict
         self._answered = False  # in the look under way: a known member gave its configuration
+        self._thread: threading.Thread | None = None
         self._until: dict[str, float] = {}
         self.leader: str | None = None
         self._lock = threading.Lock()
@@ -153,14 +154,20 @@ class Sightings:
             if self._watching == os.getpid():
                 return
             self._watching = os.getpid()
-        threading.Thread(target=self._watch, name="tier-members", daemon=True).start()
+        self._thread = threading.Thread(target=self._watch, name="tier-members", daemon=True)
+        self._thread.start()
 
     def look_soon(self) -> None:
         self._soon.set()
 
     def close(self) -> None:
+        """Stop looking, and wait for the look under way (at most a second or so): a thread still
+        making connections while the interpreter exits races its finalizers."""
         self._stop.set()
         self._soon.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread() and self._watching == os.getpid():
+            thread.join(timeout=5)
 
     def _watch(self) -> None:
         http = urllib3.PoolManager(num_pools=16, maxsize=1, block=False, retries=False)
@@ -242,6 +249,17 @@ class Sightings:
 
     def silent(self, name: str) -> bool:
         return self._until.get(name, 0.0) > time.monotonic()
+
+
+class Watchers:
+    """The ``Sightings`` of one process's routers, stopped with its worker (``pygmy_sightings``)."""
+
+    def __init__(self, *sightings: Sightings) -> None:
+        self.sightings = sightings
+
+    def stop(self) -> None:
+        for s in self.sightings:
+            s.close()
 
 
 class TierUnavailable(Exception):
