@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -125,7 +125,6 @@ class Sightings:
         #: which ``pygmy member`` keeps): asked when none of the members we know answers, as when
         #: every one of them was replaced while we were not looking.
         self.configured = configured or dict
-        self._answered = False  # in the look under way: a known member gave its configuration
         self._thread: threading.Thread | None = None
         self._until: dict[str, float] = {}
         self.leader: str | None = None
@@ -188,12 +187,31 @@ class Sightings:
     def look(self, http: urllib3.PoolManager) -> bool:
         """Ask the leader (as hinted), else every replica, for its ``/status``, and take the
         configuration of the leader of the newest term that answers (else of the replica furthest
-        ahead). True if the members changed."""
+        ahead); if none of them gives one, ask the replicas the deployment's configuration names
+        now (``configured``: every member we knew may have been replaced while we were not
+        looking). True if the members changed."""
         members = dict(self.members)
         order = ([self.leader] if self.leader in members else []) + [n for n in members if n != self.leader]
-        self._answered = False
+        best = self._best(http, members, order)
+        if best is None:
+            try:
+                configured = self.configured()
+            except Exception:  # a hint: a missing or half-written file is no reason to fail
+                configured = {}
+            others = {n: self.via.get(n, u) for n, u in configured.items() if n not in members}
+            best = self._best(http, others, list(others))
+        if best is None or best == self.members:
+            return False
+        with self._lock:
+            log.info("the tier's replicas are now %s (were %s)", sorted(best), sorted(self.members))
+            self.members = best
+            self.members_version += 1
+        return True
+
+    def _best(self, http: urllib3.PoolManager, members: dict[str, str], order: list[str]) -> dict[str, str] | None:
+        """The newest configuration ``members``, asked in ``order``, give (None: none gave one)."""
         best: tuple[tuple[int, int, int], dict[str, str]] | None = None
-        for name in self._candidates(order, members):
+        for name in order:
             try:
                 r = http.request("GET", members[name] + "/status", timeout=urllib3.Timeout(connect=0.25, read=0.5),
                                  redirect=False)
@@ -203,7 +221,6 @@ class Sightings:
             conf = st.get("membership") if isinstance(st, dict) else None
             if not isinstance(conf, dict) or not isinstance(conf.get("urls"), dict):
                 continue
-            self._answered = True
             names = {*conf.get("voters", ()), *conf.get("learners", ())}
             urls = {n: self.via.get(n, u) for n, u in conf["urls"].items() if n in names and isinstance(u, str)}
             rank = (int(st.get("role") == "leader"), int(st.get("term", 0)), int(st.get("commit_index", 0)))
@@ -211,28 +228,7 @@ class Sightings:
                 best = (rank, urls)
             if rank[0]:
                 break  # the leader's own configuration: the newest any replica can have
-        if best is None or best[1] == self.members:
-            return False
-        with self._lock:
-            log.info("the tier's replicas are now %s (were %s)", sorted(best[1]), sorted(self.members))
-            self.members = best[1]
-            self.members_version += 1
-        return True
-
-    def _candidates(self, order: list[str], members: dict[str, str]) -> Iterator[str]:
-        """``order``, then, only if none of them gave a configuration (``members`` is filled in as
-        they come), the replicas the deployment's configuration names that we did not ask."""
-        yield from order
-        if self._answered:
-            return
-        try:
-            configured = self.configured()
-        except Exception:  # a hint: a missing or half-written file is no reason to fail
-            configured = {}
-        for name, url in configured.items():
-            if name not in order:
-                members[name] = self.via.get(name, url)
-                yield name
+        return None if best is None else best[1]
 
     def forget_leader(self, name: str) -> None:
         """``name`` did not answer: no longer ask it first, unless another router has moved on."""
