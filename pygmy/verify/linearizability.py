@@ -175,15 +175,18 @@ class Workload:
                     return
                 item = self.items[(i + k) % len(self.items)]
                 op = self.history.invoke(client, "buy", item, {"quantity": 1})
-                # Every other buy has no body (quantity 1 by default): it arrives in one segment and a
-                # frontend worker's event loop takes it (pygmy/cluster/worker.py); Requests sends a JSON body
-                # after the headers, so the others go through the Flask route. Both are in the history.
-                body = {"json": {"quantity": 1}} if i % 2 else {}
+                # One buy in three has no body (quantity 1 by default): it arrives in one segment and a
+                # frontend worker's event loop takes it (pygmy/cluster/worker.py). One in three sends its
+                # body chunked, which the event loop always leaves to a pool thread and the Flask route.
+                # The rest send a JSON body, which may arrive with the headers or after them: either way.
+                body: dict[str, Any] = ({} if i % 3 == 0 else {"json": {"quantity": 1}} if i % 3 == 1 else
+                                        {"data": iter([b'{"quantity": 1}']),
+                                         "headers": {"Content-Type": "application/json"}})
                 # One in four asks to close its connection: the event loop's answer then says so
                 # (pygmy/cluster/worker.py ``said_closing``), and the session opens a new one.
                 close = {"Connection": "close"} if i % 4 == 2 else {}
-                r = self._call(s, "POST", f"{self._url(k, i)}/buy/{item}", **body,
-                               headers={"Idempotency-Key": f"lin-{uuid.uuid4().hex}", **close})
+                headers = {"Idempotency-Key": f"lin-{uuid.uuid4().hex}", **close, **body.pop("headers", {})}
+                r = self._call(s, "POST", f"{self._url(k, i)}/buy/{item}", **body, headers=headers)
                 if r is None or r.status_code >= 500:
                     self.history.unknown(op)
                     continue
