@@ -1,14 +1,16 @@
 """Replicas replaced online with ``pygmy member``, on real processes, under load (#37).
 
 Clients buy, update and read through the frontend the whole time (the nemesis run's workload,
-every operation recorded for Porcupine). Then, one tier after the other:
+every operation recorded for Porcupine). Then, one tier after the other, on one cluster:
 
 - catalog-3 is SIGKILLed for good; ``pygmy member add catalog catalog-4 URL`` (at an address and
   port of its own, a "new host" on loopback), ``pygmy start catalog-4``, wait until ``pygmy member
   list`` says it has caught up as a learner, ``promote``, ``remove catalog-3``
   (``pygmy.verify.hosts.replace``, as the nemesis' ``host-lost`` does it on hosts of their own); the
   same for the order tier (order-3 -> order-4);
-- the catalog leader is SIGKILLed for good and replaced the same way (catalog-5);
+and on another:
+
+- the catalog leader is SIGKILLed for good and replaced the same way (catalog-4);
 - the order leader, alive, is replaced: a new replica is added and promoted, then ``pygmy member
   remove`` of the leader makes it hand leadership over before it is removed, and it is stopped.
 
@@ -65,9 +67,18 @@ def frontend_sees(c: Cluster, tier: str, names: set[str]) -> bool:
     return {r["name"] for r in st[tier]["replicas"]} == names and st[tier]["leader"] in names
 
 
-def test_replicas_and_leaders_are_replaced_online_under_load(cluster: Cluster, tmp_path: Path) -> None:
-    c, op = cluster, hosts.Operator(cluster.data_dir, cluster.env)
-    # Refused changes change nothing, and say why.
+#: Two runs, each on a cluster of its own, so that pytest-xdist can run them side by side: followers
+#: lost for good (and the refusals), then leaders (one lost for good, one alive, handed over).
+STEPS = {
+    "followers": [("catalog", "catalog-3", "catalog-4", "127.0.0.2", True),
+                  ("order", "order-3", "order-4", "127.0.0.3", True)],
+    "leaders": [("catalog", None, "catalog-4", "127.0.0.4", True),   # its leader, lost for good
+                ("order", None, "order-4", "127.0.0.5", False)],     # its leader, alive: handed over
+}
+
+
+def refusals_change_nothing(op: hosts.Operator) -> None:
+    """Refused changes change nothing, and say why."""
     before = op.members("catalog")
     assert "already a member" in op.member("add", "catalog", "catalog-2", "http://127.0.0.9:9999", ok=False)
     assert "not a catalog replica" in op.member("add", "catalog", "order-4", "http://127.0.0.9:9999", ok=False)
@@ -80,17 +91,19 @@ def test_replicas_and_leaders_are_replaced_online_under_load(cluster: Cluster, t
     assert [(m["name"], m["role"], m["url"]) for m in after["members"]] == \
         [(m["name"], m["role"], m["url"]) for m in before["members"]]
 
+
+@pytest.mark.parametrize("who", list(STEPS))
+def test_replicas_and_leaders_are_replaced_online_under_load(cluster: Cluster, tmp_path: Path, who: str) -> None:
+    c, op = cluster, hosts.Operator(cluster.data_dir, cluster.env)
+    if who == "followers":
+        refusals_change_nothing(op)
     load = BackgroundLoad([c.url], c.admin_token(), ITEMS, writers=2, readers=2, buyers=2, searchers=0, order_readers=1)
     windows: list[dict[str, Any]] = []
     load.start()
     try:
         load.buys_acked(5)
-        steps = [("catalog", "catalog-3", "catalog-4", "127.0.0.2", True),
-                 ("order", "order-3", "order-4", "127.0.0.3", True),
-                 ("catalog", None, "catalog-5", "127.0.0.4", True),   # its leader, lost for good
-                 ("order", None, "order-5", "127.0.0.5", False)]      # its leader, alive: handed over
         expected = {"catalog": {"catalog-1", "catalog-2", "catalog-3"}, "order": {"order-1", "order-2", "order-3"}}
-        for tier, old, new, host, kill_first in steps:
+        for tier, old, new, host, kill_first in STEPS[who]:
             old = old or str(wait_for(f"a {tier} leader", lambda tier=tier: leader_of(c.cluster_config(), tier)))
             start = time.monotonic_ns()
             replace(c, op, tier, old, new, host, kill_first)
@@ -120,4 +133,4 @@ def test_replicas_and_leaders_are_replaced_online_under_load(cluster: Cluster, t
     assert {n for n in final["replicas"]} == members["catalog"] | members["order"]
     assert load.errors == [], load.errors[:5]
     counts = result["by_outcome"]
-    assert counts.get("buy/ok", 0) >= 20 and counts.get("update/ok", 0) >= 10, counts
+    assert counts.get("buy/ok", 0) >= 10 and counts.get("update/ok", 0) >= 10, counts
