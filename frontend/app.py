@@ -401,10 +401,38 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
 
     @app.get("/health")
     def health() -> Response:
+        """Kept for compatibility: a replica of each tier answers. ``/livez`` and ``/readyz`` mean more."""
         ok = all(probe.map(tier_alive, (catalog, orders)))
         if not ok:
             fail(503, f"{name} cannot reach a catalog and an order replica")
         return jsonify({"name": name, "status": "ok"})
+
+    @app.get("/livez")
+    def livez() -> Response:
+        """This worker answers. It asks no other service: a liveness probe built on it must not
+        restart every frontend while the catalog tier fails over."""
+        return jsonify({"name": name, "status": "live"})
+
+    def tier_leader(router: TierRouter) -> str | None:
+        """The tier's leader, ready (holding its lease) and reachable from here, else None."""
+        for replica in router.names:
+            try:
+                reply = router.get(replica, "/readyz", 0.5)
+            except HopError:
+                continue
+            if reply.status == 200 and reply.body.get("role") == "leader":
+                return replica
+        return None
+
+    @app.get("/readyz")
+    def readyz() -> Response:
+        """This frontend can serve buys and updates now: it reaches a leader of each tier that holds
+        its lease. Not while a tier elects, nor while this frontend cannot reach its leader."""
+        leaders = dict(zip(("catalog", "order"), probe.map(tier_leader, (catalog, orders)), strict=True))
+        missing = [t for t, leader in leaders.items() if leader is None]
+        if missing:
+            fail(503, f"{name} reaches no ready {' or '.join(missing)} leader", leaders=leaders)
+        return jsonify({"name": name, "status": "ready", "leaders": leaders})
 
     def tier_view(router: TierRouter) -> dict[str, Any]:
         replicas = router.statuses()

@@ -217,6 +217,20 @@ def spec(server_url: str | None = None) -> dict[str, Any]:
                                         "properties": {"name": {"type": "string"}, "status": {"type": "string"}}},
                                        "ready"), **_errors()},
         }},
+        "/livez": {"get": {
+            "operationId": "livez", "summary": "200 while this frontend's worker answers; asks no other service",
+            "responses": {"200": _json({"type": "object", "required": ["name", "status"],
+                                        "properties": {"name": {"type": "string"}, "status": {"type": "string"}}},
+                                       "live"), **_errors()},
+        }},
+        "/readyz": {"get": {
+            "operationId": "readyz",
+            "summary": "200 while this frontend reaches a leader of each tier holding its lease",
+            "responses": {"200": _json({"type": "object", "required": ["name", "status", "leaders"],
+                                        "properties": {"name": {"type": "string"}, "status": {"type": "string"},
+                                                       "leaders": {"type": "object"}}},
+                                       "ready"), **_errors(503)},
+        }},
         "/status": {"get": {
             "operationId": "status", "summary": "Cluster view: leaders, replicas, cache",
             "responses": {"200": _json(_STATUS, "the cluster view"), **_errors()},

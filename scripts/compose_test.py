@@ -83,12 +83,12 @@ def leaders(st: dict[str, Any]) -> tuple[str | None, str | None]:
 def wait_ready(timeout: float) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        code, _ = call("GET", "/health", timeout=2)
+        code, _ = call("GET", "/readyz", timeout=2)
         st = status() if code == 200 else {}
         if all(leaders(st)):
             return st
         time.sleep(0.5)
-    fail(f"the cluster had no /health 200 with a catalog and an order leader within {timeout:.0f}s "
+    fail(f"the cluster had no /readyz 200 with a catalog and an order leader within {timeout:.0f}s "
          f"(last status: {json.dumps(status())[:600]})")
     return {}
 

@@ -38,7 +38,7 @@ ENVIRON_KEY = "pygmy.deadline"
 #: Seconds a shed client is told to wait before trying again.
 RETRY_AFTER = 1
 #: Paths never shed: probes, status, metrics, and the replicas' internal read-index requests.
-CONTROL = ("/health", "/status", "/metrics", "/verify", "/openapi.json", "/raft/")
+CONTROL = ("/health", "/livez", "/readyz", "/status", "/metrics", "/verify", "/openapi.json", "/raft/")
 
 SHED = Counter("pygmy_shed_total", "Requests refused at once (503 + Retry-After) because their class was at "
                "its cap of requests in flight", ["service", "cls"])

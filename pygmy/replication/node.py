@@ -828,6 +828,39 @@ class ReplicaNode:
             "membership": view["membership"],
         }
 
+    def liveness(self, turn_within: float = 2.0) -> str | None:
+        """Why this replica is not live (None: it is): its event loop has exited, or takes no turn
+        within ``turn_within`` s (a deadlock; a restart is the cure). A fault the supervisor is
+        retrying (a full disk) is live: a restart would not cure it, and the node recovers by itself
+        once the cause clears. Asks no other replica."""
+        if not self._started or self._stopping.is_set():
+            return f"{self.name} is not running"
+        if not self._loop_thread.is_alive():
+            return f"{self.name}: its replication loop has exited"
+        if self._broken is None:
+            try:
+                self.in_turn(lambda core: None, turn_within)
+            except ProposalTimeout:
+                return f"{self.name}: no replication turn within {turn_within:g} s"
+        return None
+
+    def readiness(self) -> str | None:
+        """Why this replica cannot do its job now (None: it can): faulted, recovering (its log not
+        yet caught up with a leader's first commit), a candidate, removed, a leader without its
+        lease, or a follower or learner that knows no leader of its term. A ready follower has
+        heard from its leader within an election timeout (else it would be a candidate)."""
+        st = self.status()
+        role = st["role"]
+        if st["error"]:
+            return f"{self.name}: {st['error']}"
+        if role == "recovering":
+            return f"{self.name} is recovering: catching up with the leader's log"
+        if role == "leader":
+            return None if st["leader_lease"] else f"{self.name} leads without its leader lease"
+        if role in ("follower", "learner"):
+            return None if st["leader"] else f"{self.name} knows no leader of term {st['term']}"
+        return f"{self.name} is {role}"
+
     def add_channel(self, name: str, handle: Callable[[str, Any], Any]) -> None:
         """Serve another kind of frame connection on the peer port (before ``start``): the catalog's
         lease renewals. ``handle(client_name, frame)`` runs on the connection's reader thread."""

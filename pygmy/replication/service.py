@@ -151,10 +151,30 @@ class ReplicaRuntime:
 
         @app.get("/health")
         def health() -> Response:
-            """Fails while the node is faulted (e.g. its disk is full), so routers and orchestrators skip it."""
+            """Fails while the node is faulted (e.g. its disk is full), so routers skip it."""
             if self.node.fault is not None:
                 fail(503, f"{self.name}: {self.node.fault}")
             return jsonify({"name": self.name, "status": "ok"})
+
+        @app.get("/livez")
+        def livez() -> Response:
+            """The process works (its replication loop takes turns); asks no other service, so a
+            liveness probe built on it never restarts a replica because its tier fails over."""
+            why = self.node.liveness()
+            if why is not None:
+                fail(503, why)
+            return jsonify({"name": self.name, "status": "live"})
+
+        @app.get("/readyz")
+        def readyz() -> Response:
+            """This replica can serve now: not recovering, not faulted, with a leader of its term
+            (itself, holding its lease); what a readiness probe and the frontend's ``/readyz`` ask."""
+            why = self.node.readiness()
+            st = self.node.status()
+            body = {"name": self.name, "role": st["role"], "leader": st["leader"], "term": st["term"]}
+            if why is not None:
+                fail(503, why, **body)
+            return jsonify({**body, "status": "ready"})
 
         @app.get("/status")
         def status() -> Response:

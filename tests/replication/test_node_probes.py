@@ -1,0 +1,71 @@
+"""``ReplicaNode.liveness`` and ``readiness`` (behind ``/livez`` and ``/readyz``) on threaded nodes
+over real sockets: a replica alone, recovering, is live and not ready; a leader holding its lease and
+caught-up followers are ready; a replica whose loop takes no turn is not live; a stopped one neither."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from test_raft_node import Harness
+
+
+def until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"not within {timeout}s")
+
+
+def test_ready_only_with_a_leader_live_throughout(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    try:
+        leader = h.leader()
+        leader.propose({"k": "a", "add": 1}, 5.0)
+        h.converge()
+        until(lambda: all(n.readiness() is None for n in h.nodes.values()))
+        # Two of three stopped: the last one has no leader (or leads without a lease), and is live.
+        survivor = next(n for n in h.nodes if n != leader.name)
+        for name in [n for n in list(h.nodes) if n != survivor]:
+            h.stop(name)
+        node = h.nodes[survivor]
+        until(lambda: node.readiness() is not None)
+        assert node.liveness() is None
+        # Restarted alone, with no leader to catch up from: recovering, then a candidate; never ready.
+        h.stop(survivor)
+        node = h.start(survivor)
+        reasons = []
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            why = node.readiness()
+            assert why is not None, node.status()
+            reasons.append(why)
+            time.sleep(0.01)
+        assert "recovering" in reasons[0], reasons[:3]  # before its first election timeout
+        assert node.liveness() is None
+        # The others back: a leader again, and every replica ready.
+        for name in h.peers:
+            if name not in h.nodes:
+                h.start(name)
+        h.leader()
+        until(lambda: all(n.readiness() is None for n in h.nodes.values()))
+    finally:
+        h.close()
+
+
+def test_a_loop_that_takes_no_turn_is_not_live_and_a_stopped_node_neither(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    try:
+        node = h.leader()
+        assert node.liveness() is None
+        with node._core_lock:  # a turn that never ends: a deadlock, say
+            why = node.liveness(turn_within=0.3)
+        assert why is not None and "no replication turn" in why, why
+        assert node.liveness() is None
+        name = node.name
+        h.stop(name)
+        assert "not running" in (node.liveness() or "")
+    finally:
+        h.close()
