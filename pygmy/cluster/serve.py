@@ -8,7 +8,6 @@ everything it keeps in memory is written to be correct with several of them.
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import os
 import shutil
@@ -17,7 +16,6 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from gunicorn import util as gunicorn_util
 from gunicorn.app.base import BaseApplication
 
 from pygmy.kit import logs
@@ -75,17 +73,6 @@ def _exit_without_collections() -> None:
     cluster stopping at once on 2 cores, that took most of the second each took to stop
     (measured: a whole cluster's ``pygmy up`` stop 1.3-2.2 s -> 0.6-0.8 s)."""
     gc.freeze()
-
-
-def _json_write_error(sock: Any, status_int: int, reason: str, mesg: str) -> None:
-    """Gunicorn's answer to a request it refuses itself (malformed, over its limits), as our JSON body.
-
-    Gunicorn writes these as HTML pages; the API promises a JSON error for every answer.
-    """
-    body = json.dumps({"error": {"code": status_int, "message": mesg or reason}}).encode()
-    head = (f"HTTP/1.1 {status_int} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1")
-    gunicorn_util.write_nonblock(sock, head + body)
 
 
 def factory_for(tier: str, config: ClusterConfig, k: int) -> Callable[[], Any]:
@@ -151,7 +138,6 @@ def gunicorn_options(bind: str, workers: int, threads: int, name: str,
 
 def run_gunicorn(factory: Callable[[], Any], options: dict[str, Any]) -> None:
     """Serve the WSGI app ``factory()`` builds (in each worker) until Gunicorn is told to stop."""
-    gunicorn_util.write_error = _json_write_error  # workers look it up at call time
     _Gunicorn(factory, options).run()
 
 

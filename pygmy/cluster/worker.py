@@ -27,6 +27,7 @@ threads, and a surge of buys does not fill the pool that lookups and refusals ne
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import selectors
 import socket
@@ -36,9 +37,12 @@ from functools import partial
 from typing import Any
 
 import httptools
+from gunicorn import util as gunicorn_util
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
 from pygmy.kit.admission import Admission, Board, Deferred
+from pygmy.kit.logs import HEADER as REQUEST_ID_HEADER
+from pygmy.kit.logs import valid_request_id
 
 #: The most of a request the event loop looks at: refusals are small requests (a buy is ~300 bytes).
 PEEK = 8192
@@ -153,6 +157,32 @@ def said_closing(answer: bytes) -> bytes:
     return line + sep + b"Connection: close\r\n" + rest
 
 
+#: The route that Gunicorn's own error answers (a malformed request, a crash outside the app) are
+#: counted under in ``pygmy_http_requests_total``.
+SERVER_ROUTE = "server"
+
+
+#: The request (or None) and the service's metrics (or None) that Gunicorn's ``handle_error`` is
+#: answering on this thread: its ``util.write_error`` is told only the status and message.
+_failing = threading.local()
+
+
+def write_json_error(sock: Any, status_int: int, reason: str, mesg: str) -> None:
+    """Gunicorn's answer to a request it refuses itself (malformed, over its limits) or to an error
+    that escaped the app, as every other answer of the service is: a JSON body, the request's
+    ``X-Request-Id`` (if it got as far as its headers), counted (route ``server``). Gunicorn writes
+    these as HTML pages, with no id, counted nowhere; ``AdmissionWorker`` puts this in their place."""
+    req, metrics = getattr(_failing, "req", None), getattr(_failing, "metrics", None)
+    given = next((v for k, v in getattr(req, "headers", None) or () if k.upper() == REQUEST_ID_HEADER.upper()), None)
+    rid = valid_request_id(given)
+    if metrics is not None:
+        metrics.count(SERVER_ROUTE, str(getattr(req, "method", None) or "-"), status_int)
+    body = json.dumps({"error": {"code": status_int, "message": mesg or reason}}).encode()
+    head = (f"HTTP/1.1 {status_int} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n{REQUEST_ID_HEADER}: {rid}\r\n\r\n").encode("latin-1")
+    gunicorn_util.write_nonblock(sock, head + body)
+
+
 class AdmissionWorker(ThreadWorker):
     """``gthread`` with the answers that need no thread given by the event loop (module docstring)."""
 
@@ -167,12 +197,32 @@ class AdmissionWorker(ThreadWorker):
         self._read = _Reader().read  # the event loop's alone
 
     def load_wsgi(self) -> None:
+        gunicorn_util.write_error = write_json_error  # Gunicorn's workers look it up at call time
         super().load_wsgi()
         found = getattr(self.wsgi, "wsgi_app", None)  # a Flask app made by pygmy.kit.web.create_base_app
         self.admission = found if isinstance(found, Admission) else None
         board = getattr(self, "pygmy_board", None)  # set by the master as it forked this worker
         if self.admission is not None and board is not None:
             self.admission.share(board, self.pygmy_slot)
+
+    def handle(self, conn: TConn) -> tuple[bool, TConn]:
+        """Gunicorn's ``handle``, then the requests that arrived pipelined behind it, in order, on
+        this thread. Their bytes are already in the connection's parser, not in its socket, so
+        the poller would never wake for them: their client waited out its own timeout."""
+        while True:
+            keepalive, conn = super().handle(conn)
+            parser = conn.parser
+            if not (keepalive and self.alive and parser is not None and parser.unreader.buf.getbuffer().nbytes):
+                return keepalive, conn
+
+    def handle_error(self, req: Any, client: Any, addr: Any, exc: BaseException) -> None:
+        """Gunicorn's, answering with ``write_json_error``, which it is told the request and metrics of."""
+        _failing.req = req
+        _failing.metrics = self.admission.metrics if self.admission is not None else None
+        try:
+            super().handle_error(req, client, addr, exc)
+        finally:
+            _failing.req = _failing.metrics = None
 
     def on_client_socket_readable(self, conn: TConn, client: Any) -> None:
         admission = self.admission

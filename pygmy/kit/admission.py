@@ -28,9 +28,17 @@ from urllib.parse import unquote_to_bytes
 from prometheus_client import Counter
 from werkzeug.wsgi import ClosingIterator
 
+from pygmy.kit.logs import HEADER as REQUEST_ID_HEADER
+from pygmy.kit.logs import valid_request_id
+from pygmy.kit.metrics import RequestMetrics
 from pygmy.kit.retry import DEADLINE_HEADER
 
 _DEADLINE_ENVIRON = "HTTP_" + DEADLINE_HEADER.upper().replace("-", "_")
+_ID_ENVIRON = "HTTP_" + REQUEST_ID_HEADER.upper().replace("-", "_")
+_ID_NAME = REQUEST_ID_HEADER.lower().encode()
+#: The route that answers given here (refusals, spent budgets, malformed deadlines) are counted under
+#: in ``pygmy_http_requests_total``: they are refused before any route is matched.
+ROUTE = "admission"
 #: The longest budget a caller may give (ten minutes): bigger values are refused as malformed.
 MAX_TIMEOUT_MS = 600_000
 #: Where a request's absolute deadline (``time.monotonic()``) is kept for the handlers.
@@ -189,11 +197,11 @@ class Deferred:
         self._cancel()
 
 
-def _json(start_response: Callable[..., Any], status: str, code: int, message: str,
+def _json(start_response: Callable[..., Any], status: str, code: int, message: str, rid: str,
           extra_headers: list[tuple[str, str]] | None = None, **extra: Any) -> list[bytes]:
     body = json.dumps({"error": {"code": code, "message": message, **extra}}).encode()
     start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body))),
-                            *(extra_headers or [])])
+                            *(extra_headers or []), (REQUEST_ID_HEADER, rid)])
     return [body]
 
 
@@ -203,19 +211,34 @@ class Admission:
     The refusal is prepared once and costs one counter increment: under a surge most requests are
     refused, and what a refusal costs is taken from the requests being served. (Requests in flight
     are in ``snapshot()``, for ``/status``, not in a metric: prometheus-client's multiprocess values
-    share one lock per process, and two more writes per request made it a convoy under load.)"""
+    share one lock per process, and two more writes per request made it a convoy under load.) Every
+    answer given here has an ``X-Request-Id`` (the caller's, or a new one) and is counted in
+    ``metrics`` (``pygmy_http_requests_total``, route ``admission``), as the ``Edge`` does for
+    the answers behind it."""
 
-    def __init__(self, app: Callable[..., Any], service: str, limits: dict[str, int]) -> None:
+    def __init__(self, app: Callable[..., Any], service: str, limits: dict[str, int],
+                 metrics: RequestMetrics | None = None) -> None:
         self.app, self.service = app, service
+        self.metrics = metrics or RequestMetrics(service)
         self.gates = {cls: Gate(limit) for cls, limit in limits.items()}
         self._shed = {cls: SHED.labels(service, cls) for cls in limits}
         self._refusal = {cls: json.dumps({"error": {
             "code": 503, "message": f"{service} is overloaded ({limit} {cls}s in flight): retry after {RETRY_AFTER} s",
             "overloaded": True}}).encode() for cls, limit in limits.items()}
         self._expired = EXPIRED.labels(service)
-        self._wire = {cls: b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: %d\r\nRetry-After: %d\r\n\r\n%s" % (len(body), RETRY_AFTER, body)
-                      for cls, body in self._refusal.items()}
+        self._wire = {cls: (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                            b"Content-Length: %d\r\nRetry-After: %d\r\n%s: " % (len(body), RETRY_AFTER,
+                                                                              REQUEST_ID_HEADER.encode()),
+                            b"\r\n\r\n" + body) for cls, body in self._refusal.items()}
+
+    def _shed_wire(self, cls: str, method: str, headers: dict[bytes, bytes]) -> bytes:
+        """The whole 503 of a full class, with the request's id, counted."""
+        self._shed[cls].inc()
+        self.metrics.count(ROUTE, method, 503)
+        given = headers.get(_ID_NAME)
+        rid = valid_request_id(given.decode("latin-1") if given is not None else None)
+        head, tail = self._wire[cls]
+        return head + rid.encode("latin-1") + tail
 
     def share(self, board: Board, slot: int) -> None:
         """Count each class's requests on ``board`` (slot ``slot``): the caps become the service's."""
@@ -258,8 +281,7 @@ class Admission:
         cls = classify(method, path)
         gate = self.gates.get(cls) if cls else None
         if gate is not None and gate.full():
-            self._shed[cls].inc()
-            return self._wire[cls]
+            return self._shed_wire(cls, method, headers)  # type: ignore[arg-type]
         early = getattr(self.app, "early", None)
         answer = early(method, path, query, headers, body) if early is not None else None
         if not isinstance(answer, Deferred):
@@ -267,8 +289,7 @@ class Admission:
         if gate is None:
             return answer
         if not gate.try_enter():  # filled up since the look above: refused as it would be there
-            self._shed[cls].inc()  # type: ignore[index]
-            return self._wire[cls]  # type: ignore[index]
+            return self._shed_wire(cls, method, headers)  # type: ignore[arg-type]
         work, left = answer, threading.Lock()
 
         def leave() -> None:
@@ -290,26 +311,29 @@ class Admission:
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         raw = environ.get(_DEADLINE_ENVIRON)
+        method = environ.get("REQUEST_METHOD", "GET")
         if raw is not None:
             try:
                 budget = parse_timeout_ms(raw.strip())
             except ValueError as exc:
-                return _json(start_response, "400 Bad Request", 400, str(exc))
+                return self._refuse(environ, start_response, method, "400 Bad Request", 400, str(exc))
             if budget == 0:
                 self._expired.inc()
-                return _json(start_response, "504 Gateway Timeout", 504,
-                             f"{self.service}: the request's time budget was spent before work began")
+                return self._refuse(environ, start_response, method, "504 Gateway Timeout", 504,
+                                    f"{self.service}: the request's time budget was spent before work began")
             environ[ENVIRON_KEY] = time.monotonic() + budget / 1000
-        cls = classify(environ.get("REQUEST_METHOD", "GET"), environ.get("PATH_INFO", ""))
+        cls = classify(method, environ.get("PATH_INFO", ""))
         gate = self.gates.get(cls) if cls else None
         if gate is None:
             return self.app(environ, start_response)
         if not gate.try_enter():
             self._shed[cls].inc()
             body = self._refusal[cls]
+            self.metrics.count(ROUTE, method, 503)
             start_response("503 Service Unavailable", [("Content-Type", "application/json"),
                                                        ("Content-Length", str(len(body))),
-                                                       ("Retry-After", str(RETRY_AFTER))])
+                                                       ("Retry-After", str(RETRY_AFTER)),
+                                                       (REQUEST_ID_HEADER, valid_request_id(environ.get(_ID_ENVIRON)))])
             return [body]
         try:
             result = self.app(environ, start_response)
@@ -317,3 +341,8 @@ class Admission:
             gate.leave()
             raise
         return ClosingIterator(result, gate.leave)  # released when the server has sent the body
+
+    def _refuse(self, environ: dict[str, Any], start_response: Callable[..., Any], method: str, status: str,
+                code: int, message: str) -> list[bytes]:
+        self.metrics.count(ROUTE, method, code)
+        return _json(start_response, status, code, message, valid_request_id(environ.get(_ID_ENVIRON)))

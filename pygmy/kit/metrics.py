@@ -77,6 +77,14 @@ class RequestMetrics:
         count.inc()
         timing.observe(seconds)
 
+    def count(self, route: str, method: str, status: int) -> None:
+        """Count an answer given before any work (a refusal): it has no time worth a histogram's write."""
+        count = self._counts.get((route, method, status))
+        if count is None:
+            count = self._counts.setdefault((route, method, status),
+                                            REQUESTS.labels(self.service, route, method, str(status)))
+        count.inc()
+
 
 def instrument(app: Flask, extra: Callable[[], Iterable[Collector]] | None = None) -> None:
     """Serve ``/metrics`` (requests are counted and timed at the edge, ``pygmy.kit.web.Edge``)."""

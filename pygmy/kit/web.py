@@ -301,7 +301,7 @@ def create_base_app(name: str, extra_metrics: Callable[[], Iterable[Collector]] 
     app.json = CompactJSON(app)
     app.request_class = EdgeRequest
     edge = app.extensions["pygmy_edge"] = Edge(app.wsgi_app, name)
-    app.wsgi_app = Admission(edge, name, limits or {})  # type: ignore[method-assign]
+    app.wsgi_app = Admission(edge, name, limits or {}, edge.metrics)  # type: ignore[method-assign]
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY
     instrument(app, extra_metrics)
 

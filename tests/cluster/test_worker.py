@@ -297,3 +297,79 @@ def test_a_connection_header_asks_to_close_when_it_lists_close(value: bytes | No
 def test_an_answer_that_closes_says_so_after_its_status_line() -> None:
     assert said_closing(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}") == (
         b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{}")
+
+
+def requests_counted(host: str, port: int) -> dict[tuple[str, str], float]:
+    """``pygmy_http_requests_total`` by (route, status), from the server's ``/metrics``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"http://{host}:{port}/metrics", timeout=5).text
+    out: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "pygmy_http_requests":
+            for s in family.samples:
+                if s.name.endswith("_total"):
+                    key = (s.labels["route"], s.labels["status"])
+                    out[key] = out.get(key, 0) + s.value
+    return out
+
+
+def test_every_answer_has_a_request_id_and_is_counted(full_writes: tuple[str, int, Path]) -> None:
+    """Refusals of a full class (by the event loop and by the middleware), a spent budget, a
+    malformed deadline and Gunicorn's own 400: each answer carries the caller's id (or a new one)
+    and is counted in ``pygmy_http_requests_total`` (routes ``admission`` and ``server``)."""
+    host, port, _ = full_writes
+    before = requests_counted(host, port)
+    with socket.create_connection((host, port), timeout=5) as sock:
+        sock.sendall(buy_request("X-Request-Id: shed-1\r\n"))         # the event loop's 503
+        status, headers, _, _ = read_answer(sock)
+        assert status == 503 and "server" not in headers and headers["x-request-id"] == "shed-1"
+        whole = buy_request("X-Request-Id: shed-2\r\n", body=b'{"quantity": 1}')
+        sock.sendall(whole[:-5])                                       # the middleware's 503
+        time.sleep(0.3)
+        sock.sendall(whole[-5:])
+        status, headers, _, _ = read_answer(sock)
+        assert status == 503 and headers.get("server", "").startswith("gunicorn")
+        assert headers["x-request-id"] == "shed-2"
+        sock.sendall(b"GET /read HTTP/1.1\r\nHost: t\r\nX-Request-Timeout-Ms: 0\r\n\r\n")  # spent: 504
+        status, headers, _, _ = read_answer(sock)
+        assert status == 504 and headers["x-request-id"]
+        sock.sendall(b"GET /read HTTP/1.1\r\nHost: t\r\nX-Request-Timeout-Ms: soon\r\n\r\n")  # malformed: 400
+        status, headers, _, _ = read_answer(sock)
+        assert status == 400 and headers["x-request-id"]
+    with socket.create_connection((host, port), timeout=5) as sock:
+        sock.sendall(b"GET  /read HTTP/1.1\r\nHost: t\r\n\r\n")  # Gunicorn's parser refuses it
+        status, headers, body, _ = read_answer(sock)
+        assert status == 400 and headers["x-request-id"] and json.loads(body)["error"]["code"] == 400
+    after = requests_counted(host, port)
+
+    def more(route: str, status: str) -> float:
+        return after.get((route, status), 0) - before.get((route, status), 0)
+
+    assert more("admission", "503") == 2 and more("admission", "504") == 1 and more("admission", "400") == 1
+    assert more("server", "400") == 1
+
+
+def test_pipelined_requests_behind_a_pool_threads_answer_are_answered_in_order(
+        full_writes: tuple[str, int, Path]) -> None:
+    """Three reads in one segment, none of which the event loop answers (``/read`` has no shortcut):
+    a pool thread's parser reads all three off the socket; the two behind the first were never
+    answered (the poller waits on the socket, which is empty)."""
+    host, port, _ = full_writes
+    with socket.create_connection((host, port), timeout=5) as sock:
+        reqs = b"".join(b"GET /read HTTP/1.1\r\nHost: t\r\nX-Request-Id: p-%d\r\n\r\n" % i for i in range(3))
+        sock.sendall(reqs)
+        rest = b""
+        for i in range(3):
+            status, headers, body, rest = read_answer(sock, rest)
+            assert status == 200 and headers["x-request-id"] == f"p-{i}" and json.loads(body) == {"read": True}
+        assert rest == b""
+        # A hit, a miss and a hit: answered in order, whichever takes each.
+        sock.sendall(HIT + b"GET /read HTTP/1.1\r\nHost: t\r\n\r\n" + HIT)
+        rest = b""
+        bodies = []
+        for _ in range(3):
+            status, _, body, rest = read_answer(sock, rest)
+            assert status == 200
+            bodies.append(json.loads(body))
+        assert bodies[1] == {"read": True} and bodies[0] == bodies[2] != bodies[1]
