@@ -3,8 +3,8 @@
 Required: Go 1.22 or newer, and the Go module proxy (or a module cache) to build the Porcupine
 checker (tools/lincheck), which is built here, once. Optional, each for a few tests that are skipped
 without it (and named in pytest's summary): root with iproute2 and iptables (the nemesis, chaos and
-full-disk tests), Chromium with chromium-driver (the dashboard in a real browser), Docker with its
-Compose plugin (the compose file's checks). With ``PYGMY_NO_SKIP=1`` (as ``.ci/run`` sets) a missing
+full-disk tests), Chromium with chromium-driver (the dashboard in a real browser), nginx (the reverse
+proxy's test), Docker with its Compose plugin (the compose file's checks). With ``PYGMY_NO_SKIP=1`` (as ``.ci/run`` sets) a missing
 optional one is an error too, since the suite then fails on any skip.
 
 Exit status 0 when the suite can run, 1 otherwise, with one line per missing prerequisite.
@@ -36,6 +36,7 @@ OPTIONAL: list[tuple[str, str, object]] = [
     ("iptables", "the nemesis and chaos tests (apt-get install iptables)", lambda: bool(shutil.which("iptables"))),
     ("chromium, chromium-driver", "tests/frontend/test_dashboard_browser.py (apt-get install chromium chromium-driver)",
      lambda: bool(shutil.which("chromium") and shutil.which("chromedriver"))),
+    ("nginx", "tests/deploy/test_proxy.py (apt-get install nginx-light)", lambda: bool(shutil.which("nginx"))),
     ("docker compose", "tests/scripts/test_compose.py (bash scripts/compose.sh ci-setup installs it)", _compose),
 ]
 

@@ -1,0 +1,149 @@
+"""The reverse proxy (``deploy/proxy/nginx.conf``, #39) in front of two frontends of a real cluster,
+on loopback: nginx from Debian, run with the shipped configuration (only its upstream addresses,
+port and paths changed). Pipelined requests through it are answered in order; every answer has an
+``X-Request-Id`` (the client's, or one the proxy made and the frontend echoes); both frontends
+serve, and each gets its cache pushes; with one frontend killed, lookups and buys go on; with none,
+the proxy's own answer is a JSON 503 with an id."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import requests
+from harness import Cluster, free_port_base, start_cluster, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+CONF = ROOT / "deploy" / "proxy" / "nginx.conf"
+NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
+pytestmark = pytest.mark.skipif(not Path(NGINX).exists(), reason="nginx is not installed (.ci/run installs nginx-light)")
+
+
+def proxy_conf(text: str, frontends: list[str], port: int, run: Path) -> str:
+    """The shipped configuration with loopback upstreams, a port and paths of the test's own."""
+    servers = "".join(f"        server {urlsplit(u).netloc} max_fails=1 fail_timeout=2s;\n" for u in frontends)
+    text, n = re.subn(r"(?m)^\s*server frontend-\d+:8000[^\n]*\n", "", text)
+    assert n == 2, "the shipped configuration names frontend-1 and frontend-2"
+    text = text.replace("        least_conn;\n", "        least_conn;\n" + servers)
+    text = text.replace("listen 8000 reuseport;", f"listen 127.0.0.1:{port};")
+    text = text.replace("/tmp/", f"{run}/")
+    return ("user root;\n" if os.geteuid() == 0 else "") + text
+
+
+@pytest.fixture
+def proxied(tmp_path: Path) -> Iterator[tuple[Cluster, str]]:
+    c = start_cluster(tmp_path, "--frontends", "2")
+    run = tmp_path / "proxy"
+    run.mkdir()
+    port = free_port_base(1, 1)
+    conf = run / "nginx.conf"
+    conf.write_text(proxy_conf(CONF.read_text(), [c.cluster_config().frontend_url(k) for k in (1, 2)], port, run))
+    checked = subprocess.run([NGINX, "-t", "-q", "-c", str(conf), "-p", str(run)], capture_output=True, text=True,
+                             timeout=30)
+    assert checked.returncode == 0, checked.stderr
+    proc = subprocess.Popen([NGINX, "-c", str(conf), "-p", str(run), "-g", "daemon off;"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for("the proxy", lambda: _ok(url + "/livez"), 20)
+        yield c, url
+    finally:
+        with_pg = proc.pid
+        try:
+            os.killpg(with_pg, signal.SIGTERM)
+            proc.wait(10)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(with_pg, signal.SIGKILL)
+            proc.wait(5)
+        c.stop()
+
+
+def _ok(url: str) -> bool:
+    try:
+        return requests.get(url, timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def answers(sock: socket.socket, n: int) -> list[tuple[int, dict[str, str], bytes]]:
+    """``n`` HTTP answers (status, lower-case headers, body) read in order off ``sock``."""
+    out, data = [], b""
+    for _ in range(n):
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            assert chunk, f"closed after {len(out)} answers"
+            data += chunk
+        head, _, data = data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+        length = int(headers["content-length"])
+        while len(data) < length:
+            data += sock.recv(65536)
+        out.append((int(lines[0].split()[1]), headers, data[:length]))
+        data = data[length:]
+    assert data == b""
+    return out
+
+
+def test_through_the_proxy(proxied: tuple[Cluster, str]) -> None:
+    c, url = proxied
+    netloc = urlsplit(url)
+    # Three pipelined lookups (misses: nothing is cached yet) and a search: answered in order.
+    paths = ["/lookup/1", "/search/distributed%20systems", "/lookup/2", "/lookup/3"]
+    with socket.create_connection((netloc.hostname, netloc.port), timeout=10) as sock:
+        sock.sendall(b"".join(f"GET {p} HTTP/1.1\r\nHost: t\r\nX-Request-Id: px-{i}\r\n\r\n".encode()
+                              for i, p in enumerate(paths)))
+        got = answers(sock, len(paths))
+    for i, (path, (status, headers, body)) in enumerate(zip(paths, got, strict=True)):
+        assert status == 200 and headers["x-request-id"] == f"px-{i}", (path, status, headers)
+        if path.startswith("/lookup/"):
+            assert json.loads(body)["item_number"] == int(path.rsplit("/", 1)[1])
+    # No id given: the proxy makes one, which the frontend echoes.
+    r = requests.get(url + "/lookup/1", timeout=5)
+    assert r.status_code == 200 and re.fullmatch(r"[0-9a-f]{32}", r.headers["X-Request-Id"])
+
+    # Both frontends serve through it, and each gets its cache pushes: an update through the proxy
+    # is seen at once by a lookup straight at either frontend (each cached book 4 before it).
+    names = {requests.get(url + "/status", timeout=5).json()["frontend"]["name"] for _ in range(12)}
+    assert names == {"frontend-1", "frontend-2"}, names
+    direct = [c.cluster_config().frontend_url(k) for k in (1, 2)]
+    for d in direct:
+        requests.get(d + "/lookup/4", timeout=5).raise_for_status()
+    before = requests.get(direct[0] + "/lookup/4", timeout=5).json()["stock"]
+    token = {"Authorization": f"Bearer {c.admin_token()}"}
+    r = requests.post(url + "/update/4", json={"stock_delta": 5}, headers=token, timeout=10)
+    assert r.status_code == 200, r.text
+    for d in direct:
+        assert requests.get(d + "/lookup/4", timeout=5).json()["stock"] == before + 5, d
+
+    # frontend-1 killed: lookups and buys go on through the proxy (a buy retried with its key).
+    c.kill("frontend-1")
+    for i in range(20):
+        r = requests.get(url + f"/lookup/{1 + i % 7}", timeout=5)
+        assert r.status_code == 200, (i, r.status_code, r.text)
+    for _ in range(5):
+        key = uuid.uuid4().hex
+        deadline = time.monotonic() + 20
+        while True:
+            r = requests.post(url + "/buy/4", headers={"Idempotency-Key": key}, timeout=35)
+            if r.status_code in (200, 409) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert r.status_code == 200, r.text
+
+    # No frontend at all: the proxy's own answer, JSON with an id.
+    c.kill("frontend-2")
+    r = requests.get(url + "/lookup/1", headers={"X-Request-Id": "none-left"}, timeout=10)
+    assert r.status_code == 503 and r.headers["X-Request-Id"] == "none-left"
+    assert r.json()["error"]["code"] == 503 and r.headers["Retry-After"] == "1"
