@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build the local base image pygmy-base:bookworm (Debian bookworm + python3 3.11 + venv) without any
+# Build the local base image pygmy-base:bookworm (Debian bookworm + python3 3.11 + venv, and nginx-light
+# for the reverse proxy's image, deploy/proxy/Dockerfile) without any
 # container registry: debootstrap a minimal root file system from Debian's package mirror, then
 # `docker import` it. The root file system tarball is cached, so a second run needs no network.
 #
@@ -11,7 +12,10 @@ set -euo pipefail
 
 IMAGE="${PYGMY_BASE_IMAGE:-pygmy-base:bookworm}"
 CACHE_DIR="${PYGMY_CACHE_DIR:-$HOME/.cache/pygmy}"
-TARBALL="$CACHE_DIR/pygmy-base-bookworm.tar"
+# What the image holds: a cached tarball or an image made with another list is made again.
+PACKAGES="python3,python3-venv,ca-certificates,nginx-light"
+STAMP=$(printf '%s' "$PACKAGES" | sha256sum | cut -c1-12)
+TARBALL="$CACHE_DIR/pygmy-base-bookworm-$STAMP.tar"
 FORCE=0
 [[ "${1:-}" == "--force" ]] && FORCE=1
 
@@ -21,7 +25,7 @@ die() { printf '[base-image] ERROR: %s\n' "$*" >&2; exit 1; }
 command -v docker >/dev/null || die "docker is not installed (run: bash scripts/compose.sh ci-setup)"
 docker info >/dev/null 2>&1 || die "the Docker engine is not reachable (run: bash scripts/compose.sh engine)"
 
-if [[ $FORCE == 0 ]] && docker image inspect "$IMAGE" >/dev/null 2>&1; then
+if [[ $FORCE == 0 ]] && [[ $(docker image inspect -f '{{index .Config.Labels "pygmy.base.packages"}}' "$IMAGE" 2>/dev/null) == "$PACKAGES" ]]; then
     log "$IMAGE already present"
     exit 0
 fi
@@ -42,7 +46,7 @@ if [[ $FORCE == 1 || ! -s "$TARBALL" ]]; then
     ROOTFS=$(mktemp -d "$CACHE_DIR/rootfs.XXXXXX")
     trap 'rm -rf "$ROOTFS"' EXIT
     log "debootstrap bookworm from $MIRROR (a few minutes; log: $CACHE_DIR/debootstrap.log)"
-    if ! debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+    if ! debootstrap --variant=minbase --include="$PACKAGES" \
             bookworm "$ROOTFS" "$MIRROR" >"$CACHE_DIR/debootstrap.log" 2>&1; then
         tail -n 20 "$CACHE_DIR/debootstrap.log" >&2
         die "debootstrap failed (see $CACHE_DIR/debootstrap.log)"
@@ -64,6 +68,7 @@ docker import \
     --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
     --change 'ENV LANG=C.UTF-8' \
     --change 'CMD ["python3"]' \
-    --message "pygmy base: debootstrap bookworm minbase + python3" \
+    --change "LABEL pygmy.base.packages=$PACKAGES" \
+    --message "pygmy base: debootstrap bookworm minbase + $PACKAGES" \
     "$TARBALL" "$IMAGE" >/dev/null
 log "imported $IMAGE ($(docker run --rm --network none "$IMAGE" python3 --version))"

@@ -15,7 +15,7 @@
 #   bash scripts/compose.sh stack-test deploy the same file with `docker stack deploy` on a single-node
 #                                      swarm, smoke-test it, remove it
 #
-# Environment: PYGMY_IMAGE (pygmy:latest), PYGMY_BASE_IMAGE (default: python:3.11-slim if present
+# Environment: PYGMY_IMAGE (pygmy:latest), PYGMY_PROXY_IMAGE (pygmy-proxy:latest), PYGMY_BASE_IMAGE (default: python:3.11-slim if present
 # locally, else pygmy-base:bookworm built here with debootstrap), PYGMY_HTTP_PORT (8000 for up),
 # COMPOSE_PROJECT_NAME (pygmy for up/down), PYGMY_CACHE_DIR (~/.cache/pygmy), PYGMY_SECRET (the internal
 # secret between services) and PYGMY_ADMIN_TOKEN (for POST /update), both required by docker-compose.yml.
@@ -28,9 +28,10 @@ COMPOSE_VERSION="v2.29.7"
 CACHE_DIR="${PYGMY_CACHE_DIR:-$HOME/.cache/pygmy}"
 USER_IMAGE="${PYGMY_IMAGE:-}"
 IMAGE="${PYGMY_IMAGE:-pygmy:latest}"
+PROXY_IMAGE="${PYGMY_PROXY_IMAGE:-pygmy-proxy:latest}"
 LOCAL_BASE="pygmy-base:bookworm"
 WHEELS="$ROOT/build/wheels"
-export PYGMY_IMAGE="$IMAGE"
+export PYGMY_IMAGE="$IMAGE" PYGMY_PROXY_IMAGE="$PROXY_IMAGE"
 
 log() { printf '[compose] %s\n' "$*" >&2; }
 die() { printf '[compose] ERROR: %s\n' "$*" >&2; exit 1; }
@@ -199,10 +200,22 @@ build() {
         tail -n 30 "$logf" >&2
         die "docker build failed (log: $logf)"
     fi
+    # The proxy's image: nginx comes with the local base (the build has no network to fetch it).
+    local proxy_base="${PYGMY_PROXY_BASE_IMAGE:-}"
+    if [[ -z "$proxy_base" ]]; then
+        bash "$ROOT/scripts/build-base-image.sh" >&2 || die "could not build the base image $LOCAL_BASE"
+        proxy_base="$LOCAL_BASE"
+    fi
+    log "docker build $PROXY_IMAGE (BASE_IMAGE=$proxy_base, no network)"
+    if ! docker build "${net[@]}" --build-arg "BASE_IMAGE=$proxy_base" -f "$ROOT/deploy/proxy/Dockerfile" \
+            -t "$PROXY_IMAGE" "$ROOT" >>"$logf" 2>&1; then
+        tail -n 30 "$logf" >&2
+        die "docker build of the proxy failed (log: $logf)"
+    fi
     # Drop what earlier builds left untagged: replaced images, and (classic builder) old build stages.
     docker image prune -f --filter label=pygmy.image=true >/dev/null 2>&1 || true
     docker image prune -f --filter label=pygmy.build-stage=true --filter until=1h >/dev/null 2>&1 || true
-    log "built $IMAGE"
+    log "built $IMAGE and $PROXY_IMAGE"
 }
 
 # --------------------------------------------------------------------------------------------- up/down
@@ -262,7 +275,7 @@ test_stack() {
     # each other's code; removed again at the end.
     if [[ -z "$USER_IMAGE" ]]; then
         IMAGE="pygmy:$TEST_PROJECT"
-        export PYGMY_IMAGE="$IMAGE"
+        export PYGMY_IMAGE="$IMAGE" PYGMY_PROXY_IMAGE="$PROXY_IMAGE"
     fi
     build
     local built=$SECONDS

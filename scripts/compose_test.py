@@ -1,16 +1,19 @@
-"""End-to-end test of the docker-compose stack, through the frontend's published port only.
+"""End-to-end test of the docker-compose stack, through the proxy's published port only.
 
 Run by ``bash scripts/compose.sh test`` (``make compose-test``) once the stack is healthy:
 
 1. smoke: search, lookup, buy (and an idempotent retry), order, the lookup shows the new stock;
    ``POST /update`` takes the admin token (``PYGMY_ADMIN_TOKEN``) and refuses the internal secret;
    ``/dashboard`` is served, shows no fault buttons and refuses fault requests (no ``pygmy up`` here);
-2. failover: find the catalog and order leaders in the frontend's ``GET /status``, SIGKILL both
+2. frontends: three lookups pipelined on one connection through the proxy are answered in order;
+   both frontends answer through it; ``frontend-1`` is SIGKILLed and lookups and buys go on through
+   the proxy; it is started again;
+3. failover: find the catalog and order leaders in the frontend's ``GET /status``, SIGKILL both
    containers with ``docker compose kill``, and check that lookups and buys go on (new leaders, every
    buy acknowledged exactly once, retried with its Idempotency-Key through at most one failover window);
-3. recovery: ``docker compose start`` them again and check that they catch up: every replica of a tier
+4. recovery: ``docker compose start`` them again and check that they catch up: every replica of a tier
    alive with the same ``applied_index`` and ``state_digest``; stock and orders add up;
-4. replacement (``--spare docker-compose.spare.yml``): a catalog follower's and then the order leader's
+5. replacement (``--spare docker-compose.spare.yml``): a catalog follower's and then the order leader's
    container killed and removed for good, each replaced by its tier's spare with ``pygmy member`` (add,
    start, promote once caught up, remove), buys going on; the frontend routes to the new members
    without a restart, and stock and orders still add up.
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import shlex
+import socket
 import subprocess
 import sys
 import time
@@ -31,6 +35,7 @@ import urllib.error
 import urllib.request
 import uuid
 from typing import Any
+from urllib.parse import urlsplit
 
 URL = "http://127.0.0.1:8000"
 CHECKS: list[str] = []
@@ -167,6 +172,54 @@ def dashboard(token: str) -> None:
     log("dashboard ok: served, no fault buttons, fault requests refused")
 
 
+def pipelined(paths: list[str]) -> list[tuple[int, str, dict[str, Any]]]:
+    """``paths`` as GETs pipelined in one write on one connection: ``(status, X-Request-Id, body)`` of
+    each answer, in the order they came."""
+    where = urlsplit(URL)
+    out: list[tuple[int, str, dict[str, Any]]] = []
+    with socket.create_connection((where.hostname, where.port or 80), timeout=10) as sock:
+        sock.sendall(b"".join(f"GET {p} HTTP/1.1\r\nHost: pygmy\r\nX-Request-Id: pipe-{i}\r\n\r\n".encode()
+                              for i, p in enumerate(paths)))
+        data = b""
+        for _ in paths:
+            while b"\r\n\r\n" not in data:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    return out
+                data += chunk
+            head, _, data = data.partition(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")
+            headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+            length = int(headers.get("content-length", "0"))
+            while len(data) < length:
+                data += sock.recv(65536)
+            out.append((int(lines[0].split()[1]), headers.get("x-request-id", ""), json.loads(data[:length] or b"{}")))
+            data = data[length:]
+    return out
+
+
+def frontends(compose: list[str], orders: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """Pipelining through the proxy, both frontends behind it, and one of them killed."""
+    paths = ["/lookup/1", "/lookup/2", "/search/distributed%20systems", "/lookup/3"]
+    got = pipelined(paths)
+    check(len(got) == len(paths) and all(g[0] == 200 and g[1] == f"pipe-{i}" for i, g in enumerate(got))
+          and [g[2].get("item_number") for g in got] == [1, 2, None, 3],
+          f"{len(paths)} pipelined requests answered in order through the proxy ({[g[:2] for g in got]})")
+    names = {(status().get("frontend") or {}).get("name") for _ in range(12)}
+    check(names == {"frontend-1", "frontend-2"}, f"both frontends answer through the proxy ({sorted(map(str, names))})")
+    log("killing frontend-1 (docker compose kill)")
+    subprocess.run([*compose, "kill", "frontend-1"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    failed = [(path, code) for i in range(20)
+              for path in (f"/lookup/{1 + i % 7}",) for code, _ in (call("GET", path),) if code != 200]
+    check(not failed, f"lookups go on through the proxy with frontend-1 killed (failed: {failed})")
+    for _ in range(3):
+        order, _tries = buy(1, f"compose-frontend-{uuid.uuid4()}", args.window)
+        orders.append(order)
+    check(True, "buys go on through the proxy with frontend-1 killed")
+    subprocess.run([*compose, "start", "frontend-1"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log("frontends ok: pipelining through the proxy; one frontend killed, lookups and buys went on")
+
+
 def failover(compose: list[str], orders: list[dict[str, Any]], args: argparse.Namespace) -> tuple[str, str]:
     cl, ol = leaders(status())
     check(bool(cl and ol), f"the frontend's /status names both leaders ({cl}, {ol})")
@@ -254,7 +307,7 @@ def recovery(compose: list[str], killed: tuple[str, str], stock0: int, orders: l
 def member(compose: list[str], *args: str, timeout: float = 90) -> dict[str, Any]:
     """``pygmy member ARGS --json`` run in the frontend's container (the tiers' URLs and the secret are
     in its environment): the JSON it printed."""
-    r = subprocess.run([*compose, "exec", "-T", "frontend", "pygmy", "member", *args, "--json"],
+    r = subprocess.run([*compose, "exec", "-T", "frontend-1", "pygmy", "member", *args, "--json"],
                        capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
         fail(f"pygmy member {' '.join(args)}: exit {r.returncode}: {r.stdout[-400:]} {r.stderr[-400:]}")
@@ -281,7 +334,7 @@ def replacement(compose: list[str], spare_file: str, stock0: int, orders: list[d
         subprocess.run([*compose, "rm", "-f", lost], check=True, capture_output=True)
         deadline = time.monotonic() + args.window
         while True:  # a lost leader: its successor must be elected before it takes a change
-            r = subprocess.run([*spare, "exec", "-T", "frontend", "pygmy", "member", "add", tier, new,
+            r = subprocess.run([*spare, "exec", "-T", "frontend-1", "pygmy", "member", "add", tier, new,
                                 f"http://{new}:8000", "--json"], capture_output=True, text=True, timeout=60)
             if r.returncode == 0:
                 added = json.loads(r.stdout)
@@ -349,6 +402,7 @@ def main() -> int:
     if args.smoke_only:
         log(f"all {len(CHECKS)} checks passed in {time.monotonic() - t0:.0f}s")
         return 0
+    frontends(compose, orders, args)
     killed = failover(compose, orders, args)
     recovery(compose, killed, stock0, orders, args)
     if args.spare:

@@ -30,9 +30,23 @@ def test_the_compose_file_requires_both_secrets_and_has_no_default() -> None:
         # ${VAR:?message}: compose refuses to run when VAR is unset or empty, and says what to set.
         assert all(u.startswith(":?") and f"set {name}" in u for u in uses), uses
     envs = environments()
+    assert envs.pop("proxy") == {}, "the proxy knows no secret: it only passes requests on"
     assert all(env["PYGMY_SECRET"].startswith("${PYGMY_SECRET:?") for env in envs.values())
-    # Only the frontend knows the admin token: a replica has no use for it.
-    assert [n for n, env in envs.items() if "PYGMY_ADMIN_TOKEN" in env] == ["frontend"]
+    # Only the frontends know the admin token: a replica has no use for it.
+    assert [n for n, env in envs.items() if "PYGMY_ADMIN_TOKEN" in env] == ["frontend-1", "frontend-2"]
+
+
+def test_each_frontend_advertises_its_own_name_and_only_the_proxy_publishes_a_port() -> None:
+    """The catalog pushes to each frontend worker at the host it advertises: two frontends under one
+    name would have their pushes misrouted. Clients reach them through the proxy alone."""
+    doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = doc["services"]
+    fronts = sorted(n for n in services if n.startswith("frontend"))
+    assert fronts == ["frontend-1", "frontend-2"]
+    assert [services[n]["environment"]["PYGMY_ADVERTISE_HOST"] for n in fronts] == fronts
+    assert [n for n, svc in services.items() if svc.get("ports")] == ["proxy"]
+    conf = (ROOT / "deploy" / "proxy" / "nginx.conf").read_text()
+    assert all(f"server {n}:8000" in conf for n in fronts), "the proxy spreads over every frontend"
 
 
 def compose_available() -> bool:
