@@ -48,7 +48,12 @@ type doc struct {
 	obj  runtime.Object
 }
 
-func (d *doc) where() string { return fmt.Sprintf("%s:%d: %s/%s", d.file, d.line, d.kind, d.name) }
+func (d *doc) where() string {
+	if d.name == "" {
+		return fmt.Sprintf("%s:%d: %s", d.file, d.line, d.kind)
+	}
+	return fmt.Sprintf("%s:%d: %s/%s", d.file, d.line, d.kind, d.name)
+}
 
 // workload is what StatefulSets and Deployments have in common for the checks.
 type workload struct {
@@ -109,17 +114,12 @@ func split(text []byte) (docs [][]byte, lines []int) {
 	start := 1
 	flush := func() {
 		body := bytes.Join(cur, []byte("\n"))
-		meaningful := false
-		for _, l := range cur {
-			t := bytes.TrimSpace(l)
-			if len(t) > 0 && t[0] != '#' {
-				meaningful = true
+		for i, l := range cur { // where it starts: its first line that is not a comment
+			if t := bytes.TrimSpace(l); len(t) > 0 && t[0] != '#' {
+				docs = append(docs, body)
+				lines = append(lines, start+i)
 				break
 			}
-		}
-		if meaningful {
-			docs = append(docs, body)
-			lines = append(lines, start)
 		}
 		cur = nil
 	}
@@ -541,6 +541,17 @@ func (c *checker) checkPDB(d *doc, pdb *policyv1.PodDisruptionBudget, ws []*work
 	}
 }
 
+// checkSecret: Pygmy's credentials are never in a file of the repository; a Secret here is an
+// example whose values must stay empty (a service refuses to start without them).
+func (c *checker) checkSecret(d *doc, s *corev1.Secret) {
+	for _, key := range []string{"PYGMY_SECRET", "PYGMY_ADMIN_TOKEN"} {
+		if len(s.Data[key]) > 0 || s.StringData[key] != "" {
+			c.fail(d, "%s has a value: a secret written in a manifest is known to everyone who reads it; "+
+				"leave it empty here and create the Secret with values of your own", key)
+		}
+	}
+}
+
 // checkPygmy checks the wiring Pygmy itself expects (pygmy/kit/config.py): PYGMY_<TIER>_URLS lists
 // the tier's replicas by position (the first is replica 1), each at its StatefulSet pod's stable
 // DNS name; a StatefulSet's pods take their id from their ordinal, not one fixed --id for all; a
@@ -734,6 +745,16 @@ func main() {
 			os.Exit(2)
 		}
 	}
+	if len(c.problems) > 0 {
+		// Checks across documents would report knock-on errors of a document left out: first the files
+		// must decode.
+		for _, p := range c.problems {
+			fmt.Println(p)
+		}
+		fmt.Printf("k8scheck: %d problem(s) in %d file(s); checks across documents skipped until every "+
+			"document decodes\n", len(c.problems), len(files))
+		os.Exit(1)
+	}
 	c.checkDuplicates()
 	ws := c.workloads()
 	for _, w := range ws {
@@ -747,6 +768,8 @@ func main() {
 			c.checkService(d, o, ws)
 		case *policyv1.PodDisruptionBudget:
 			c.checkPDB(d, o, ws)
+		case *corev1.Secret:
+			c.checkSecret(d, o)
 		}
 	}
 	c.checkPygmy(ws)
