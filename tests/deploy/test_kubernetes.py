@@ -70,6 +70,9 @@ MUTATIONS = {
     "a misspelt field": (
         "catalog.yaml", "podManagementPolicy: Parallel", "podManagmentPolicy: Parallel",
         'catalog.yaml:30: StatefulSet/catalog: strict decoding: strict decoding error: unknown field "spec.podManagmentPolicy"'),
+    "a misspelt kind": (
+        "frontend.yaml", "kind: Deployment\n", "kind: Deploymnet\n",
+        'frontend.yaml:4: Deploymnet/frontend: strict decoding: no kind "Deploymnet" is registered for version "apps/v1"'),
     "a field of the wrong type": (
         "order.yaml", "  replicas: 3\n", '  replicas: "3"\n',
         "order.yaml:32: StatefulSet/order: strict decoding: json: cannot unmarshal string into Go struct field "

@@ -28,7 +28,9 @@ import (
 	"strings"
 
 	appsv1 "k8s.io/api/apps/v1"
+	autoscalingv2 "k8s.io/api/autoscaling/v2"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
@@ -97,10 +99,13 @@ func (c *checker) failFile(file string, line int, format string, args ...any) {
 	c.problems = append(c.problems, fmt.Sprintf("%s:%d: %s", file, line, fmt.Sprintf(format, args...)))
 }
 
+// scheme knows the API groups a deployment of Pygmy uses or may soon (an Ingress or NetworkPolicy for
+// the reverse proxy, an autoscaler for the frontends); a kind outside them is an error, not skipped.
 var scheme = runtime.NewScheme()
 
 func init() {
-	for _, add := range []func(*runtime.Scheme) error{corev1.AddToScheme, appsv1.AddToScheme, policyv1.AddToScheme} {
+	for _, add := range []func(*runtime.Scheme) error{corev1.AddToScheme, appsv1.AddToScheme, policyv1.AddToScheme,
+		networkingv1.AddToScheme, autoscalingv2.AddToScheme} {
 		if err := add(scheme); err != nil {
 			panic(err)
 		}
