@@ -72,6 +72,21 @@ def probe_paths(sources: Iterable[Path] = ROUTE_SOURCES) -> list[str]:
     return sorted(set.intersection(*sets)) if sets else []
 
 
+def known_env() -> list[str]:
+    """Every ``PYGMY_*`` variable a service reads: its settings (``pygmy.cluster.cli.SETTINGS``), the
+    credentials, the learners, the log level and the replication timing (``PYGMY_RAFT_<FIELD>``).
+    Pygmy ignores any other, so a misspelt one in a manifest would silently not apply."""
+    from dataclasses import fields
+
+    from pygmy.cluster.cli import SETTINGS
+    from pygmy.replication.node import ReplicationConfig
+
+    return sorted({env for _, _, env in SETTINGS.values()}
+                  | {"PYGMY_SECRET", "PYGMY_ADMIN_TOKEN", "PYGMY_CATALOG_LEARNERS", "PYGMY_ORDER_LEARNERS",
+                     "PYGMY_LOG_LEVEL"}
+                  | {f"PYGMY_RAFT_{f.name.upper()}" for f in fields(ReplicationConfig)})
+
+
 def check(paths: Sequence[Path | str] = (MANIFESTS,), external_secrets: Iterable[str] = (),
           timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run the checker on ``paths`` (directories or files); returncode 0: valid, 1: problems (on stdout)."""
@@ -80,6 +95,8 @@ def check(paths: Sequence[Path | str] = (MANIFESTS,), external_secrets: Iterable
         cmd += ["-external-secret", name]
     for path in probe_paths():
         cmd += ["-probe-path", path]
+    for env in known_env():
+        cmd += ["-known-env", env]
     return subprocess.run([*cmd, *map(str, paths)], capture_output=True, text=True, timeout=timeout)
 
 

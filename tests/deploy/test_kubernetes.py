@@ -37,6 +37,12 @@ def test_the_manifests_validate() -> None:
     assert proc.stdout.startswith("k8scheck: ok: 11 documents in 5 file(s)"), proc.stdout
 
 
+def test_the_settings_pygmy_reads_are_known() -> None:
+    known = set(k8scheck.known_env())
+    assert {"PYGMY_CATALOG_URLS", "PYGMY_ADVERTISE_HOST", "PYGMY_SECRET", "PYGMY_RAFT_TICK_MS"} <= known
+    assert "PYGMY_CATALOG_URL" not in known
+
+
 def test_probes_may_ask_only_paths_every_service_answers() -> None:
     assert {"/livez", "/readyz"} <= set(k8scheck.probe_paths())
     assert "/search" not in k8scheck.probe_paths()  # the frontend's alone (and not a fixed path)
@@ -140,6 +146,9 @@ MUTATIONS = {
     "a $(VAR) that is not defined before it": (
         "catalog.yaml", "value: $(POD_NAME).catalog", "value: $(POD).catalog",
         'env PYGMY_ADVERTISE_HOST refers to $(POD), which is not defined before it'),
+    "a misspelt Pygmy setting": (
+        "frontend.yaml", "- name: PYGMY_FRONTEND_WORKERS", "- name: PYGMY_FRONTEND_WORKER",
+        'container "frontend": env PYGMY_FRONTEND_WORKER is not a setting Pygmy reads (misspelt?)'),
     "a credential written into a manifest": (
         "secret.example.yaml", 'PYGMY_ADMIN_TOKEN: ""', 'PYGMY_ADMIN_TOKEN: "changeme"',
         "Secret/pygmy-secrets: PYGMY_ADMIN_TOKEN has a value"),

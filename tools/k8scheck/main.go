@@ -1,6 +1,6 @@
 // Command k8scheck validates Kubernetes manifests offline: no cluster, no API server, no network.
 //
-// Usage: k8scheck [-external-secret NAME]... [-probe-path /p]... DIR|FILE...
+// Usage: k8scheck [-external-secret NAME]... [-probe-path /p]... [-known-env NAME]... DIR|FILE...
 //
 // Every document of every *.yaml / *.yml file is decoded STRICTLY against the Go types of the
 // Kubernetes API (k8s.io/api): an unknown or misspelt field, a duplicated field or a value of the
@@ -84,6 +84,7 @@ type kustomization struct {
 type checker struct {
 	externalSecrets map[string]bool
 	probePaths      map[string]bool
+	knownEnv        map[string]bool // PYGMY_* variables Pygmy reads (empty: not checked)
 	problems        []string
 	docs            []*doc
 	kustomizations  []*doc
@@ -436,6 +437,10 @@ func (c *checker) checkEnv(d *doc, where string, ctr *corev1.Container) {
 				c.fail(d, "%s: env %s: ConfigMap %q is in none of the files", where, e.Name, ref.Name)
 			}
 		}
+		// Pygmy ignores a PYGMY_* variable it does not know: a misspelt setting would silently not apply.
+		if len(c.knownEnv) > 0 && strings.HasPrefix(e.Name, "PYGMY_") && !c.knownEnv[e.Name] {
+			c.fail(d, "%s: env %s is not a setting Pygmy reads (misspelt?), so it would be ignored", where, e.Name)
+		}
 		// Credentials come from a Secret, never as text in a manifest.
 		if (e.Name == "PYGMY_SECRET" || e.Name == "PYGMY_ADMIN_TOKEN") && e.ValueFrom == nil {
 			c.fail(d, "%s: env %s is given as plain text: take it from a Secret (secretKeyRef)", where, e.Name)
@@ -565,15 +570,19 @@ func (c *checker) checkPygmy(ws []*workload) {
 	for _, w := range ws {
 		for _, ctr := range allContainers(&w.template.Spec) {
 			where := fmt.Sprintf("container %q", ctr.Name)
-			serves := len(ctr.Args) >= 2 && ctr.Args[0] == "serve"
+			argv := append(append([]string{}, ctr.Command...), ctr.Args...)
+			if len(argv) > 0 && filepath.Base(argv[0]) == "pygmy" {
+				argv = argv[1:]
+			}
+			serves := len(argv) >= 2 && argv[0] == "serve"
 			if serves && w.d.kind == "StatefulSet" {
-				if !contains(ctr.Args, "--id-from-hostname") {
+				if !contains(argv, "--id-from-hostname") {
 					c.fail(w.d, "%s: a replica StatefulSet must run `pygmy serve %s --id-from-hostname` (pod N is "+
-						"replica N+1); a fixed --id would give every pod the same name", where, ctr.Args[1])
+						"replica N+1); a fixed --id would give every pod the same name", where, argv[1])
 				}
-				if ctr.Args[1] != w.d.name {
+				if argv[1] != w.d.name {
 					c.fail(w.d, "%s: serves tier %q, but the StatefulSet is named %q: PYGMY_<TIER>_URLS name the pods "+
-						"of the StatefulSet named after the tier", where, ctr.Args[1], w.d.name)
+						"of the StatefulSet named after the tier", where, argv[1], w.d.name)
 				}
 			}
 			if serves && w.d.kind == "Deployment" && w.replicas > 1 {
@@ -663,7 +672,7 @@ func (c *checker) checkKustomizations() {
 		images := map[string]bool{}
 		for _, w := range c.workloads() {
 			for _, ctr := range allContainers(&w.template.Spec) {
-				images[strings.SplitN(ctr.Image, ":", 2)[0]] = true
+				images[imageName(ctr.Image)] = true
 			}
 		}
 		for _, img := range k.Images {
@@ -672,6 +681,15 @@ func (c *checker) checkKustomizations() {
 			}
 		}
 	}
+}
+
+// imageName is an image reference without its tag or digest ("reg:5000/pygmy:1" -> "reg:5000/pygmy").
+func imageName(ref string) string {
+	ref = strings.SplitN(ref, "@", 2)[0]
+	if i := strings.LastIndex(ref, ":"); i > strings.LastIndex(ref, "/") {
+		return ref[:i]
+	}
+	return ref
 }
 
 func contains(xs []string, x string) bool {
@@ -698,11 +716,12 @@ func (l *listFlag) String() string     { return strings.Join(*l, ",") }
 func (l *listFlag) Set(v string) error { *l = append(*l, v); return nil }
 
 func main() {
-	var external, paths listFlag
+	var external, paths, env listFlag
 	flag.Var(&external, "external-secret", "a Secret created outside these files (repeatable)")
 	flag.Var(&paths, "probe-path", "an HTTP path the services answer, allowed in probes (repeatable; none: any)")
+	flag.Var(&env, "known-env", "a PYGMY_* variable Pygmy reads (repeatable; none: any)")
 	flag.Usage = func() {
-		fmt.Fprintln(os.Stderr, "usage: k8scheck [-external-secret NAME]... [-probe-path /p]... DIR|FILE...")
+		fmt.Fprintln(os.Stderr, "usage: k8scheck [-external-secret NAME]... [-probe-path /p]... [-known-env NAME]... DIR|FILE...")
 		flag.PrintDefaults()
 	}
 	flag.Parse()
@@ -710,7 +729,11 @@ func main() {
 		flag.Usage()
 		os.Exit(2)
 	}
-	c := &checker{externalSecrets: map[string]bool{}, probePaths: map[string]bool{}, kust: map[*doc]*kustomization{}}
+	c := &checker{externalSecrets: map[string]bool{}, probePaths: map[string]bool{}, knownEnv: map[string]bool{},
+		kust: map[*doc]*kustomization{}}
+	for _, e := range env {
+		c.knownEnv[e] = true
+	}
 	for _, s := range external {
 		c.externalSecrets[s] = true
 	}
