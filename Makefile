@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ARGS ?=
 QUICK ?=
 
-.PHONY: install run test lint bench lincheck chaos experiments mutation compose-up compose-down compose-test clean
+.PHONY: install run test lint k8scheck bench lincheck chaos experiments mutation compose-up compose-down compose-test clean
 
 # The services' own dependencies only: all that `make run` installs.
 $(BIN)/pygmy: pyproject.toml
@@ -40,6 +40,10 @@ test: install
 
 lint: install
 	$(BIN)/ruff check .
+
+# The Kubernetes manifests, validated offline (tools/k8scheck, needs Go 1.26; docs/containers.md).
+k8scheck: install
+	$(BIN)/python -m pygmy.verify.k8scheck
 
 bench: install
 	$(BIN)/python -m pygmy.experiments.bench $(if $(QUICK),--quick,)

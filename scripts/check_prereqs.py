@@ -1,7 +1,8 @@
 """What `make test` needs beyond Python, checked in its first seconds rather than half-way through.
 
-Required: Go 1.22 or newer, and the Go module proxy (or a module cache) to build the Porcupine
-checker (tools/lincheck), which is built here, once. Optional, each for a few tests that are skipped
+Required: Go 1.26 or newer, and the Go module proxy (or a module cache) to build the Porcupine
+checker (tools/lincheck, Go 1.22+) and the Kubernetes manifest checker (tools/k8scheck, whose
+Kubernetes API modules need Go 1.26), which are built here, once, before the test workers start. Optional, each for a few tests that are skipped
 without it (and named in pytest's summary): root with iproute2 and iptables (the nemesis, chaos and
 full-disk tests), Chromium with chromium-driver (the dashboard in a real browser), nginx (the reverse
 proxy's test), Docker with its Compose plugin (the compose file's checks). With ``PYGMY_NO_SKIP=1`` (as ``.ci/run`` sets) a missing
@@ -50,6 +51,12 @@ def main() -> int:
         build_checker()
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
         errors.append(f"the Porcupine checker (tools/lincheck) cannot be built: {exc}".strip())
+    try:
+        from pygmy.verify.k8scheck import build
+
+        build()
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+        errors.append(f"the manifest checker (tools/k8scheck) cannot be built: {exc}".strip())
     for name, used_by, present in OPTIONAL:
         if not present():  # type: ignore[operator]
             line = f"{name} missing: {used_by} will be skipped"

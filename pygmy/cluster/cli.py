@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 from typing import Any
 
@@ -24,6 +25,19 @@ def _links(value: str) -> dict[str, dict[str, str]]:
         return link_map(value)
     except ValueError as exc:  # json.JSONDecodeError is one
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def id_from_hostname(hostname: str) -> int:
+    """A StatefulSet's pod ordinal + 1: pod ``catalog-0`` is Pygmy's ``catalog-1``.
+
+    Kubernetes numbers a StatefulSet's pods from 0 and names each ``<set>-<ordinal>`` (its host
+    name too); Pygmy numbers replicas from 1 and maps ``catalog-K`` to the K-th URL of
+    ``PYGMY_CATALOG_URLS``. One image and one pod template then serve every replica."""
+    ordinal = hostname.split(".", 1)[0].rpartition("-")[2]
+    if not ordinal.isdigit() or not ordinal.isascii():
+        raise SystemExit(f"pygmy: --id-from-hostname: host name {hostname!r} does not end in -N "
+                         "(a StatefulSet pod's ordinal)")
+    return int(ordinal) + 1
 
 
 def _bool(value: str) -> bool:
@@ -232,7 +246,11 @@ def build_parser(serving: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--reset", action="store_true", help="start from an empty state")
     p = sub.add_parser("serve", help="run one service in the foreground under Gunicorn")
     p.add_argument("tier", choices=["frontend", "catalog", "order"])
-    p.add_argument("--id", type=int, default=1, help="replica or frontend number K (default 1)")
+    ident = p.add_mutually_exclusive_group()
+    ident.add_argument("--id", type=int, default=1, help="replica or frontend number K (default 1)")
+    ident.add_argument("--id-from-hostname", action="store_true",
+                       help="K from this host's name: the number after its last '-', plus 1 (a Kubernetes "
+                            "StatefulSet's pod catalog-0 runs as catalog-1)")
     add_cluster_options(p, serve=True)
     for cmd, text in (("kill", "SIGKILL one service's whole process group"),
                       ("start", "start one service again with the settings in cluster.json")):
@@ -288,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             from pygmy.cluster.serve import serve
 
+            if args.id_from_hostname:
+                args.id = id_from_hostname(socket.gethostname())
             config = resolve(args, use_cluster_file=True, serve=True)
             if args.tier == "frontend" and not 1 <= args.id <= config.frontends:
                 raise SystemExit(f"pygmy: --id must be 1..{config.frontends} for frontend")
