@@ -28,6 +28,7 @@ from pygmy.verify.lincheck import _go
 SOURCE = ROOT / "tools" / "k8scheck"
 BINARY = ROOT / "build" / "k8scheck" / "k8scheck"
 MANIFESTS = ROOT / "deploy" / "kubernetes"
+PROXY_RENDER = ROOT / "deploy" / "proxy" / "render.py"
 #: Where the GET routes of the services are declared: a probe may only ask a path each of them answers.
 ROUTE_SOURCES = (ROOT / "frontend" / "app.py", ROOT / "pygmy" / "replication" / "service.py")
 
@@ -74,7 +75,8 @@ def probe_paths(sources: Iterable[Path] = ROUTE_SOURCES) -> list[str]:
 
 def known_env() -> list[str]:
     """Every ``PYGMY_*`` variable a service reads: its settings (``pygmy.cluster.cli.SETTINGS``), the
-    credentials, the learners, the log level and the replication timing (``PYGMY_RAFT_<FIELD>``).
+    credentials, the learners, the log level and the replication timing (``PYGMY_RAFT_<FIELD>``),
+    and the reverse proxy's (read from ``deploy/proxy/render.py``, which has no Pygmy to import).
     Pygmy ignores any other, so a misspelt one in a manifest would silently not apply."""
     from dataclasses import fields
 
@@ -84,7 +86,8 @@ def known_env() -> list[str]:
     return sorted({env for _, _, env in SETTINGS.values()}
                   | {"PYGMY_SECRET", "PYGMY_ADMIN_TOKEN", "PYGMY_CATALOG_LEARNERS", "PYGMY_ORDER_LEARNERS",
                      "PYGMY_LOG_LEVEL"}
-                  | {f"PYGMY_RAFT_{f.name.upper()}" for f in fields(ReplicationConfig)})
+                  | {f"PYGMY_RAFT_{f.name.upper()}" for f in fields(ReplicationConfig)}
+                  | set(re.findall(r'"(PYGMY_PROXY_[A-Z_]+)"', PROXY_RENDER.read_text())))
 
 
 def check(paths: Sequence[Path | str] = (MANIFESTS,), external_secrets: Iterable[str] = (),

@@ -34,7 +34,7 @@ def mutate(root: Path, file: str, old: str, new: str) -> None:
 def test_the_manifests_validate() -> None:
     proc = k8scheck.check()
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.startswith("k8scheck: ok: 11 documents in 5 file(s)"), proc.stdout
+    assert proc.stdout.startswith("k8scheck: ok: 14 documents in 6 file(s)"), proc.stdout
 
 
 def test_the_settings_pygmy_reads_are_known() -> None:
@@ -69,6 +69,12 @@ def test_the_tiers_are_laid_out_as_the_issue_asks() -> None:
         tls = [v for v in pod["volumes"] if v["name"] == "tls"]
         assert tls and tls[0]["secret"]["optional"] is True
     assert "secret.example.yaml" not in yaml.safe_load((MANIFESTS / "kustomization.yaml").read_text())["resources"]
+    # The reverse proxy is what clients reach: in front of the frontends' Service, live without them.
+    proxy = docs["Deployment", "proxy"]["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "PYGMY_PROXY_UPSTREAMS", "value": "frontend:8000"} in proxy["env"]
+    assert proxy["readinessProbe"]["httpGet"]["path"] == "/readyz" and "tcpSocket" in proxy["livenessProbe"]
+    assert docs["Service", "proxy"]["spec"]["type"] == "LoadBalancer" and docs["Service", "frontend"]["spec"]["type"] == "ClusterIP"
+    assert docs["PodDisruptionBudget", "proxy"]["spec"]["minAvailable"] == 1
 
 
 # (file, text, replaced by, what the validator must say)

@@ -7,6 +7,7 @@ the proxy's own answer is a JSON 503 with an id."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -30,15 +31,29 @@ NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 pytestmark = pytest.mark.skipif(not Path(NGINX).exists(), reason="nginx is not installed (.ci/run installs nginx-light)")
 
 
+def load_render():
+    spec = importlib.util.spec_from_file_location("proxy_render", ROOT / "deploy" / "proxy" / "render.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def proxy_conf(text: str, frontends: list[str], port: int, run: Path) -> str:
-    """The shipped configuration with loopback upstreams, a port and paths of the test's own."""
-    servers = "".join(f"        server {urlsplit(u).netloc} max_fails=1 fail_timeout=2s;\n" for u in frontends)
-    text, n = re.subn(r"(?m)^\s*server frontend-\d+:8000[^\n]*\n", "", text)
-    assert n == 2, "the shipped configuration names frontend-1 and frontend-2"
-    text = text.replace("        least_conn;\n", "        least_conn;\n" + servers)
-    text = text.replace("listen 8000 reuseport;", f"listen 127.0.0.1:{port};")
-    text = text.replace("/tmp/", f"{run}/")
-    return ("user root;\n" if os.geteuid() == 0 else "") + text
+    """The shipped configuration with loopback upstreams, a port and paths of the test's own, as the
+    proxy's image renders it (``deploy/proxy/render.py``)."""
+    return load_render().render(text, [urlsplit(u).netloc for u in frontends], f"127.0.0.1:{port}", str(run),
+                                as_root=os.geteuid() == 0)
+
+
+def test_render_names_other_frontends_and_keeps_their_parameters() -> None:
+    text = CONF.read_text()
+    out = load_render().render(text, ["frontend:8000"], None)
+    assert "server frontend:8000 max_fails=1 fail_timeout=2s;" in out
+    assert "frontend-1" not in out and "frontend-2" not in out
+    assert load_render().render(text) == text
+    with pytest.raises(ValueError):
+        load_render().render(text, ["not an address"])
 
 
 @pytest.fixture
