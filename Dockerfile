@@ -41,7 +41,7 @@ ENV PATH=/opt/pygmy/bin:$PATH \
 USER pygmy
 WORKDIR /data
 EXPOSE 8000
-HEALTHCHECK --interval=3s --timeout=3s --start-period=30s --retries=3 \
+HEALTHCHECK --interval=3s --timeout=3s --start-period=300s --retries=3 \
     CMD ["/opt/pygmy/bin/python", "/opt/pygmy/healthcheck.py"]
 ENTRYPOINT ["pygmy"]
 CMD ["serve", "frontend", "--id", "1"]
