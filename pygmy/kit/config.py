@@ -95,6 +95,11 @@ class ClusterConfig:
     members: dict[str, dict[str, str]] = field(default_factory=dict)
     #: Of ``members``, the learners (not yet promoted): a new replica starts as one of the group.
     tier_learners: dict[str, list[str]] = field(default_factory=dict)
+    #: Every hop over TLS, mutual between services (``pygmy up --tls``, ``pygmy/kit/tls.py``): URLs
+    #: are ``https://``, and each listener takes only certificates of the cluster's CA with a role it serves.
+    tls: bool = False
+    #: Where the certificates are (``pygmy certs``); empty: ``D/certs``.
+    certs_dir: str = ""
 
     # -- naming and addressing ----------------------------------------------------------------
     def limits(self, tier: str) -> dict[str, int]:
@@ -165,7 +170,7 @@ class ClusterConfig:
         explicit = {"catalog": self.catalog_urls, "order": self.order_urls}.get(tier)
         if explicit:
             return list(explicit)
-        return [f"http://{self.address(f'{tier}-{k}')}:{self.local_port(tier, k)}"
+        return [f"{self.scheme}://{self.address(f'{tier}-{k}')}:{self.local_port(tier, k)}"
                 for k in range(1, self.replicas(tier) + 1)]
 
     def peers(self, tier: str) -> dict[str, str]:
@@ -213,13 +218,13 @@ class ClusterConfig:
                 if caller not in names or replica not in names or replica.startswith("frontend-") \
                         or caller.rpartition("-")[0] == replica.rpartition("-")[0]:
                     out.append(f"{where}: not a link from a service to a replica of another tier of this cluster")
-                if not isinstance(url, str) or not url.startswith("http://") or _url_port(url) is None:
-                    out.append(f"{where}: {url!r} is not an http://host:port URL")
+                if not isinstance(url, str) or not url.startswith(f"{self.scheme}://") or _url_port(url) is None:
+                    out.append(f"{where}: {url!r} is not a {self.scheme}://host:port URL")
         return out
 
     def frontend_url(self, k: int = 1) -> str:
         host = self.advertise_host or self.address(f"frontend-{k}")
-        return f"http://{host}:{self.local_port('frontend', k)}"
+        return f"{self.scheme}://{host}:{self.local_port('frontend', k)}"
 
     def listen_port(self, tier: str, k: int) -> int:
         if self.port is not None:
@@ -227,6 +232,11 @@ class ClusterConfig:
         url = self.members.get(tier, {}).get(f"{tier}-{k}")
         port = urlsplit(url).port if url else None
         return port if port is not None else self.local_port(tier, k)
+
+    @property
+    def scheme(self) -> str:
+        """``https`` with TLS, else ``http``: how every service's URL begins."""
+        return "https" if self.tls else "http"
 
     # -- files ----------------------------------------------------------------------------------
     @property
@@ -246,6 +256,10 @@ class ClusterConfig:
         """The catalogue a new catalog replica starts from, built once by ``pygmy up --books``
         (``pygmy.catalog.books.build_seed``): a replica copies it rather than parse the JSON itself."""
         return self.root / "seed" / "catalog.db"
+
+    def certs_path(self) -> Path:
+        """The folder of the cluster's certificates (``pygmy certs``): ``certs_dir`` or ``D/certs``."""
+        return Path(self.certs_dir).resolve() if self.certs_dir else self.root / "certs"
 
     def pid_file(self, name: str) -> Path:
         return self.run_dir() / f"{name}.pid"
