@@ -162,7 +162,7 @@ def verify(config: ClusterConfig) -> int:
         seen: dict[int, set[str]] = {}
         for name, url in config.peers(tier).items():
             try:
-                r = requests.get(f"{url}/verify", headers=auth, timeout=(2, 600))
+                r = requests.get(f"{url}/verify", headers=auth, timeout=(2, 600), **config.tool_tls())
                 v = r.json() if r.status_code == 200 else None
             except (requests.RequestException, ValueError):
                 v = None

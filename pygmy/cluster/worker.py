@@ -22,6 +22,12 @@ joins the worker's batch to the order leader (``pygmy/replication/batching.py`` 
 its connection waits out of the poller, and the thread its batch returns on writes the answer and
 hands the connection back. So the buys in flight are bounded by the write cap, not by the pool's
 threads, and a surge of buys does not fill the pool that lookups and refusals need.
+
+With TLS (``pygmy up --tls``) gthread wraps each connection in TLS as it first hands it to a
+thread; ``handle`` finishes the handshake there (within ``tls.HANDSHAKE_TIMEOUT``) and, on a
+replica, takes the connection only from a certificate with a role the tier's API serves
+(``tls.HTTP_CLIENTS``). A peek at the kernel's bytes would see ciphertext, so under TLS the event
+loop's shortcut is off: every request goes to a pool thread, as in plain gthread.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from typing import Any
 import httptools
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
+from pygmy.kit import tls
 from pygmy.kit.admission import Admission, Board, Deferred
 
 #: The most of a request the event loop looks at: refusals are small requests (a buy is ~300 bytes).
@@ -159,6 +166,9 @@ class AdmissionWorker(ThreadWorker):
     admission: Admission | None = None
     pygmy_board: Board | None = None  # the service's in-flight counts, and this worker's slot on it
     pygmy_slot: int = 0
+    #: With TLS, the roles a connection's certificate must carry (None: any, or none at all: the
+    #: frontend's clients). Set by ``pygmy serve`` before Gunicorn forks its workers.
+    peer_roles: frozenset[str] | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -176,8 +186,23 @@ class AdmissionWorker(ThreadWorker):
 
     def on_client_socket_readable(self, conn: TConn, client: Any) -> None:
         admission = self.admission
-        if admission is None or not admission.answers_early() or not self._answered_early(conn, admission):
+        if admission is None or self.cfg.is_ssl or not admission.answers_early() \
+                or not self._answered_early(conn, admission):
             super().on_client_socket_readable(conn, client)
+
+    def handle(self, conn: TConn) -> tuple[bool, TConn]:
+        """gthread's, after (with TLS) the handshake and the check of the peer's role, once per connection."""
+        if self.cfg.is_ssl and not getattr(conn, "pygmy_peer", None):
+            try:
+                tls.handshake(conn.sock)
+                conn.pygmy_peer = tls.check(conn.sock, self.peer_roles) if self.peer_roles else True
+            except tls.PeerRefused as exc:
+                self.log.warning("refused a connection from %s: %s", conn.client, exc)
+                return False, conn
+            except OSError as exc:  # plain text, another CA, a wrong certificate, a client gone
+                self.log.info("TLS handshake with %s failed: %s", conn.client, exc)
+                return False, conn
+        return super().handle(conn)
 
     def _answered_early(self, conn: TConn, admission: Admission) -> bool:
         """Answer the request waiting on ``conn`` here if ``admission.early`` can, now or later

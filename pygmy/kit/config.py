@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from pygmy.kit import tls
+
 TIERS = ("frontend", "catalog", "order")
 TIER_OFFSET = {"catalog": 100, "order": 200}
 #: The shortest key window: longer than any buy's own time budget and retries across a failover.
@@ -260,6 +262,11 @@ class ClusterConfig:
     def certs_path(self) -> Path:
         """The folder of the cluster's certificates (``pygmy certs``): ``certs_dir`` or ``D/certs``."""
         return Path(self.certs_dir).resolve() if self.certs_dir else self.root / "certs"
+
+    def tool_tls(self, holder: str = "admin") -> dict[str, Any]:
+        """Requests' ``verify`` and ``cert`` for the operator's tools (``holder``'s certificate) with
+        TLS; nothing without."""
+        return tls.requests_options(self.certs_path() if self.tls else None, holder)
 
     def pid_file(self, name: str) -> Path:
         return self.run_dir() / f"{name}.pid"

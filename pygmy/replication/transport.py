@@ -63,6 +63,9 @@ RAFT_PORT_OFFSET = 50
 #: With TLS, the role a client wants of the server it dials on each channel (Raft's: its own).
 SERVER_ROLE = {SUBSCRIBE_CHANNEL: "catalog", DECREMENTS_CHANNEL: "catalog", BUYS_CHANNEL: "order",
                PUSH_CHANNEL: "frontend"}
+#: With TLS, the roles a server takes on each channel (Raft's: the server's own tier, ``Channel.roles``).
+CLIENT_ROLES = {SUBSCRIBE_CHANNEL: frozenset({"frontend"}), DECREMENTS_CHANNEL: frozenset({"order"}),
+                BUYS_CHANNEL: frozenset({"frontend"}), PUSH_CHANNEL: frozenset({"catalog"})}
 
 Handler = Callable[[str, Any], Any]
 
@@ -222,12 +225,12 @@ class FrameServer:
                 refusal = "wrong internal secret"
             elif channel is None:
                 refusal = f"no channel {hello.get('channel')!r} here"
-            elif not channel.admits(peer, hello):
-                refusal = f"{peer!r} is not a member"
             elif cert is not None and channel.roles is not None and cert.role not in channel.roles:
                 refusal = f"a certificate with role {cert.role!r} may not use channel {hello.get('channel')!r}"
             elif cert is not None and not cert.named(peer):
                 refusal = f"{peer!r} is not a name of its certificate"
+            elif not channel.admits(peer, hello):
+                refusal = f"{peer!r} is not a member"
             if refusal is not None:
                 log.warning("%s: refused a connection: %s", self.name, refusal)
                 conn.sendall(encode({"error": {"code": 403, "message": refusal}}))
@@ -304,7 +307,8 @@ class FrameClient:
                 sock.settimeout(max(0.001, budget - (time.monotonic() - started)))
                 if self.identity is not None:  # one more round trip, within the same budget
                     sock = self.identity.client_context().wrap_socket(sock, server_hostname=self.address[0])
-                    tls.check(sock, (self.server_role,))  # type: ignore[arg-type]
+                    if self.server_role:
+                        tls.check(sock, (self.server_role,))  # type: ignore[arg-type]
                 sock.sendall(self._hello)
                 stream = sock.makefile("rb")
                 answer = read_frame(stream)  # within the connect budget: a stopped peer is found here
