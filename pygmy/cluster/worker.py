@@ -26,8 +26,12 @@ threads, and a surge of buys does not fill the pool that lookups and refusals ne
 With TLS (``pygmy up --tls``) gthread wraps each connection in TLS as it first hands it to a
 thread; ``handle`` finishes the handshake there (within ``tls.HANDSHAKE_TIMEOUT``) and, on a
 replica, takes the connection only from a certificate with a role the tier's API serves
-(``tls.HTTP_CLIENTS``). A peek at the kernel's bytes would see ciphertext, so under TLS the event
-loop's shortcut is off: every request goes to a pool thread, as in plain gthread.
+(``tls.HTTP_CLIENTS``). A peek at the kernel's bytes would see ciphertext, so on a kept-alive TLS
+connection the event loop *reads* what TLS has decrypted instead (non-blocking, ``_read_tls``):
+a request it answers is gone from the connection as with the peek; anything else is handed back
+to Gunicorn's parser (``unreader.unread``) before the connection goes to a pool thread, which
+reads it from there as if from the socket. A connection's first request (its handshake) always
+goes to a pool thread.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import contextlib
 import os
 import selectors
 import socket
+import ssl
 import threading
 import time
 from functools import partial
@@ -145,6 +150,23 @@ def _take(sock: socket.socket, length: int) -> None:
         got += len(chunk)
 
 
+def _read_tls(sock: ssl.SSLSocket) -> bytes:
+    """What TLS has decrypted on ``sock`` now (up to ``PEEK`` bytes; b"": nothing whole yet, or
+    the connection closing). ``sock`` is non-blocking, as gthread leaves a kept-alive connection."""
+    chunks: list[bytes] = []
+    size = 0
+    while size < PEEK:
+        try:
+            chunk = sock.recv(PEEK - size)
+        except OSError:  # SSLWantReadError: no whole record more; others: the pool thread's to see
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
 def asks_to_close(headers: dict[bytes, bytes]) -> bool:
     """Whether the request's ``Connection`` header lists ``close`` (a list of tokens, any case)."""
     value = headers.get(b"connection")  # absent from most requests: nothing to split then
@@ -186,8 +208,7 @@ class AdmissionWorker(ThreadWorker):
 
     def on_client_socket_readable(self, conn: TConn, client: Any) -> None:
         admission = self.admission
-        if admission is None or self.cfg.is_ssl or not admission.answers_early() \
-                or not self._answered_early(conn, admission):
+        if admission is None or not admission.answers_early() or not self._answered_early(conn, admission):
             super().on_client_socket_readable(conn, client)
 
     def handle(self, conn: TConn) -> tuple[bool, TConn]:
@@ -212,17 +233,29 @@ class AdmissionWorker(ThreadWorker):
         if parser is not None and parser.unreader.buf.getbuffer().nbytes:
             return False  # the parser holds bytes of the next request: let it read them
         sock = conn.sock
-        try:
-            data = sock.recv(PEEK, _PEEK_NOW)
-        except OSError:
-            return False
+        encrypted = isinstance(sock, ssl.SSLSocket)
+        if self.cfg.is_ssl and (not encrypted or parser is None):
+            return False  # a new connection: its handshake (and role check) is a pool thread's
+        if encrypted:
+            data = _read_tls(sock)  # read, not peeked: what is not answered here goes back to the parser
+            if not data:
+                return False
+        else:
+            try:
+                data = sock.recv(PEEK, _PEEK_NOW)
+            except OSError:
+                return False
         read = self._read(data)
-        if read is None:
-            return False
-        method, target, headers, length, body = read
-        answer = admission.early(method.decode("latin-1"), target.decode("latin-1"), headers, body)
+        answer = None
+        if read is not None and not (encrypted and read[3] != len(data)):  # TLS: exactly one request
+            method, target, headers, length, body = read
+            answer = admission.early(method.decode("latin-1"), target.decode("latin-1"), headers, body)
         if answer is None:
+            if encrypted:
+                parser.unreader.unread(data)
             return False
+        if encrypted:
+            length = 0  # already read off the connection
         with self._lock:
             if conn.initialized:
                 try:
