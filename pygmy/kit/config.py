@@ -166,19 +166,26 @@ class ClusterConfig:
             return host
         return self.bind
 
+    def _schemed(self, url: str) -> str:
+        """``url`` with this run's scheme: members recorded before ``--tls`` was turned on (or off)
+        keep their host and port."""
+        scheme, sep, rest = url.partition("://")
+        return f"{self.scheme}://{rest}" if sep and scheme in ("http", "https") else url
+
     def urls(self, tier: str) -> list[str]:
         if tier in self.members:
-            return list(self.members[tier].values())
+            return [self._schemed(u) for u in self.members[tier].values()]
         explicit = {"catalog": self.catalog_urls, "order": self.order_urls}.get(tier)
         if explicit:
-            return list(explicit)
+            return [self._schemed(u) for u in explicit]
         return [f"{self.scheme}://{self.address(f'{tier}-{k}')}:{self.local_port(tier, k)}"
                 for k in range(1, self.replicas(tier) + 1)]
 
     def peers(self, tier: str) -> dict[str, str]:
         """``{name: url}`` of one replicated tier, ordered by replica number."""
         if tier in self.members:
-            return dict(sorted(self.members[tier].items(), key=lambda kv: parse_name(kv[0])[1]))
+            return dict(sorted(((n, self._schemed(u)) for n, u in self.members[tier].items()),
+                               key=lambda kv: parse_name(kv[0])[1]))
         return {f"{tier}-{k}": url for k, url in enumerate(self.urls(tier), start=1)}
 
     def peer_address(self, name: str, peer: str) -> tuple[str, int] | None:

@@ -217,6 +217,16 @@ def active() -> Identity | None:
     return _active
 
 
+def fit(url: str) -> str:
+    """``url`` with the scheme this process speaks: ``https`` with an identity, else ``http``. A
+    tier's log keeps its members' URLs as they were when recorded, and a cluster may be restarted
+    with or without ``--tls`` since: the host and port stay the truth, the scheme is this run's."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in ("http", "https"):
+        return url
+    return ("https://" if _active is not None else "http://") + rest
+
+
 def pool_options(identity: Identity | None = None) -> dict[str, Any]:
     """Keyword arguments for a urllib3 pool (``connection_from_url``, ``PoolManager``) to an
     ``https://`` URL: the identity's client context. Nothing without TLS."""

@@ -373,7 +373,7 @@ class _ReadIndexBatcher:
             except ReadIndexUnavailable as exc:
                 return 0, str(exc)
         try:
-            r = self.http.request("GET", url + "/raft/read_index", headers={"Authorization": f"Bearer {self.node.secret}"},
+            r = self.http.request("GET", tls.fit(url) + "/raft/read_index", headers={"Authorization": f"Bearer {self.node.secret}"},
                                   timeout=urllib3.Timeout(connect=self.node.config.connect_timeout,
                                                           read=min(timeout, 1.0)), redirect=False)
             if r.status != 200:

@@ -169,3 +169,16 @@ def test_requests_and_pool_options() -> None:
     opts = tls.requests_options("/c")
     assert opts == {"verify": "/c/ca.pem", "cert": ("/c/admin.pem", "/c/admin-key.pem")}
     assert tls.pool_options() == {}  # no identity in this process
+
+
+def test_urls_take_this_runs_scheme(ca: Path) -> None:
+    assert tls.fit("https://h:1") == "http://h:1" and tls.fit("tcp://h:1") == "tcp://h:1"
+    tls.use(tls.Identity.of(ca, "catalog-1"))
+    try:
+        assert tls.fit("http://h:1") == "https://h:1"
+        assert "ssl_context" in tls.pool_options()
+    finally:
+        tls.use(None)
+    config = ClusterConfig(tls=True, members={"catalog": {"catalog-1": "http://10.0.0.1:8101"}})
+    assert config.peers("catalog") == {"catalog-1": "https://10.0.0.1:8101"}
+    assert config.urls("order")[0].startswith("https://") and config.frontend_url().startswith("https://")

@@ -192,3 +192,22 @@ def test_certificates_replaced_on_disk_are_served_without_a_restart(cluster: Clu
     with PygmyClient(cluster.url, verify=str(ca)) as client:  # and the cluster still works across every hop
         client.buy(2)
         assert client.lookup(2)["item_number"] == 2
+
+
+def test_a_plain_cluster_restarted_with_tls_keeps_its_state(tmp_path: Path) -> None:
+    """TLS turned on for an existing data dir: members recorded as http:// (cluster.json, the tiers'
+    logs) are reached at the same host and port over https."""
+    plain = start_cluster(tmp_path, "--catalog-replicas", "1", "--order-replicas", "1")
+    try:
+        with plain.client() as client:
+            order = client.buy(3)
+    finally:
+        plain.stop()
+    again = Cluster(plain.data_dir, plain.port_base, ["--tls"]).start()
+    try:
+        assert again.url.startswith("https://")
+        with again.client() as client:
+            assert client.order(order["order_number"])["item_number"] == 3
+            client.buy(3)
+    finally:
+        again.stop()
