@@ -206,7 +206,7 @@ class ClusterConfig:
     def peers_for(self, caller: str, tier: str) -> dict[str, str]:
         """``peers(tier)`` as ``caller`` reaches them: ``router_urls`` where it names a replica."""
         given = self.router_urls.get(caller, {})
-        return {name: given.get(name, url) for name, url in self.peers(tier).items()}
+        return {name: self._schemed(given.get(name, url)) for name, url in self.peers(tier).items()}
 
     def check_links(self) -> list[str]:
         """What is wrong in ``peer_addresses`` and ``router_urls`` (nothing: an empty list)."""
@@ -227,8 +227,8 @@ class ClusterConfig:
                 if caller not in names or replica not in names or replica.startswith("frontend-") \
                         or caller.rpartition("-")[0] == replica.rpartition("-")[0]:
                     out.append(f"{where}: not a link from a service to a replica of another tier of this cluster")
-                if not isinstance(url, str) or not url.startswith(f"{self.scheme}://") or _url_port(url) is None:
-                    out.append(f"{where}: {url!r} is not a {self.scheme}://host:port URL")
+                if not isinstance(url, str) or not url.startswith(("http://", "https://")) or _url_port(url) is None:
+                    out.append(f"{where}: {url!r} is not an http://host:port URL")
         return out
 
     def frontend_url(self, k: int = 1) -> str:
