@@ -139,7 +139,7 @@ class Identity:
         self._lock = threading.Lock()
         self._contexts: list[ssl.SSLContext] = []
         self._server: dict[ssl.VerifyMode, ssl.SSLContext] = {}
-        self._client: ssl.SSLContext | None = None
+        self._client: dict[bool, ssl.SSLContext] = {}
         self._stamp = files.stamp()
         self._looked = time.monotonic()
         self.reloads = 0
@@ -170,13 +170,17 @@ class Identity:
                 ctx.verify_mode = clients
             return ctx
 
-    def client_context(self) -> ssl.SSLContext:
+    def client_context(self, hostnames: bool = True) -> ssl.SSLContext:
         """The context every call to a peer is made with: it shows this identity's certificate
-        and takes only servers with one of the cluster's CA for the host dialled."""
+        and takes only servers with one of the cluster's CA, for the host dialled (``hostnames``;
+        the framed transport checks the server's role instead: a frontend worker's listener may
+        advertise an address its certificate does not name)."""
         with self._lock:
-            if self._client is None:
-                self._client = self._new(ssl.PROTOCOL_TLS_CLIENT)  # check_hostname and CERT_REQUIRED
-            return self._client
+            ctx = self._client.get(hostnames)
+            if ctx is None:
+                ctx = self._client[hostnames] = self._new(ssl.PROTOCOL_TLS_CLIENT)  # CERT_REQUIRED
+                ctx.check_hostname = hostnames
+            return ctx
 
     def refresh(self, force: bool = False) -> bool:
         """Load replaced files into every live context (looked at once a ``RELOAD_EVERY`` at most);

@@ -98,6 +98,18 @@ def test_a_client_with_the_ca_looks_up_and_buys_over_https(cluster: Cluster) -> 
         requests.get(cluster.url + "/lookup/1", timeout=5)
 
 
+def test_the_event_loop_answers_kept_alive_https_requests(cluster: Cluster) -> None:
+    """The worker's shortcut reads what TLS decrypted on a kept-alive connection: buys answered by
+    the event loop carry no ``Server`` header (Gunicorn's route adds one)."""
+    paths = set()
+    with requests.Session() as s:
+        for _ in range(12):
+            r = s.post(cluster.url + "/buy/4", verify=str(own(cluster) / "ca.pem"), timeout=5)
+            assert r.status_code == 200, r.text
+            paths.add("route" if "Server" in r.headers else "event loop")
+    assert "event loop" in paths
+
+
 def test_plain_text_is_refused_on_every_port(cluster: Cluster) -> None:
     pushes = push_ports(cluster)
     assert len(pushes) == 2, f"expected a push listener per frontend worker, found {pushes}"
