@@ -223,3 +223,24 @@ def test_a_plain_cluster_restarted_with_tls_keeps_its_state(tmp_path: Path) -> N
             client.buy(3)
     finally:
         again.stop()
+
+
+def test_the_container_healthcheck_speaks_tls_with_the_services_own_certificate(cluster: Cluster,
+                                                                                tmp_path: Path) -> None:
+    """scripts/healthcheck.py as a TLS container runs it: only the CA and its own pair at hand."""
+    import shutil
+    import subprocess
+    import sys
+
+    from pygmy.cluster.local import ROOT
+
+    for f in ("ca.pem", "catalog-1.pem", "catalog-1-key.pem"):
+        shutil.copy(own(cluster) / f, tmp_path / f)
+    port = cluster.replica_url("catalog-1").rsplit(":", 1)[1]
+
+    def check(**env: str) -> int:
+        return subprocess.run([sys.executable, str(ROOT / "scripts" / "healthcheck.py")], capture_output=True,
+                              timeout=30, env={"PYGMY_PORT": port, "PYGMY_CERTS_DIR": str(tmp_path), **env}).returncode
+
+    assert check(PYGMY_TLS="1") == 0
+    assert check() == 1  # plain text: refused
