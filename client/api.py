@@ -32,13 +32,18 @@ class PygmyError(Exception):
 
 class PygmyClient:
     def __init__(self, url: str = DEFAULT_URL, timeout: float = 10.0, token: str | None = None,
-                 pool: int = 16, retries: int = 0, budget: RetryBudget | None = None) -> None:
+                 pool: int = 16, retries: int = 0, budget: RetryBudget | None = None,
+                 verify: bool | str = True, cert: str | tuple[str, str] | None = None) -> None:
+        """``verify``: the CA file an ``https://`` frontend's certificate must come from (a
+        cluster's ``certs/ca.pem``; True: the system's); ``cert``: a client certificate to show."""
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.token = token
         self.retries = retries
         self.budget = budget or RetryBudget()
         self.session = requests.Session()
+        # Per request, not on the session: Requests lets REQUESTS_CA_BUNDLE override a session's ``verify``.
+        self._tls: dict[str, Any] = {"verify": verify, "cert": cert} if verify is not True or cert else {}
         adapter = HTTPAdapter(pool_connections=2, pool_maxsize=pool, max_retries=0)
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
@@ -77,7 +82,7 @@ class PygmyClient:
         headers = {**kw.pop("headers", {}), DEADLINE_HEADER: str(max(1, int(left * 1000)))}
         try:
             resp = self.session.request(method, self.url + path, timeout=(min(2.0, left), left), headers=headers,
-                                        **kw)
+                                        **self._tls, **kw)
         except requests.RequestException as exc:
             raise PygmyError(0, f"cannot reach {self.url}: {type(exc).__name__}: {exc}") from exc
         try:

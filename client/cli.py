@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"pygmy {args.command}: {exc}", file=sys.stderr)
         return 1
-    client = PygmyClient(args.url, timeout=args.timeout, token=token, retries=RETRIES)
+    client = PygmyClient(args.url, timeout=args.timeout, token=token, retries=RETRIES, verify=args.ca or True)
     try:
         if args.command == "search":
             res = client.search(args.topic, args.limit, args.next)
@@ -117,6 +117,9 @@ def run(args: argparse.Namespace) -> int:
 def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--url", default=os.environ.get("PYGMY_URL", DEFAULT_URL), help="frontend URL")
+    common.add_argument("--ca", default=os.environ.get("PYGMY_CA") or None,
+                        help="the CA certificate an https:// frontend's must come from (a --tls cluster's "
+                             "DATA_DIR/certs/ca.pem; default: PYGMY_CA, else the system's)")
     common.add_argument("--json", action="store_true", help="print the raw JSON answer")
     common.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
     p = sub.add_parser("search", parents=[common], help="books on a topic, a page at a time")

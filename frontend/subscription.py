@@ -24,7 +24,7 @@ from typing import Any
 
 from pygmy.frontend.cache import ReadCache
 from pygmy.replication.router import ChannelRouter, TierUnavailable
-from pygmy.replication.transport import PUSH_CHANNEL, Channel, FrameServer
+from pygmy.replication.transport import CLIENT_ROLES, PUSH_CHANNEL, Channel, FrameServer
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class Subscription:
         self._valid_until = 0.0
         self._holder: tuple[str, int] | None = None  # (leader, term) that granted our lease
         self._stop = threading.Event()
-        self._server = FrameServer(bind, 0, secret, {PUSH_CHANNEL: Channel(self._on_push)}, name=f"listener-{self.id}")
+        self._server = FrameServer(bind, 0, secret, {PUSH_CHANNEL: Channel(self._on_push, roles=CLIENT_ROLES[PUSH_CHANNEL])}, name=f"listener-{self.id}")
         self.url = f"tcp://{advertised_host(bind, advertise)}:{self._server.address[1]}"
         self._thread = threading.Thread(target=self._renew_loop, name="lease-renewal", daemon=True)
         self.pushes = 0

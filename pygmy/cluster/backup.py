@@ -80,7 +80,7 @@ def _candidates(config: ClusterConfig, tier: str) -> list[tuple[str, str]]:
     """The tier's replicas, followers first: a copy costs the leader nothing then."""
     def rank(item: tuple[str, str]) -> int:
         try:
-            role = requests.get(f"{item[1]}/status", timeout=(0.5, 1.0)).json().get("role")
+            role = requests.get(f"{item[1]}/status", timeout=(0.5, 1.0), **config.tool_tls()).json().get("role")
         except (requests.RequestException, ValueError):
             return 2
         return 0 if role in ("follower", "learner") else 1
@@ -98,7 +98,8 @@ def fetch_copy(config: ClusterConfig, tier: str, dest: Path, say: Say) -> dict[s
         for name, url in _candidates(config, tier):
             started = time.monotonic()
             try:
-                with requests.get(f"{url}/backup", headers=auth, stream=True, timeout=COPY_TIMEOUT) as r:
+                with requests.get(f"{url}/backup", headers=auth, stream=True, timeout=COPY_TIMEOUT,
+                                  **config.tool_tls()) as r:
                     if r.status_code != 200:
                         raise BackupError(f"{r.status_code} {r.text[:200]}")
                     index, want = int(r.headers["X-Pygmy-Applied-Index"]), r.headers["X-Pygmy-Sha256"]
@@ -461,7 +462,7 @@ def check_restored(config: ClusterConfig, say: Say) -> None:
             for name, url in config.peers(tier).items():
                 while True:
                     try:
-                        v = s.get(f"{url}/verify", headers=auth, timeout=(1, 30)).json()
+                        v = s.get(f"{url}/verify", headers=auth, timeout=(1, 30), **config.tool_tls()).json()
                         seen = f"index {v['applied_index']}, digest {v['state_digest']}, rows {v['recomputed']}"
                         if v["ok"] and v["applied_index"] >= want["index"] and v["state_digest"] == want["digest"]:
                             break

@@ -75,6 +75,8 @@ SETTINGS: dict[str, tuple[str, Any, str]] = {
     "replica_read_limit": ("replica_read_limit", int, "PYGMY_REPLICA_READ_LIMIT"),
     "peer_addresses": ("peer_addresses", _links, "PYGMY_PEER_ADDRESSES"),
     "router_urls": ("router_urls", _links, "PYGMY_ROUTER_URLS"),
+    "tls": ("tls", _bool, "PYGMY_TLS"),
+    "certs_dir": ("certs_dir", str, "PYGMY_CERTS_DIR"),
 }
 
 
@@ -113,6 +115,9 @@ def add_cluster_options(p: argparse.ArgumentParser, serve: bool = False) -> None
     p.add_argument("--router-urls", type=_links, metavar="JSON",
                    help='the URL a frontend or order replica uses for a replica it routes to, {"frontend-1": '
                         '{"catalog-1": "http://host:port"}, ...} (default: the tier\'s URLs)')
+    p.add_argument("--tls", action="store_const", const=True,
+                   help="every hop over TLS, mutual between services (certificates from pygmy certs, made if missing)")
+    p.add_argument("--certs-dir", help="where the certificates are (default D/certs)")
     if serve:
         p.add_argument("--port", type=int, help="listen on this port instead of the one the port base gives")
         p.add_argument("--catalog-urls", type=_urls, help="comma-separated catalog replica URLs, replica 1 first")
@@ -171,7 +176,7 @@ def verify(config: ClusterConfig) -> int:
         seen: dict[int, set[str]] = {}
         for name, url in config.peers(tier).items():
             try:
-                r = requests.get(f"{url}/verify", headers=auth, timeout=(2, 600))
+                r = requests.get(f"{url}/verify", headers=auth, timeout=(2, 600), **config.tool_tls())
                 v = r.json() if r.status_code == 200 else None
             except (requests.RequestException, ValueError):
                 v = None
@@ -260,6 +265,14 @@ def build_parser(serving: bool = False) -> argparse.ArgumentParser:
         if cmd == "start":
             p.add_argument("--url", help="a replica not yet in cluster.json (added to its tier elsewhere with "
                                          "pygmy member add): where it serves, http://host:port; it joins as a learner")
+    p = sub.add_parser("certs", help="make the cluster's CA and a certificate for each service, clients and "
+                                     "admins (for --tls); existing ones are kept")
+    add_cluster_options(p)
+    p.add_argument("--host", action="append", default=[],
+                   help="a host name or address to put in every certificate too (repeatable)")
+    p.add_argument("--only", action="append", default=[], metavar="NAME",
+                   help="issue only this holder's (e.g. catalog-4 after pygmy member add; repeatable)")
+    p.add_argument("--force", action="store_true", help="issue them anew (rotation: services reload them)")
     p = sub.add_parser("member", help="list or change a tier's replicas, one at a time: add a learner, promote "
                                       "it once caught up, remove a replica")
     p.add_argument("action", choices=("list", "add", "promote", "remove"))
@@ -303,6 +316,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "up":
             return launcher.up(resolve(args, use_cluster_file=False), reset_state=args.reset)
+        if args.command == "certs":
+            from pygmy.cluster import certs
+
+            config = resolve(args, use_cluster_file=True)
+            issued = certs.ensure(config, config.certs_path(), args.host, args.force, args.only)
+            print(f"{config.certs_path()}: issued {', '.join(issued) or 'nothing (all there)'}")
+            return 0
         if args.command == "serve":
             from pygmy.cluster.serve import serve
 

@@ -229,7 +229,8 @@ def wait_healthy(config: ClusterConfig, names: list[str], stall: float = START_T
         while pending:
             for name in list(pending):
                 try:
-                    if s.get(service_url(config, name) + "/health", timeout=(0.5, 2)).status_code == 200:
+                    if s.get(service_url(config, name) + "/health", timeout=(0.5, 2),
+                             **config.tool_tls()).status_code == 200:
                         pending.remove(name)
                         if progress:
                             progress(f"{name} up after {time.monotonic() - started:.1f} s")
@@ -255,7 +256,7 @@ def wait_leaders(config: ClusterConfig, timeout: float = START_TIMEOUT) -> None:
     with requests.Session() as s:
         while True:
             try:
-                st = s.get(config.frontend_url(1) + "/status", timeout=(0.5, 3)).json()
+                st = s.get(config.frontend_url(1) + "/status", timeout=(0.5, 3), **config.tool_tls()).json()
                 if st["catalog"]["leader"] and st["order"]["leader"]:
                     return
             except (requests.RequestException, ValueError, KeyError):
@@ -486,6 +487,12 @@ def up(config: ClusterConfig, reset_state: bool = False, out: object = sys.stdou
     del books
     config.secret(create=True)
     config.admin_token(create=True)
+    if config.tls:
+        from pygmy.cluster import certs  # here: it imports cryptography
+
+        issued = certs.ensure(config, config.certs_path())
+        if issued:
+            say(f"made certificates in {config.certs_path()}: {', '.join(issued)}")
     config.save()
 
     def on_signal(signum: int, frame: object) -> None:

@@ -173,7 +173,9 @@ class LocalCluster:
 
     # -- looking at it from outside --------------------------------------------------------------
     def client(self, frontend: int = 1, **kw: Any) -> PygmyClient:
-        return PygmyClient(self.cluster_config().frontend_url(frontend), token=self.admin_token(), **kw)
+        config = self.cluster_config()
+        return PygmyClient(config.frontend_url(frontend), token=self.admin_token(),
+                           verify=config.tool_tls("client").get("verify", True), **kw)
 
     def secret(self) -> str:
         """The internal secret: what replicas and frontends show each other (``D/secret``)."""
@@ -194,7 +196,8 @@ class LocalCluster:
 
     def replica_get(self, name: str, path: str, timeout: float = 2.0) -> requests.Response:
         return requests.get(self.replica_url(name) + path, timeout=timeout,
-                            headers={"Authorization": f"Bearer {self.secret()}"})
+                            headers={"Authorization": f"Bearer {self.secret()}"},
+                            **self.cluster_config().tool_tls())
 
     def process_groups(self) -> dict[str, int]:
         """``{service: process group}`` of every service with a pid file."""

@@ -51,7 +51,7 @@ def call(config: ClusterConfig, tier: str, method: str, path: str, body: dict[st
                     raise MemberError(f"{tier}: {last}")
                 try:
                     r = s.request(method, url + path, json=body, headers={**auth, "X-Request-Timeout-Ms": str(
-                        int(min(left, 6.0) * 1000))}, timeout=(0.5, min(left, 6.0) + 1))
+                        int(min(left, 6.0) * 1000))}, timeout=(0.5, min(left, 6.0) + 1), **config.tool_tls())
                     answer = r.json()
                 except (requests.RequestException, ValueError) as exc:
                     last = f"{url}: {type(exc).__name__}"

@@ -11,6 +11,7 @@ import gc
 import logging
 import os
 import shutil
+import ssl
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 
 from gunicorn.app.base import BaseApplication
 
-from pygmy.kit import logs
+from pygmy.kit import logs, tls
 from pygmy.kit.config import ClusterConfig
 
 
@@ -141,8 +142,25 @@ def run_gunicorn(factory: Callable[[], Any], options: dict[str, Any]) -> None:
     _Gunicorn(factory, options).run()
 
 
+def tls_options(tier: str, identity: tls.Identity) -> dict[str, Any]:
+    """Gunicorn's HTTPS settings for a service of ``tier``: mutual TLS on a replica (its callers are
+    services and the operator's tools, each role checked by the worker), a certificate optional on
+    the frontend (any client; one shown must be of the cluster's CA). The context is the
+    identity's own, made once and reloaded when the files change (Gunicorn asks for one per connection)."""
+    from pygmy.cluster.worker import AdmissionWorker
+
+    mode = ssl.CERT_OPTIONAL if tier == "frontend" else ssl.CERT_REQUIRED
+    AdmissionWorker.peer_roles = tls.HTTP_CLIENTS.get(tier)
+    files = identity.files
+    return {"certfile": str(files.cert), "keyfile": str(files.key), "ca_certs": str(files.ca),
+            "cert_reqs": int(mode), "do_handshake_on_connect": False,
+            "ssl_context": lambda conf, default: identity.server_context(mode)}
+
+
 def serve(tier: str, config: ClusterConfig, k: int) -> None:
     _prepare_metrics_dir(config.run_dir() / "metrics" / f"{tier}-{k}")
+    identity = tls.Identity.of(config.certs_path(), f"{tier}-{k}") if config.tls else None
+    tls.use(identity)  # before the fork: every worker dials its peers with it
     options = gunicorn_options(
         f"{config.bind_address(f'{tier}-{k}')}:{config.listen_port(tier, k)}",
         workers=config.frontend_workers if tier == "frontend" else 1,
@@ -150,4 +168,6 @@ def serve(tier: str, config: ClusterConfig, k: int) -> None:
         name=f"{tier}-{k}",
         classes=config.limits(tier),
     )
+    if identity is not None:
+        options.update(tls_options(tier, identity))
     run_gunicorn(factory_for(tier, config, k), options)

@@ -22,6 +22,16 @@ joins the worker's batch to the order leader (``pygmy/replication/batching.py`` 
 its connection waits out of the poller, and the thread its batch returns on writes the answer and
 hands the connection back. So the buys in flight are bounded by the write cap, not by the pool's
 threads, and a surge of buys does not fill the pool that lookups and refusals need.
+
+With TLS (``pygmy up --tls``) gthread wraps each connection in TLS as it first hands it to a
+thread; ``handle`` finishes the handshake there (within ``tls.HANDSHAKE_TIMEOUT``) and, on a
+replica, takes the connection only from a certificate with a role the tier's API serves
+(``tls.HTTP_CLIENTS``). A peek at the kernel's bytes would see ciphertext, so on a kept-alive TLS
+connection the event loop *reads* what TLS has decrypted instead (non-blocking, ``_read_tls``):
+a request it answers is gone from the connection as with the peek; anything else is handed back
+to Gunicorn's parser (``unreader.unread``) before the connection goes to a pool thread, which
+reads it from there as if from the socket. A connection's first request (its handshake) always
+goes to a pool thread.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import json
 import os
 import selectors
 import socket
+import ssl
 import threading
 import time
 from functools import partial
@@ -40,6 +51,7 @@ import httptools
 from gunicorn import util as gunicorn_util
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
+from pygmy.kit import tls
 from pygmy.kit.admission import Admission, Board, Deferred
 from pygmy.kit.logs import HEADER as REQUEST_ID_HEADER
 from pygmy.kit.logs import valid_request_id
@@ -142,6 +154,23 @@ def _take(sock: socket.socket, length: int) -> None:
         got += len(chunk)
 
 
+def _read_tls(sock: ssl.SSLSocket) -> bytes:
+    """What TLS has decrypted on ``sock`` now (up to ``PEEK`` bytes; b"": nothing whole yet, or
+    the connection closing). ``sock`` is non-blocking, as gthread leaves a kept-alive connection."""
+    chunks: list[bytes] = []
+    size = 0
+    while size < PEEK:
+        try:
+            chunk = sock.recv(PEEK - size)
+        except OSError:  # SSLWantReadError: no whole record more; others: the pool thread's to see
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
 def asks_to_close(headers: dict[bytes, bytes]) -> bool:
     """Whether the request's ``Connection`` header lists ``close`` (a list of tokens, any case)."""
     value = headers.get(b"connection")  # absent from most requests: nothing to split then
@@ -189,6 +218,9 @@ class AdmissionWorker(ThreadWorker):
     admission: Admission | None = None
     pygmy_board: Board | None = None  # the service's in-flight counts, and this worker's slot on it
     pygmy_slot: int = 0
+    #: With TLS, the roles a connection's certificate must carry (None: any, or none at all: the
+    #: frontend's clients). Set by ``pygmy serve`` before Gunicorn forks its workers.
+    peer_roles: frozenset[str] | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -229,6 +261,20 @@ class AdmissionWorker(ThreadWorker):
         if admission is None or not admission.answers_early() or not self._answered_early(conn, admission):
             super().on_client_socket_readable(conn, client)
 
+    def handle(self, conn: TConn) -> tuple[bool, TConn]:
+        """gthread's, after (with TLS) the handshake and the check of the peer's role, once per connection."""
+        if self.cfg.is_ssl and not getattr(conn, "pygmy_peer", None):
+            try:
+                tls.handshake(conn.sock)
+                conn.pygmy_peer = tls.check(conn.sock, self.peer_roles) if self.peer_roles else True
+            except tls.PeerRefused as exc:
+                self.log.warning("refused a connection from %s: %s", conn.client, exc)
+                return False, conn
+            except OSError as exc:  # plain text, another CA, a wrong certificate, a client gone
+                self.log.info("TLS handshake with %s failed: %s", conn.client, exc)
+                return False, conn
+        return super().handle(conn)
+
     def _answered_early(self, conn: TConn, admission: Admission) -> bool:
         """Answer the request waiting on ``conn`` here if ``admission.early`` can, now or later
         (a ``Deferred`` answer: the connection waits out of the poller until it is delivered,
@@ -237,17 +283,29 @@ class AdmissionWorker(ThreadWorker):
         if parser is not None and parser.unreader.buf.getbuffer().nbytes:
             return False  # the parser holds bytes of the next request: let it read them
         sock = conn.sock
-        try:
-            data = sock.recv(PEEK, _PEEK_NOW)
-        except OSError:
-            return False
+        encrypted = isinstance(sock, ssl.SSLSocket)
+        if self.cfg.is_ssl and (not encrypted or parser is None):
+            return False  # a new connection: its handshake (and role check) is a pool thread's
+        if encrypted:
+            data = _read_tls(sock)  # read, not peeked: what is not answered here goes back to the parser
+            if not data:
+                return False
+        else:
+            try:
+                data = sock.recv(PEEK, _PEEK_NOW)
+            except OSError:
+                return False
         read = self._read(data)
-        if read is None:
-            return False
-        method, target, headers, length, body = read
-        answer = admission.early(method.decode("latin-1"), target.decode("latin-1"), headers, body)
+        answer = None
+        if read is not None and not (encrypted and read[3] != len(data)):  # TLS: exactly one request
+            method, target, headers, length, body = read
+            answer = admission.early(method.decode("latin-1"), target.decode("latin-1"), headers, body)
         if answer is None:
+            if encrypted:
+                parser.unreader.unread(data)
             return False
+        if encrypted:
+            length = 0  # already read off the connection
         with self._lock:
             if conn.initialized:
                 try:

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from pygmy.kit import tls
+
 TIERS = ("frontend", "catalog", "order")
 TIER_OFFSET = {"catalog": 100, "order": 200}
 #: The shortest key window: longer than any buy's own time budget and retries across a failover.
@@ -95,6 +97,11 @@ class ClusterConfig:
     members: dict[str, dict[str, str]] = field(default_factory=dict)
     #: Of ``members``, the learners (not yet promoted): a new replica starts as one of the group.
     tier_learners: dict[str, list[str]] = field(default_factory=dict)
+    #: Every hop over TLS, mutual between services (``pygmy up --tls``, ``pygmy/kit/tls.py``): URLs
+    #: are ``https://``, and each listener takes only certificates of the cluster's CA with a role it serves.
+    tls: bool = False
+    #: Where the certificates are (``pygmy certs``); empty: ``D/certs``.
+    certs_dir: str = ""
 
     # -- naming and addressing ----------------------------------------------------------------
     def limits(self, tier: str) -> dict[str, int]:
@@ -159,19 +166,26 @@ class ClusterConfig:
             return host
         return self.bind
 
+    def _schemed(self, url: str) -> str:
+        """``url`` with this run's scheme: members recorded before ``--tls`` was turned on (or off)
+        keep their host and port."""
+        scheme, sep, rest = url.partition("://")
+        return f"{self.scheme}://{rest}" if sep and scheme in ("http", "https") else url
+
     def urls(self, tier: str) -> list[str]:
         if tier in self.members:
-            return list(self.members[tier].values())
+            return [self._schemed(u) for u in self.members[tier].values()]
         explicit = {"catalog": self.catalog_urls, "order": self.order_urls}.get(tier)
         if explicit:
-            return list(explicit)
-        return [f"http://{self.address(f'{tier}-{k}')}:{self.local_port(tier, k)}"
+            return [self._schemed(u) for u in explicit]
+        return [f"{self.scheme}://{self.address(f'{tier}-{k}')}:{self.local_port(tier, k)}"
                 for k in range(1, self.replicas(tier) + 1)]
 
     def peers(self, tier: str) -> dict[str, str]:
         """``{name: url}`` of one replicated tier, ordered by replica number."""
         if tier in self.members:
-            return dict(sorted(self.members[tier].items(), key=lambda kv: parse_name(kv[0])[1]))
+            return dict(sorted(((n, self._schemed(u)) for n, u in self.members[tier].items()),
+                               key=lambda kv: parse_name(kv[0])[1]))
         return {f"{tier}-{k}": url for k, url in enumerate(self.urls(tier), start=1)}
 
     def peer_address(self, name: str, peer: str) -> tuple[str, int] | None:
@@ -192,7 +206,7 @@ class ClusterConfig:
     def peers_for(self, caller: str, tier: str) -> dict[str, str]:
         """``peers(tier)`` as ``caller`` reaches them: ``router_urls`` where it names a replica."""
         given = self.router_urls.get(caller, {})
-        return {name: given.get(name, url) for name, url in self.peers(tier).items()}
+        return {name: self._schemed(given.get(name, url)) for name, url in self.peers(tier).items()}
 
     def check_links(self) -> list[str]:
         """What is wrong in ``peer_addresses`` and ``router_urls`` (nothing: an empty list)."""
@@ -213,13 +227,13 @@ class ClusterConfig:
                 if caller not in names or replica not in names or replica.startswith("frontend-") \
                         or caller.rpartition("-")[0] == replica.rpartition("-")[0]:
                     out.append(f"{where}: not a link from a service to a replica of another tier of this cluster")
-                if not isinstance(url, str) or not url.startswith("http://") or _url_port(url) is None:
+                if not isinstance(url, str) or not url.startswith(("http://", "https://")) or _url_port(url) is None:
                     out.append(f"{where}: {url!r} is not an http://host:port URL")
         return out
 
     def frontend_url(self, k: int = 1) -> str:
         host = self.advertise_host or self.address(f"frontend-{k}")
-        return f"http://{host}:{self.local_port('frontend', k)}"
+        return f"{self.scheme}://{host}:{self.local_port('frontend', k)}"
 
     def listen_port(self, tier: str, k: int) -> int:
         if self.port is not None:
@@ -227,6 +241,11 @@ class ClusterConfig:
         url = self.members.get(tier, {}).get(f"{tier}-{k}")
         port = urlsplit(url).port if url else None
         return port if port is not None else self.local_port(tier, k)
+
+    @property
+    def scheme(self) -> str:
+        """``https`` with TLS, else ``http``: how every service's URL begins."""
+        return "https" if self.tls else "http"
 
     # -- files ----------------------------------------------------------------------------------
     @property
@@ -246,6 +265,15 @@ class ClusterConfig:
         """The catalogue a new catalog replica starts from, built once by ``pygmy up --books``
         (``pygmy.catalog.books.build_seed``): a replica copies it rather than parse the JSON itself."""
         return self.root / "seed" / "catalog.db"
+
+    def certs_path(self) -> Path:
+        """The folder of the cluster's certificates (``pygmy certs``): ``certs_dir`` or ``D/certs``."""
+        return Path(self.certs_dir).resolve() if self.certs_dir else self.root / "certs"
+
+    def tool_tls(self, holder: str = "admin") -> dict[str, Any]:
+        """Requests' ``verify`` and ``cert`` for the operator's tools (``holder``'s certificate) with
+        TLS; nothing without."""
+        return tls.requests_options(self.certs_path() if self.tls else None, holder)
 
     def pid_file(self, name: str) -> Path:
         return self.run_dir() / f"{name}.pid"

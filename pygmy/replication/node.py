@@ -44,7 +44,7 @@ import urllib3
 from flask import Blueprint, Response, jsonify, request
 from prometheus_client import Histogram
 
-from pygmy.kit import codec
+from pygmy.kit import codec, tls
 from pygmy.kit.web import secret_refusal
 from pygmy.replication.core import (
     CANDIDATE,
@@ -68,7 +68,14 @@ from pygmy.replication.snapshots import Incoming, stream_frames
 from pygmy.replication.statemachine import Pin, StateMachine
 from pygmy.replication.storage import describe, is_storage_fault
 from pygmy.replication.timers import Hold, RttMeter, derive, implied, ticks_due
-from pygmy.replication.transport import RAFT_CHANNEL, Channel, FrameClient, FrameServer, raft_address
+from pygmy.replication.transport import (
+    CLIENT_ROLES,
+    RAFT_CHANNEL,
+    Channel,
+    FrameClient,
+    FrameServer,
+    raft_address,
+)
 
 log = logging.getLogger("pygmy.replication")
 #: Longest a leader not yet sure of its lease waits for it before refusing a read index.
@@ -322,7 +329,7 @@ class _ReadIndexBatcher:
         self.node = node
         #: urllib3, not Requests: nothing of a session is wanted here, and a service process that
         #: never imports Requests starts faster (``pygmy.cluster.cli``).
-        self.http = urllib3.PoolManager(num_pools=8, maxsize=4, block=False, retries=False)
+        self.http = urllib3.PoolManager(num_pools=8, maxsize=4, block=False, retries=False, **tls.pool_options())
         self._cond = threading.Condition()
         self._started = 0  # rounds started
         self._done = 0  # rounds finished
@@ -366,7 +373,7 @@ class _ReadIndexBatcher:
             except ReadIndexUnavailable as exc:
                 return 0, str(exc)
         try:
-            r = self.http.request("GET", url + "/raft/read_index", headers={"Authorization": f"Bearer {self.node.secret}"},
+            r = self.http.request("GET", tls.fit(url) + "/raft/read_index", headers={"Authorization": f"Bearer {self.node.secret}"},
                                   timeout=urllib3.Timeout(connect=self.node.config.connect_timeout,
                                                           read=min(timeout, 1.0)), redirect=False)
             if r.status != 200:
@@ -485,7 +492,8 @@ class ReplicaNode:
         self._server: FrameServer | None = None
         # Any replica of the tier may connect (a leader added after our configuration must reach
         # us); the core decides what to take from whom.
-        self._channels = {RAFT_CHANNEL: Channel(self._on_frame, self._admits, self._on_hello)}
+        self._channels = {RAFT_CHANNEL: Channel(self._on_frame, self._admits, self._on_hello,
+                                                roles=frozenset({name.rpartition("-")[0]}))}
         self._membership_seen: Membership | None = None
         self._stopping = threading.Event()
         self._loop_thread = threading.Thread(target=self._run, name=f"raft-loop-{name}", daemon=True)
@@ -866,7 +874,7 @@ class ReplicaNode:
         lease renewals. ``handle(client_name, frame)`` runs on the connection's reader thread."""
         if self._started:
             raise RuntimeError("channels are added before start()")
-        self._channels[name] = Channel(handle)
+        self._channels[name] = Channel(handle, roles=CLIENT_ROLES.get(name))
 
     def add_leader_listener(self, cb: Callable[[bool, int], None]) -> None:
         """``cb(is_leader, term)`` on every leadership change, from the node's notifier thread."""

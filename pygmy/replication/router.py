@@ -24,7 +24,7 @@ from urllib.parse import urlencode
 
 import urllib3
 
-from pygmy.kit import codec
+from pygmy.kit import codec, tls
 from pygmy.kit.admission import timeout_header
 from pygmy.kit.logs import HEADER as REQUEST_ID_HEADER
 from pygmy.kit.logs import current_request_id
@@ -169,7 +169,7 @@ class Sightings:
             thread.join(timeout=5)
 
     def _watch(self) -> None:
-        http = urllib3.PoolManager(num_pools=16, maxsize=1, block=False, retries=False)
+        http = urllib3.PoolManager(num_pools=16, maxsize=1, block=False, retries=False, **tls.pool_options())
         try:
             while not self._stop.is_set():
                 self._soon.wait(MEMBERS_EVERY)
@@ -213,7 +213,7 @@ class Sightings:
         best: tuple[tuple[int, int, int], dict[str, str]] | None = None
         for name in order:
             try:
-                r = http.request("GET", members[name] + "/status", timeout=urllib3.Timeout(connect=0.25, read=0.5),
+                r = http.request("GET", tls.fit(members[name]) + "/status", timeout=urllib3.Timeout(connect=0.25, read=0.5),
                                  redirect=False)
                 st = codec.loads(r.data) if r.status == 200 else None
             except (urllib3.exceptions.HTTPError, ValueError):
@@ -420,7 +420,8 @@ class ChannelRouter(_LeaderSeeker):
         self._clients = {n: FrameClient(raft_address(url), secret, name, channel, connect_timeout=CONNECT_TIMEOUT)
                          for n, url in peers.items()}
         self._headers = {"Authorization": f"Bearer {secret}"}
-        self._status_pools = {n: urllib3.connection_from_url(url, maxsize=1, block=False, retries=False)
+        self._status_pools = {n: urllib3.connection_from_url(tls.fit(url), maxsize=1, block=False, retries=False,
+                                                             **tls.pool_options())
                               for n, url in peers.items()}
         self._look_lock = threading.Lock()
         self._looked: tuple[float, str | None] = (float("-inf"), None)
@@ -435,7 +436,7 @@ class ChannelRouter(_LeaderSeeker):
             if n not in clients or self.peers.get(n) != url:
                 clients[n] = FrameClient(raft_address(url), self._secret, self._name, self._channel,
                                          connect_timeout=CONNECT_TIMEOUT)
-                pools[n] = urllib3.connection_from_url(url, maxsize=1, block=False, retries=False)
+                pools[n] = urllib3.connection_from_url(tls.fit(url), maxsize=1, block=False, retries=False, **tls.pool_options())
         self._clients, self._status_pools = clients, pools
         super()._set_peers(peers)
 
@@ -562,7 +563,8 @@ class TierRouter(_LeaderSeeker):
                  sightings: Sightings | None = None) -> None:
         super().__init__(tier, peers, sightings)
         self.headers = {"Authorization": f"Bearer {secret}", "Content-Type": "application/json"}
-        self._pools = {name: urllib3.connection_from_url(url, maxsize=pool, block=False, retries=False)
+        self._pools = {name: urllib3.connection_from_url(tls.fit(url), maxsize=pool, block=False, retries=False,
+                                                         **tls.pool_options())
                        for name, url in self.peers.items()}
         self._rr = itertools.count()
         self._avoid: dict[str, float] = {}  # replica -> monotonic time until which reads skip it
@@ -574,7 +576,8 @@ class TierRouter(_LeaderSeeker):
         pools = dict(self._pools)
         for n, url in peers.items():
             if n not in pools or self.peers.get(n) != url:
-                pools[n] = urllib3.connection_from_url(url, maxsize=self._pool_size, block=False, retries=False)
+                pools[n] = urllib3.connection_from_url(tls.fit(url), maxsize=self._pool_size, block=False, retries=False,
+                                                       **tls.pool_options())
         self._pools = pools
         super()._set_peers(peers)
 

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 from flask import Flask, Response, jsonify, request, send_file
 
+from pygmy.kit import tls
 from pygmy.kit.config import ClusterConfig, parse_name
 from pygmy.kit.logs import request_id_scope, valid_request_id
 from pygmy.kit.metrics import FRAME_LATENCY
@@ -61,16 +62,18 @@ REFUSAL_STATUS = {"unknown": 404, "invalid": 400, "duplicate": 409, "not_learner
 
 
 def check_member_url(url: Any) -> str:
-    """A member's URL as the others will dial it: ``http://host:port`` (no path); 400 otherwise."""
+    """A member's URL as the others will dial it: ``http://host:port`` (no path; ``https`` with
+    TLS); 400 otherwise."""
+    scheme = "https" if tls.active() else "http"
     if not isinstance(url, str) or len(url) > 200:
-        fail(400, "url must be a string like http://10.0.0.4:8104", kind="invalid")
+        fail(400, f"url must be a string like {scheme}://10.0.0.4:8104", kind="invalid")
     parts = urlsplit(url.rstrip("/"))
     try:
         port = parts.port
     except ValueError:
         port = None
-    if parts.scheme != "http" or not parts.hostname or port is None or parts.path or parts.query:
-        fail(400, f"url must be http://host:port, got {url[:80]!r}", kind="invalid")
+    if parts.scheme != scheme or not parts.hostname or port is None or parts.path or parts.query:
+        fail(400, f"url must be {scheme}://host:port, got {url[:80]!r}", kind="invalid")
     return url.rstrip("/")
 
 

@@ -14,6 +14,12 @@ closes the connection, so without the secret nothing is read past the hello (the
 the HTTP endpoints). Then the client sends frames and the channel's handler may answer any frame
 with one of its own, in order, on the same connection.
 
+With TLS (``pygmy up --tls``, ``pygmy/kit/tls.py``) every connection is mutual TLS first: the
+server takes a client only with a certificate of the cluster's CA whose role the channel serves
+(``Channel.roles``: Raft's, its own tier; pushes, the catalog's; ...) and whose names include the
+name it says hello as, and the client takes a server only with the role that serves the channel
+(``SERVER_ROLE``). The secret in the hello is still checked, now encrypted: a second factor.
+
 A connection that fails in any way is closed and the frames on it are lost: both users tolerate
 that (Raft retransmits; a cache hold that is not acknowledged is waited out).
 """
@@ -25,6 +31,7 @@ import hmac
 import logging
 import select
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -33,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from pygmy.kit import codec
+from pygmy.kit import codec, tls
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +60,12 @@ RAFT_CHANNEL, SUBSCRIBE_CHANNEL, PUSH_CHANNEL = "raft", "subscribe", "push"
 BUYS_CHANNEL, DECREMENTS_CHANNEL = "buys", "decrements"
 #: Where a replica listens for its peers: its HTTP port plus this (catalog-1 on 8101 listens on 8151).
 RAFT_PORT_OFFSET = 50
+#: With TLS, the role a client wants of the server it dials on each channel (Raft's: its own).
+SERVER_ROLE = {SUBSCRIBE_CHANNEL: "catalog", DECREMENTS_CHANNEL: "catalog", BUYS_CHANNEL: "order",
+               PUSH_CHANNEL: "frontend"}
+#: With TLS, the roles a server takes on each channel (Raft's: the server's own tier, ``Channel.roles``).
+CLIENT_ROLES = {SUBSCRIBE_CHANNEL: frozenset({"frontend"}), DECREMENTS_CHANNEL: frozenset({"order"}),
+                BUYS_CHANNEL: frozenset({"frontend"}), PUSH_CHANNEL: frozenset({"catalog"})}
 
 Handler = Callable[[str, Any], Any]
 
@@ -69,6 +82,8 @@ class Channel:
     #: ``hello(peer_name, hello_frame)`` once a connection is welcomed: a replica learns from it
     #: where a peer it does not know yet serves (``url``), to answer it.
     hello: Callable[[str, dict[str, Any]], None] | None = None
+    #: With TLS, the roles whose certificates may use the channel (None: any of the cluster's CA).
+    roles: frozenset[str] | None = None
 
     def admits(self, name: str, hello: dict[str, Any]) -> bool:
         members = self.members
@@ -141,8 +156,11 @@ class FrameServer:
     """Accepts authenticated connections on its ``channels`` (more may be added before ``start``).
     ``stop()`` closes the listening socket and every connection and joins every thread it started."""
 
-    def __init__(self, host: str, port: int, secret: str, channels: Mapping[str, Channel], *, name: str) -> None:
+    def __init__(self, host: str, port: int, secret: str, channels: Mapping[str, Channel], *, name: str,
+                 identity: tls.Identity | None = None) -> None:
+        """``identity``: whose certificate to serve with (mutual TLS); default the process's (``tls.active``)."""
         self.name = name
+        self.identity = identity or tls.active()
         self.channels = dict(channels)
         self._expected = secret.encode()
         self._sock = socket.create_server((host, port), backlog=128)  # SO_REUSEADDR: rebinds after a crash
@@ -182,9 +200,19 @@ class FrameServer:
             thread.start()
 
     def _serve(self, conn: socket.socket) -> None:
+        cert: tls.Peer | None = None
         try:
-            stream = conn.makefile("rb")
             conn.settimeout(HELLO_TIMEOUT)
+            if self.identity is not None:
+                raw = conn
+                conn = self.identity.server_context().wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
+                with self._lock:  # stop() must close the TLS socket now: ``raw`` is detached from its descriptor
+                    self._conns[conn] = self._conns.pop(raw)
+                    if self._stopping:
+                        return
+                conn.do_handshake()  # plain text, another CA, no certificate: an SSLError here
+                cert = tls.peer_of(conn)
+            stream = conn.makefile("rb")
             hello = read_frame(stream)
             if hello is None:  # closed before its hello: a client whose connect budget ran out
                 log.debug("%s: a connection closed before its hello", self.name)
@@ -197,6 +225,10 @@ class FrameServer:
                 refusal = "wrong internal secret"
             elif channel is None:
                 refusal = f"no channel {hello.get('channel')!r} here"
+            elif cert is not None and channel.roles is not None and cert.role not in channel.roles:
+                refusal = f"a certificate with role {cert.role!r} may not use channel {hello.get('channel')!r}"
+            elif cert is not None and not cert.named(peer):
+                refusal = f"{peer!r} is not a name of its certificate"
             elif not channel.admits(peer, hello):
                 refusal = f"{peer!r} is not a member"
             if refusal is not None:
@@ -237,9 +269,14 @@ class FrameClient:
     Thread-safe: one caller at a time sends (and, for ``call``, reads the reply)."""
 
     def __init__(self, address: tuple[str, int], secret: str, name: str, channel: str,
-                 connect_timeout: float = 0.2, extra: Mapping[str, Any] | None = None) -> None:
-        """``extra``: more fields of the hello (a replica's ``url``)."""
+                 connect_timeout: float = 0.2, extra: Mapping[str, Any] | None = None,
+                 identity: tls.Identity | None = None) -> None:
+        """``extra``: more fields of the hello (a replica's ``url``); ``identity``: the certificate
+        to show (mutual TLS), default the process's (``tls.active``)."""
         self.address, self.name = address, name
+        self.identity = identity or tls.active()
+        #: With TLS, the role the server must have: the channel's, or (Raft) the caller's own tier.
+        self.server_role = SERVER_ROLE.get(channel, self.identity.role if self.identity else "")
         self._hello = encode({**(extra or {}), "hello": name, "secret": secret, "channel": channel})
         self.connect_timeout = connect_timeout
         #: The budget of the next connection attempt (>= ``connect_timeout``).
@@ -268,6 +305,11 @@ class FrameClient:
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 sock.settimeout(max(0.001, budget - (time.monotonic() - started)))
+                if self.identity is not None:  # one more round trip, within the same budget
+                    sock = self.identity.client_context(hostnames=not self.server_role).wrap_socket(
+                        sock, server_hostname=self.address[0])
+                    if self.server_role:  # the server's role, not its host name (``Identity.client_context``)
+                        tls.check(sock, (self.server_role,))
                 sock.sendall(self._hello)
                 stream = sock.makefile("rb")
                 answer = read_frame(stream)  # within the connect budget: a stopped peer is found here
@@ -320,6 +362,9 @@ class FrameClient:
                 sent = sock.send(data)
             except BlockingIOError:
                 return False
+            except ssl.SSLWantWriteError:  # TLS took the frame and must be given the same bytes again
+                self._partial = data
+                return True
             except OSError:
                 self._reset()
                 return False
@@ -360,6 +405,8 @@ class FrameClient:
         (``TimeoutError``), or until ``stalled()`` gives a reason to stop waiting (``Abandoned``).
         Replies come one per request, so no bytes of another frame sit in the stream's buffer."""
         assert self._sock is not None
+        if isinstance(self._sock, ssl.SSLSocket) and self._sock.pending():
+            return  # TLS holds decrypted bytes already: the socket itself may never be readable again
         poller = select.poll()
         poller.register(self._sock, select.POLLIN)
         end = time.monotonic() + timeout

@@ -103,3 +103,20 @@ def test_the_env_file_stays_out_of_git_and_images() -> None:
     r = subprocess.run(["git", "check-ignore", "-q", ".env"], cwd=ROOT, timeout=30)
     assert r.returncode == 0, ".env is not ignored by git"
     assert ".env" in (ROOT / ".dockerignore").read_text().split()
+
+
+def test_the_tls_overlay_hands_each_service_the_ca_and_its_own_pair_only() -> None:
+    """docker-compose.tls.yml (#38): every service of docker-compose.yml runs with PYGMY_TLS and gets
+    as secrets the CA certificate and its own certificate and key, named as ``pygmy certs`` names
+    them, and never the CA's key."""
+    base = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    tls = yaml.safe_load((ROOT / "docker-compose.tls.yml").read_text())
+    assert set(tls["services"]) == set(base)
+    for name, svc in tls["services"].items():
+        holder = "frontend-1" if name == "frontend" else name
+        assert svc["environment"] == {"PYGMY_TLS": "1", "PYGMY_CERTS_DIR": "/run/secrets"}
+        targets = {s["target"]: s["source"] for s in svc["secrets"]}
+        assert set(targets) == {"ca.pem", f"{holder}.pem", f"{holder}-key.pem"}, name
+        for target, source in targets.items():
+            assert tls["secrets"][source]["file"] == "${PYGMY_CERTS:-./certs}/" + target
+    assert not any("ca-key" in s["file"] for s in tls["secrets"].values())

@@ -243,6 +243,7 @@ def check_invariants(c: Cluster, load: Load) -> None:
     for o in load.acked.values():
         bought[o["item_number"]] += o["quantity"]
     secret = {"Authorization": f"Bearer {c.secret()}"}
+    tools = c.cluster_config().tool_tls()  # with --tls: the admin certificate (replicas take no other caller)
     for tier in ("catalog", "order"):
         digests = {r["state_digest"] for r in st[tier]["replicas"]}
         assert len(digests) == 1, f"{tier} replicas diverged: {st[tier]['replicas']}"
@@ -257,7 +258,8 @@ def check_invariants(c: Cluster, load: Load) -> None:
         with requests.Session() as s:
             for n in range(1, max(numbers) + 40):
                 settle_by = time.monotonic() + 15  # a confirm lost to a fault is redone by the sweep
-                while (resp := s.get(f"{r['url']}/orders/{n}", headers=secret, timeout=5)).status_code == 421:
+                while (resp := s.get(f"{r['url']}/orders/{n}", headers=secret, timeout=5,
+                                     **tools)).status_code == 421:
                     assert time.monotonic() < settle_by, f"order {n} still pending on {r['name']}"
                     time.sleep(0.2)  # pending on this follower: it sends readers to the leader meanwhile
                 assert resp.status_code in (200, 404), resp.text
@@ -272,7 +274,7 @@ def check_invariants(c: Cluster, load: Load) -> None:
     for r in st["catalog"]["replicas"]:
         # 2. No oversell, and stock = initial - bought, on every replica.
         for item in BOOKS:
-            book = requests.get(f"{r['url']}/books/{item}", headers=secret, timeout=5).json()
+            book = requests.get(f"{r['url']}/books/{item}", headers=secret, timeout=5, **tools).json()
             assert book["stock"] == INITIAL_STOCK - bought[item], (r["name"], item, book, bought[item])
     # The public view agrees.
     with PygmyClient(c.url) as client:
@@ -282,12 +284,17 @@ def check_invariants(c: Cluster, load: Load) -> None:
 
 
 @pytest.fixture
-def cluster3(tmp_path: Path):
-    c = Cluster(tmp_path / "d", free_port_base(), []).start(reset=True)
+def cluster3(tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """3+3 replicas; ``tls`` (as a parameter): ``pygmy up --tls``, its CA trusted by this process's Requests."""
+    tls = getattr(request, "param", "plain") == "tls"
+    c = Cluster(tmp_path / "d", free_port_base(), ["--tls"] if tls else []).start(reset=True)
+    if tls:
+        monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(c.data_dir / "certs" / "ca.pem"))
     yield c
     c.stop()
 
 
+@pytest.mark.parametrize("cluster3", ["plain", "tls"], indirect=True)
 def test_leader_and_follower_kills_under_load(cluster3: Cluster) -> None:
     c = cluster3
     load = Load()

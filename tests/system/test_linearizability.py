@@ -33,7 +33,7 @@ FOCUSED = {"items": [1, 2], "writers": 4, "readers": 8, "buyers": 2, "write_paus
 
 
 def urls(c: Cluster) -> list[str]:
-    return [c.url, f"http://127.0.0.1:{c.port_base + 1}"]
+    return [c.url, c.cluster_config().frontend_url(2)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -64,11 +64,22 @@ def assert_enough_work(v: Verdict, reads: int = 300, updates: int = 70, buys: in
         f"buys did not take both paths through the frontend ({v.summary()})"
 
 
-def test_every_book_is_linearizable_with_no_fault(make_cluster, tmp_path: Path) -> None:
-    c = make_cluster()
+@pytest.mark.parametrize("tls", ["plain", "tls"])
+def test_every_book_is_linearizable_with_no_fault(make_cluster, tmp_path: Path, tls: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also with every hop over TLS (``--tls``, #38): HTTPS to both frontends (the event loop's
+    shortcut included, which reads decrypted bytes there), mutual TLS behind them."""
+    if tls == "tls":
+        c = make_cluster("--tls")
+        monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(c.data_dir / "certs" / "ca.pem"))
+        assert c.url.startswith("https://")
+    else:
+        c = make_cluster()
     v = run_and_check(urls(c), c.admin_token(), 15, tmp_path / "history.json")
     assert_enough_work(v, reads=200, updates=50, buys=15)
     assert v.ok, v.summary() + "\n" + v.result.output
+    if tls == "tls":
+        return  # the focused load below is the mutation tests' own check, the same with or without TLS
     # The focused load the mutation tests use finds nothing on a correct build either.
     v = run_and_check(urls(c), c.admin_token(), 8, tmp_path / "focused.json", **FOCUSED)
     assert_enough_work(v, reads=200, updates=30, buys=10)
