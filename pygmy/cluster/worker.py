@@ -186,6 +186,16 @@ def said_closing(answer: bytes) -> bytes:
     return line + sep + b"Connection: close\r\n" + rest
 
 
+def _more_read(conn: TConn) -> bool:
+    """Whether bytes of a next request were already read off ``conn``'s socket: in its parser's
+    buffer, or decrypted and waiting in its TLS object."""
+    parser = conn.parser
+    if parser is not None and parser.unreader.buf.getbuffer().nbytes:
+        return True
+    sock = conn.sock
+    return isinstance(sock, ssl.SSLSocket) and sock.pending() > 0
+
+
 #: The route that Gunicorn's own error answers (a malformed request, a crash outside the app) are
 #: counted under in ``pygmy_http_requests_total``.
 SERVER_ROUTE = "server"
@@ -238,13 +248,23 @@ class AdmissionWorker(ThreadWorker):
             self.admission.share(board, self.pygmy_slot)
 
     def handle(self, conn: TConn) -> tuple[bool, TConn]:
-        """Gunicorn's ``handle``, then the requests that arrived pipelined behind it, in order, on
-        this thread. Their bytes are already in the connection's parser, not in its socket, so
-        the poller would never wake for them: their client waited out its own timeout."""
+        """gthread's, after (with TLS) the handshake and the check of the peer's role, once per
+        connection; then the requests that arrived pipelined behind it, in order, on this thread.
+        Their bytes are already in the connection's parser (or decrypted in its TLS object), not in
+        its socket, so the poller would never wake for them: their client waited out its timeout."""
+        if self.cfg.is_ssl and not getattr(conn, "pygmy_peer", None):
+            try:
+                tls.handshake(conn.sock)
+                conn.pygmy_peer = tls.check(conn.sock, self.peer_roles) if self.peer_roles else True
+            except tls.PeerRefused as exc:
+                self.log.warning("refused a connection from %s: %s", conn.client, exc)
+                return False, conn
+            except OSError as exc:  # plain text, another CA, a wrong certificate, a client gone
+                self.log.info("TLS handshake with %s failed: %s", conn.client, exc)
+                return False, conn
         while True:
             keepalive, conn = super().handle(conn)
-            parser = conn.parser
-            if not (keepalive and self.alive and parser is not None and parser.unreader.buf.getbuffer().nbytes):
+            if not (keepalive and self.alive and _more_read(conn)):
                 return keepalive, conn
 
     def handle_error(self, req: Any, client: Any, addr: Any, exc: BaseException) -> None:
@@ -260,20 +280,6 @@ class AdmissionWorker(ThreadWorker):
         admission = self.admission
         if admission is None or not admission.answers_early() or not self._answered_early(conn, admission):
             super().on_client_socket_readable(conn, client)
-
-    def handle(self, conn: TConn) -> tuple[bool, TConn]:
-        """gthread's, after (with TLS) the handshake and the check of the peer's role, once per connection."""
-        if self.cfg.is_ssl and not getattr(conn, "pygmy_peer", None):
-            try:
-                tls.handshake(conn.sock)
-                conn.pygmy_peer = tls.check(conn.sock, self.peer_roles) if self.peer_roles else True
-            except tls.PeerRefused as exc:
-                self.log.warning("refused a connection from %s: %s", conn.client, exc)
-                return False, conn
-            except OSError as exc:  # plain text, another CA, a wrong certificate, a client gone
-                self.log.info("TLS handshake with %s failed: %s", conn.client, exc)
-                return False, conn
-        return super().handle(conn)
 
     def _answered_early(self, conn: TConn, admission: Admission) -> bool:
         """Answer the request waiting on ``conn`` here if ``admission.early`` can, now or later

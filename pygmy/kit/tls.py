@@ -35,8 +35,10 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-#: The roles a certificate can carry: the three tiers, and the two kinds of outside callers.
-ROLES = ("catalog", "order", "frontend", "client", "admin")
+#: The roles a certificate can carry: the three tiers, the two kinds of outside callers, and the
+#: reverse proxy's own certificate, which it shows to clients (deploy/proxy/render.py; to the
+#: frontends it shows ``client``'s): no listener of Pygmy takes that role.
+ROLES = ("catalog", "order", "frontend", "client", "admin", "proxy")
 ROLE_URI = "pygmy://role/"
 #: How often, at most, an identity looks at its files for a replaced certificate (seconds).
 RELOAD_EVERY = 1.0

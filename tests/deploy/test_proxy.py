@@ -7,6 +7,7 @@ the proxy's own answer is a JSON 503 with an id."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -23,7 +24,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import requests
-from harness import Cluster, free_port_base, start_cluster, wait_for
+from harness import Cluster, free_port_base, pygmy, start_cluster, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "deploy" / "proxy" / "nginx.conf"
@@ -39,11 +40,11 @@ def load_render():
     return mod
 
 
-def proxy_conf(text: str, frontends: list[str], port: int, run: Path) -> str:
+def proxy_conf(text: str, frontends: list[str], port: int, run: Path, certs: Path | None = None) -> str:
     """The shipped configuration with loopback upstreams, a port and paths of the test's own, as the
-    proxy's image renders it (``deploy/proxy/render.py``)."""
+    proxy's image renders it (``deploy/proxy/render.py``); with ``certs``, TLS on both sides."""
     return load_render().render(text, [urlsplit(u).netloc for u in frontends], f"127.0.0.1:{port}", str(run),
-                                as_root=os.geteuid() == 0)
+                                as_root=os.geteuid() == 0, certs=str(certs) if certs else None)
 
 
 def test_render_names_other_frontends_and_keeps_their_parameters() -> None:
@@ -56,37 +57,44 @@ def test_render_names_other_frontends_and_keeps_their_parameters() -> None:
         load_render().render(text, ["not an address"])
 
 
-@pytest.fixture
-def proxied(tmp_path: Path) -> Iterator[tuple[Cluster, str]]:
-    c = start_cluster(tmp_path, "--frontends", "2")
-    run = tmp_path / "proxy"
+@contextlib.contextmanager
+def proxy_before(c: Cluster, run: Path, certs: Path | None = None) -> Iterator[str]:
+    """nginx with the shipped configuration before ``c``'s two frontends: its URL while the block runs."""
     run.mkdir()
     port = free_port_base(1, 1)
     conf = run / "nginx.conf"
-    conf.write_text(proxy_conf(CONF.read_text(), [c.cluster_config().frontend_url(k) for k in (1, 2)], port, run))
+    conf.write_text(proxy_conf(CONF.read_text(), [c.cluster_config().frontend_url(k) for k in (1, 2)], port, run,
+                               certs))
     checked = subprocess.run([NGINX, "-t", "-q", "-c", str(conf), "-p", str(run)], capture_output=True, text=True,
                              timeout=30)
     assert checked.returncode == 0, checked.stderr
-    proc = subprocess.Popen([NGINX, "-c", str(conf), "-p", str(run), "-g", "daemon off;"],
+    proc = subprocess.Popen([NGINX, "-e", "stderr", "-c", str(conf), "-p", str(run), "-g", "daemon off;"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
     try:
-        wait_for("the proxy", lambda: _ok(url + "/livez"), 20)
-        yield c, url
+        yield f"{'https' if certs else 'http'}://127.0.0.1:{port}"
     finally:
-        with_pg = proc.pid
         try:
-            os.killpg(with_pg, signal.SIGTERM)
+            os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(10)
         except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(with_pg, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
+
+
+@pytest.fixture
+def proxied(tmp_path: Path) -> Iterator[tuple[Cluster, str]]:
+    c = start_cluster(tmp_path, "--frontends", "2")
+    try:
+        with proxy_before(c, tmp_path / "proxy") as url:
+            wait_for("the proxy", lambda: _ok(url + "/livez"), 20)
+            yield c, url
+    finally:
         c.stop()
 
 
-def _ok(url: str) -> bool:
+def _ok(url: str, verify: str | bool = True) -> bool:
     try:
-        return requests.get(url, timeout=2).status_code == 200
+        return requests.get(url, timeout=2, verify=verify).status_code == 200
     except requests.RequestException:
         return False
 
@@ -162,3 +170,27 @@ def test_through_the_proxy(proxied: tuple[Cluster, str]) -> None:
     r = requests.get(url + "/lookup/1", headers={"X-Request-Id": "none-left"}, timeout=10)
     assert r.status_code == 503 and r.headers["X-Request-Id"] == "none-left"
     assert r.json()["error"]["code"] == 503 and r.headers["Retry-After"] == "1"
+
+
+def test_through_the_proxy_over_tls(tmp_path: Path) -> None:
+    """With ``--tls`` (#38): clients get HTTPS from the proxy (its own certificate, ``pygmy certs --only
+    proxy``), plain HTTP on its port is refused as JSON, and the proxy reaches the frontends, which
+    refuse plain text, over HTTPS verified against the cluster's CA."""
+    c = start_cluster(tmp_path, "--tls", "--frontends", "2", "--catalog-replicas", "2", "--order-replicas", "2")
+    try:
+        certs = c.data_dir / "certs"
+        made = pygmy("certs", "--data-dir", str(c.data_dir), "--only", "proxy", "--host", "localhost")
+        assert made.returncode == 0 and (certs / "proxy.pem").exists(), made.stderr
+        with proxy_before(c, tmp_path / "proxy", certs) as url:
+            ca = str(certs / "ca.pem")
+            wait_for("the proxy over TLS", lambda: _ok(url + "/readyz", verify=ca), 30)
+            r = requests.get(url + "/lookup/1", headers={"X-Request-Id": "tls-1"}, verify=ca, timeout=5)
+            assert r.status_code == 200 and r.json()["item_number"] == 1 and r.headers["X-Request-Id"] == "tls-1"
+            r = requests.post(url + "/buy/1", headers={"Idempotency-Key": uuid.uuid4().hex}, verify=ca, timeout=35)
+            assert r.status_code == 200, r.text
+            plain = requests.get(url.replace("https://", "http://") + "/lookup/1", timeout=5)
+            assert plain.status_code == 400 and plain.json()["error"]["code"] == 400
+            names = {requests.get(url + "/status", verify=ca, timeout=5).json()["frontend"]["name"] for _ in range(12)}
+            assert names == {"frontend-1", "frontend-2"}, names
+    finally:
+        c.stop()

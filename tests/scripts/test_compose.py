@@ -113,10 +113,11 @@ def test_the_tls_overlay_hands_each_service_the_ca_and_its_own_pair_only() -> No
     tls = yaml.safe_load((ROOT / "docker-compose.tls.yml").read_text())
     assert set(tls["services"]) == set(base)
     for name, svc in tls["services"].items():
-        holder = "frontend-1" if name == "frontend" else name
+        # The proxy shows clients its own certificate, and the frontends the client one.
+        holders = ["proxy", "client"] if name == "proxy" else [name]
         assert svc["environment"] == {"PYGMY_TLS": "1", "PYGMY_CERTS_DIR": "/run/secrets"}
         targets = {s["target"]: s["source"] for s in svc["secrets"]}
-        assert set(targets) == {"ca.pem", f"{holder}.pem", f"{holder}-key.pem"}, name
+        assert set(targets) == {"ca.pem", *(f"{h}.pem" for h in holders), *(f"{h}-key.pem" for h in holders)}, name
         for target, source in targets.items():
             assert tls["secrets"][source]["file"] == "${PYGMY_CERTS:-./certs}/" + target
     assert not any("ca-key" in s["file"] for s in tls["secrets"].values())

@@ -5,6 +5,7 @@ replaced on disk served without a restart (#38)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import ssl
 import time
@@ -108,6 +109,34 @@ def test_the_event_loop_answers_kept_alive_https_requests(cluster: Cluster) -> N
             assert r.status_code == 200, r.text
             paths.add("route" if "Server" in r.headers else "event loop")
     assert "event loop" in paths
+
+
+def test_pipelined_https_requests_are_answered_in_order(cluster: Cluster) -> None:
+    """Over TLS too (#39): requests pipelined on one connection, the first to a pool thread (a
+    connection's first request always is, for its handshake), the rest read with it and decrypted
+    before it was answered, are each answered, in order."""
+    ctx = ssl.create_default_context(cafile=str(own(cluster) / "ca.pem"))
+    paths = ["/lookup/1", "/lookup/2", "/search/distributed%20systems", "/lookup/3", "/lookup/1"]
+    with socket.create_connection(("127.0.0.1", cluster.port_base), timeout=10) as raw, \
+            ctx.wrap_socket(raw, server_hostname="127.0.0.1") as s:
+        s.sendall(b"".join(f"GET {p} HTTP/1.1\r\nHost: t\r\nX-Request-Id: tp-{i}\r\n\r\n".encode()
+                           for i, p in enumerate(paths)))
+        data = b""
+        for i, path in enumerate(paths):
+            while b"\r\n\r\n" not in data:
+                chunk = s.recv(65536)
+                assert chunk, f"closed before the answer to {path} (request {i})"
+                data += chunk
+            head, _, data = data.partition(b"\r\n\r\n")
+            headers = {k.strip().lower(): v.strip() for k, _, v in
+                       (line.partition(":") for line in head.decode("latin-1").split("\r\n")[1:])}
+            length = int(headers["content-length"])
+            while len(data) < length:
+                data += s.recv(65536)
+            body, data = data[:length], data[length:]
+            assert head.startswith(b"HTTP/1.1 200") and headers["x-request-id"] == f"tp-{i}", (path, head)
+            if path.startswith("/lookup/"):
+                assert json.loads(body)["item_number"] == int(path.rsplit("/", 1)[1])
 
 
 def test_plain_text_is_refused_on_every_port(cluster: Cluster) -> None:
