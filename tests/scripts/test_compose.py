@@ -29,6 +29,10 @@ def test_the_compose_file_requires_both_secrets_and_has_no_default() -> None:
         assert uses, name
         # ${VAR:?message}: compose refuses to run when VAR is unset or empty, and says what to set.
         assert all(u.startswith(":?") and f"set {name}" in u for u in uses), uses
+        # `docker stack deploy` reads what follows a '-' in the message as a default value: every
+        # service got the message's tail ("up creates one)") as its secret, and the frontends refused
+        # to start with a token equal to the secret.
+        assert not any("-" in u for u in uses), uses
     envs = environments()
     assert envs.pop("proxy") == {}, "the proxy knows no secret: it only passes requests on"
     assert all(env["PYGMY_SECRET"].startswith("${PYGMY_SECRET:?") for env in envs.values())
