@@ -403,8 +403,8 @@ LEGEND = {"adaptive": "adaptive timers (solid)", "fixed": "fixed LAN timers (das
 
 def plot(settings: h.Settings, points: list[dict[str, Any]], seconds: float) -> str:
     """Per tier, against the links' round trip, one line per loss (a colour each) and timer mode
-    (adaptive solid, fixed dashed): the gaps, new terms, the share of the window without a leader,
-    and the failover (a kill with no buy after it within ``POST`` s, or no leader to kill, is drawn
+    (adaptive solid, fixed dashed): the gaps, new terms, the shares of the window without a leader
+    and with a leader holding its lease, and the failover (a kill with no buy after it within ``POST`` s, or no leader to kill, is drawn
     as an x at ``POST``)."""
     from matplotlib.lines import Line2D
 
@@ -416,9 +416,10 @@ def plot(settings: h.Settings, points: list[dict[str, Any]], seconds: float) -> 
                 ("buy gap", lambda p: p["window"]["buy"]["longest_gap_s"], "longest gap (s)"),
                 ("new terms", lambda p: p["window"]["new_terms"], f"new terms per {seconds:g} s"),
                 ("no leader", lambda p: p["window"]["no_leader_share"], "share of the window"),
+                ("lease held", lambda p: p["window"]["lease_share"], "share of the window"),
                 ("failover", failover_s, "leader killed → buy acked (s)"))
     tiers = [t for t in TIERS if any(p["tier"] == t for p in points)]
-    fig, axes = h.figure(len(tiers), len(measures), figsize=(18, 3.8 * len(tiers)), squeeze=False)
+    fig, axes = h.figure(len(tiers), len(measures), figsize=(21, 3.8 * len(tiers)), squeeze=False)
     losses = sorted({p["shape"]["loss"] for p in points})
     rtts = sorted({p["rtt_ms"] for p in points})
     modes = [m for m in STYLES if any(p.get("timers", "adaptive") == m for p in points)]
