@@ -21,7 +21,8 @@ links are made fast again, the victim restarted and caught up, and the next shap
 The whole grid runs once per timer mode (``--modes``), each on a fresh cluster: ``adaptive`` (the
 default: timers follow the round trips a leader measures, ``pygmy/replication/timers.py``) and
 ``fixed`` (the LAN timers of ``ReplicationConfig``, kept as configured: ``PYGMY_RAFT_ADAPT=0`` in
-the cluster's environment). Each point names its mode; the results name what a replica's
+the cluster's environment; it turns off only what the round trips ask for, not the core's election
+backoff nor the window of twice a backed-off campaign a new leader keeps). Each point names its mode; the results name what a replica's
 ``/status`` said of the timers in force (``adapt``), and a cluster whose replicas report another
 mode than the one asked for stops the run.
 
@@ -586,7 +587,9 @@ def _run(settings: h.Settings, tiers: Sequence[str], kill: bool, reset: bool,
 
 _MODE_TEXT = {"adaptive": "adaptive (the default: heartbeat, election window and lease follow the round trips a "
                          "leader measures)",
-              "fixed": "fixed (the LAN timers as configured, `PYGMY_RAFT_ADAPT=0` in the cluster's environment)"}
+              "fixed": ("fixed (the LAN timers as configured, `PYGMY_RAFT_ADAPT=0` in the cluster's environment: nothing "
+                      "follows the measured round trips; the core's election backoff, and the window of twice a "
+                      "backed-off campaign a new leader keeps, stay in both modes)")}
 
 
 def _shape(text: str) -> Shape:
