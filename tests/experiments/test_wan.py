@@ -21,9 +21,10 @@ def test_the_wan_experiment_measures_each_shape_and_cleans_up(tmp_path: Path) ->
     s = h.Settings(tiny=True, results_dir=tmp_path / "results", plots_dir=tmp_path / "plots", progress=False)
     wan.run(s)
     data = json.loads((s.results_dir / "wan.json").read_text())
-    assert data["timers"]["mode"]  # "fixed" until replicas report theirs
+    assert data["timers"]["mode"] == "adaptive" and data["timers"]["modes"]["adaptive"]["mode"] == "adaptive"
     points = data["results"]["points"]
     assert [p["tier"] for p in points] == ["catalog", "catalog"] and not [p for p in points if "error" in p]
+    assert {p["timers"] for p in points} == {"adaptive"}  # tiny runs one mode; the full size both
     for p in points:
         for op in ("update", "buy"):
             w = p["window"][op]
