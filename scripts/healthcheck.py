@@ -8,6 +8,10 @@ and ``depends_on: service_healthy`` wait for a working store. From then on it as
 is alive while its tier elects a leader. "Once ready" is kept in a file stamped with the start time
 of the container's first process, so a restarted container starts over. Exit 0 healthy, else 1.
 
+``healthcheck.py live`` asks ``/livez`` only, from the start: what the replicas use under Compose and
+Swarm. Swarm puts a task in its service's DNS only once it is healthy, and the replicas of a tier must
+reach each other by name before any of them can be ready (none is ready before they elect a leader).
+
 With ``PYGMY_TLS`` set, over HTTPS: trusting ``ca.pem`` in ``PYGMY_CERTS_DIR`` and showing the
 service's own certificate from there (the one ``<name>.pem`` with its key beside the CA's: a
 replica takes callers of its own tier), as a container is handed just its own (docker-compose.tls.yml).
@@ -45,7 +49,7 @@ def main() -> int:
     tls = os.environ.get("PYGMY_TLS", "").strip().lower() in ("1", "true", "yes", "on")
     boot = started_at()
     try:
-        seen = MARK.read_text() == boot
+        seen = sys.argv[1:] == ["live"] or MARK.read_text() == boot
     except OSError:
         seen = False
     url = f"{'https' if tls else 'http'}://127.0.0.1:{port}/{'livez' if seen else 'readyz'}"

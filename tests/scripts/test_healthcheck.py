@@ -88,3 +88,12 @@ def test_nothing_listening_is_unhealthy(tmp_path: Path, monkeypatch: pytest.Monk
         port = s.getsockname()[1]
     hc = load(monkeypatch, port, tmp_path / "mark", "1")
     assert hc.main() == 1
+
+
+def test_live_mode_asks_livez_from_the_start(service: Service, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """``healthcheck.py live``, the replicas' check under Compose and Swarm: never /readyz, since
+    Swarm would keep a replica that is not yet healthy out of DNS, where its peers look for it."""
+    hc = load(monkeypatch, service.port, tmp_path / "mark", "1")
+    monkeypatch.setattr("sys.argv", ["healthcheck.py", "live"])
+    assert hc.main() == 0 and service.asked == ["/livez"]
