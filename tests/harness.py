@@ -17,7 +17,7 @@ from pygmy.verify import lincheck
 from pygmy.verify.chaos import ChaosWorkload
 
 __all__ = ["CHECKED", "FAULTS_AT_STOP", "MUTATIONS", "BackgroundLoad", "Cluster", "FakeLeadership", "StandIn", "cluster_env",
-           "free_port_base", "hidden_faults", "pygmy", "read_answer", "send_whole_buys", "start_cluster", "stop_checked",
+           "free_port_base", "hidden_faults", "http_answers", "pygmy", "read_answer", "send_whole_buys", "start_cluster", "stop_checked",
            "wait_for"]
 
 #: Test-only faults and mutations (``tests/mutations/sitecustomize.py``), for the processes of a cluster.
@@ -124,6 +124,29 @@ def send_whole_buys(url: str, keys: list[str], item: int) -> list[socket.socket]
                      f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         socks.append(sock)
     return socks
+
+
+def http_answers(sock: socket.socket, n: int) -> list[tuple[int, dict[str, str], bytes]]:
+    """``n`` HTTP answers with ``Content-Length`` bodies, read in order off ``sock`` (plain or TLS):
+    ``(status, headers with lower-case names, body)`` each; nothing may follow the last."""
+    out, data = [], b""
+    for _ in range(n):
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            assert chunk, f"the connection closed after {len(out)} of {n} answers"
+            data += chunk
+        head, _, data = data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+        length = int(headers.get("content-length", "0"))
+        while len(data) < length:
+            chunk = sock.recv(65536)
+            assert chunk, "the connection closed mid-body"
+            data += chunk
+        out.append((int(lines[0].split()[1]), headers, data[:length]))
+        data = data[length:]
+    assert data == b"", f"more than {n} answers: {data[:200]!r}"
+    return out
 
 
 def wait_for(what: str, predicate: Callable[[], object], timeout: float = 60) -> object:

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import requests
-from harness import Cluster, free_port_base, pygmy, start_cluster, wait_for
+from harness import Cluster, free_port_base, http_answers, pygmy, start_cluster, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "deploy" / "proxy" / "nginx.conf"
@@ -99,26 +99,6 @@ def _ok(url: str, verify: str | bool = True) -> bool:
         return False
 
 
-def answers(sock: socket.socket, n: int) -> list[tuple[int, dict[str, str], bytes]]:
-    """``n`` HTTP answers (status, lower-case headers, body) read in order off ``sock``."""
-    out, data = [], b""
-    for _ in range(n):
-        while b"\r\n\r\n" not in data:
-            chunk = sock.recv(65536)
-            assert chunk, f"closed after {len(out)} answers"
-            data += chunk
-        head, _, data = data.partition(b"\r\n\r\n")
-        lines = head.decode("latin-1").split("\r\n")
-        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
-        length = int(headers["content-length"])
-        while len(data) < length:
-            data += sock.recv(65536)
-        out.append((int(lines[0].split()[1]), headers, data[:length]))
-        data = data[length:]
-    assert data == b""
-    return out
-
-
 def test_through_the_proxy(proxied: tuple[Cluster, str]) -> None:
     c, url = proxied
     netloc = urlsplit(url)
@@ -127,7 +107,7 @@ def test_through_the_proxy(proxied: tuple[Cluster, str]) -> None:
     with socket.create_connection((netloc.hostname, netloc.port), timeout=10) as sock:
         sock.sendall(b"".join(f"GET {p} HTTP/1.1\r\nHost: t\r\nX-Request-Id: px-{i}\r\n\r\n".encode()
                               for i, p in enumerate(paths)))
-        got = answers(sock, len(paths))
+        got = http_answers(sock, len(paths))
     for i, (path, (status, headers, body)) in enumerate(zip(paths, got, strict=True)):
         assert status == 200 and headers["x-request-id"] == f"px-{i}", (path, status, headers)
         if path.startswith("/lookup/"):

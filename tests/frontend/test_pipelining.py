@@ -8,7 +8,7 @@ import json
 import socket
 from urllib.parse import urlsplit
 
-from harness import Cluster
+from harness import Cluster, http_answers
 
 
 def test_pipelined_lookups_and_searches_are_answered_in_order(cluster: Cluster) -> None:
@@ -20,28 +20,12 @@ def test_pipelined_lookups_and_searches_are_answered_in_order(cluster: Cluster) 
         with socket.create_connection((host, port), timeout=10) as sock:
             sock.sendall(b"".join(f"GET {p} HTTP/1.1\r\nHost: t\r\nX-Request-Id: pipe-{i}\r\n\r\n".encode()
                                   for i, p in enumerate(paths)))
-            rest = b""
-            for i, path in enumerate(paths):
-                sock.settimeout(10)
-                data = rest
-                while b"\r\n\r\n" not in data:
-                    chunk = sock.recv(65536)
-                    assert chunk, f"closed before the answer to {path} (request {i})"
-                    data += chunk
-                head, _, body = data.partition(b"\r\n\r\n")
-                headers = {k.strip().lower(): v.strip() for k, _, v in
-                           (line.partition(":") for line in head.decode("latin-1").split("\r\n")[1:])}
-                length = int(headers["content-length"])
-                while len(body) < length:
-                    body += sock.recv(65536)
-                rest = body[length:]
-                answer = json.loads(body[:length])
+            for i, (path, (status, headers, body)) in enumerate(zip(paths, http_answers(sock, len(paths)), strict=True)):
+                answer = json.loads(body)
                 assert headers["x-request-id"] == f"pipe-{i}", (path, headers)
-                status = int(head.split()[1])
                 if path == "/lookup/99999":
                     assert status == 404
                 elif path.startswith("/lookup/"):
                     assert status == 200 and answer["item_number"] == int(path.rsplit("/", 1)[1]), answer
                 else:
                     assert status == 200 and "items" in answer, answer
-            assert rest == b""

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 from cryptography import x509
-from harness import Cluster, start_cluster, stop_checked
+from harness import Cluster, http_answers, start_cluster, stop_checked
 
 from pygmy.client.api import PygmyClient
 from pygmy.cluster import certs
@@ -121,22 +121,11 @@ def test_pipelined_https_requests_are_answered_in_order(cluster: Cluster) -> Non
             ctx.wrap_socket(raw, server_hostname="127.0.0.1") as s:
         s.sendall(b"".join(f"GET {p} HTTP/1.1\r\nHost: t\r\nX-Request-Id: tp-{i}\r\n\r\n".encode()
                            for i, p in enumerate(paths)))
-        data = b""
-        for i, path in enumerate(paths):
-            while b"\r\n\r\n" not in data:
-                chunk = s.recv(65536)
-                assert chunk, f"closed before the answer to {path} (request {i})"
-                data += chunk
-            head, _, data = data.partition(b"\r\n\r\n")
-            headers = {k.strip().lower(): v.strip() for k, _, v in
-                       (line.partition(":") for line in head.decode("latin-1").split("\r\n")[1:])}
-            length = int(headers["content-length"])
-            while len(data) < length:
-                data += s.recv(65536)
-            body, data = data[:length], data[length:]
-            assert head.startswith(b"HTTP/1.1 200") and headers["x-request-id"] == f"tp-{i}", (path, head)
-            if path.startswith("/lookup/"):
-                assert json.loads(body)["item_number"] == int(path.rsplit("/", 1)[1])
+        got = http_answers(s, len(paths))
+    for i, (path, (status, headers, body)) in enumerate(zip(paths, got, strict=True)):
+        assert status == 200 and headers["x-request-id"] == f"tp-{i}", (path, status)
+        if path.startswith("/lookup/"):
+            assert json.loads(body)["item_number"] == int(path.rsplit("/", 1)[1])
 
 
 def test_plain_text_is_refused_on_every_port(cluster: Cluster) -> None:
