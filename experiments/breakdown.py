@@ -7,7 +7,7 @@ no timestamps), then one client buys one copy at a time. CLOCK_MONOTONIC is one 
 process of the machine, so the events of all of them fall on one line: for each buy, every event
 between the client's send and its answer is placed at its offset from the send, and the table gives,
 for each step, the median over buys of its start and its length. The recording costs a few
-microseconds per event (about seventy per buy), so the buy is a little slower here than untraced
+microseconds per event (dozens per buy), so the buy is a little slower here than untraced
 (``python -m pygmy.experiments.ab --load sequential`` times it untraced). The floor beside it is
 measured on the spot: a frame's round trip between two processes and one synced SQLite commit.
 
