@@ -182,18 +182,19 @@ def write_books(path: Path, books: list[dict[str, Any]] | None = None) -> Path:
 
 @contextlib.contextmanager
 def cluster(settings: Settings, *args: str, books: list[dict[str, Any]] | None = None,
-            keep: bool = False, root: Path | None = None) -> Iterator[LocalCluster]:
+            keep: bool = False, root: Path | None = None, env: dict[str, str] | None = None) -> Iterator[LocalCluster]:
     """A fresh local cluster (stopped and removed afterwards, even on failure), running the code of
     the checkout ``root`` (default: this one).
 
-    With no extra arguments and the default books, the shared cluster in ``settings`` is reused.
+    With no extra arguments, the default books and no ``env`` (added to every service's environment),
+    the shared cluster in ``settings`` is reused.
     """
-    if settings.shared is not None and not args and books is None and root is None:
+    if settings.shared is not None and not args and books is None and root is None and env is None:
         yield settings.shared
         return
     tmp = Path(tempfile.mkdtemp(prefix="pygmy-exp-"))
     books_file = write_books(tmp / "books.json", books)
-    c = LocalCluster(tmp / "data", free_port_base(), ["--books", str(books_file), *args],
+    c = LocalCluster(tmp / "data", free_port_base(), ["--books", str(books_file), *args], env,
                      **({"root": root} if root is not None else {}))
     try:
         c.start(reset=True, timeout=180)
