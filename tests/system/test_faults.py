@@ -310,7 +310,9 @@ def test_leader_and_follower_kills_under_load(cluster3: Cluster) -> None:
             with load.fault(f"{victim} restarted"):
                 c.restart(victim)
                 wait_acked(load)
-        for tier in ("catalog", "order"):
+        # Over TLS, the leaders' kills alone (their reconnections are what TLS changes); the
+        # followers' catch-up is the plain run's to check, which keeps make test under 10 minutes.
+        for tier in () if "--tls" in c.args else ("catalog", "order"):
             lead = leader(c, tier)
             follower = next(f"{tier}-{k}" for k in (1, 2, 3) if f"{tier}-{k}" != lead)
             with load.fault(f"{tier} follower {follower} killed and restarted"):
