@@ -112,6 +112,8 @@ def test_a_replica_joins_catches_up_by_snapshot_is_promoted_and_counts(group: Gr
     group.converge()
     assert new.snapshots_installed == 1
     assert new.core.snap_membership.learners == {"kv-4"}
+    # The leader's view follows the learner's acknowledgements, a round trip behind its state.
+    group.until(lambda: {m["name"]: m for m in leader.members()["members"]}["kv-4"]["caught_up"])
     view = {m["name"]: m for m in leader.members()["members"]}
     assert view["kv-4"]["role"] == "learner" and view["kv-4"]["caught_up"]
     leader.promote("kv-4", 5.0)
