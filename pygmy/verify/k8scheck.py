@@ -12,18 +12,14 @@ the Porcupine checker is (``pygmy.verify.lincheck``).
 from __future__ import annotations
 
 import argparse
-import fcntl
-import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from pygmy import ROOT
-from pygmy.verify.lincheck import _go
+from pygmy.verify.gobuild import build_go_tool
 
 SOURCE = ROOT / "tools" / "k8scheck"
 BINARY = ROOT / "build" / "k8scheck" / "k8scheck"
@@ -34,34 +30,9 @@ ROUTE_SOURCES = (ROOT / "frontend" / "app.py", ROOT / "pygmy" / "replication" / 
 
 
 def build() -> Path:
-    """Build tools/k8scheck only when the binary is missing or older than its sources.
-
-    Several test processes may ask at once: under a file lock one builds (the first build downloads
-    the Kubernetes API modules and takes a minute or two), the others wait and find it built. Built
-    to a private name and renamed, so a binary is never seen half written."""
-    sources = [p for p in SOURCE.iterdir() if p.suffix == ".go" or p.name in ("go.mod", "go.sum")]
-    newest = max(p.stat().st_mtime for p in sources)
-
-    def fresh() -> bool:
-        return BINARY.exists() and BINARY.stat().st_mtime >= newest
-
-    if fresh():
-        return BINARY
-    BINARY.parent.mkdir(parents=True, exist_ok=True)
-    with open(BINARY.parent / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if fresh():
-            return BINARY
-        tmp = Path(tempfile.mkdtemp(prefix=".k8scheck.", dir=BINARY.parent))
-        try:  # go build -o refuses to overwrite a file that is not already a binary, hence a private dir
-            proc = subprocess.run([_go(), "build", "-buildvcs=false", "-o", str(tmp / "k8scheck"), "."], cwd=SOURCE,
-                                  capture_output=True, text=True, timeout=900)
-            if proc.returncode != 0:
-                raise RuntimeError(f"building the manifest checker (tools/k8scheck) failed:\n{proc.stderr}")
-            os.replace(tmp / "k8scheck", BINARY)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return BINARY
+    """Build tools/k8scheck only when the binary is missing or older than its sources (the first
+    build downloads the Kubernetes API modules and takes a minute or two)."""
+    return build_go_tool(SOURCE, BINARY, "the manifest checker (tools/k8scheck)")
 
 
 def probe_paths(sources: Iterable[Path] = ROUTE_SOURCES) -> list[str]:

@@ -9,10 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -21,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pygmy import ROOT
+from pygmy.verify.gobuild import build_go_tool
 
 SOURCE = ROOT / "tools" / "lincheck"
 BINARY = ROOT / "build" / "lincheck" / "lincheck"
@@ -106,36 +105,9 @@ class History:
         return path
 
 
-def _go() -> str:
-    go = shutil.which("go") or ("/usr/local/go/bin/go" if os.access("/usr/local/go/bin/go", os.X_OK) else None)
-    if go is None:
-        raise RuntimeError("Go is needed to build the Porcupine checker (tools/lincheck): install Go 1.22 or "
-                           "newer (e.g. `apt-get install golang-go`) and put `go` on PATH")
-    return go
-
-
 def build_checker() -> Path:
-    """Build tools/lincheck only when the binary is missing or older than its sources.
-
-    Builds to a private temp name and renames, so two processes building at once both end up with a
-    whole binary.
-    """
-    sources = [p for p in SOURCE.iterdir() if p.suffix == ".go" or p.name in ("go.mod", "go.sum")]
-    newest = max(p.stat().st_mtime for p in sources)
-    if BINARY.exists() and BINARY.stat().st_mtime >= newest:
-        return BINARY
-    BINARY.parent.mkdir(parents=True, exist_ok=True)
-    go = _go()
-    tmp = Path(tempfile.mkdtemp(prefix=".lincheck.", dir=BINARY.parent))
-    try:  # go build -o refuses to overwrite a file that is not already a binary, hence a private dir
-        proc = subprocess.run([go, "build", "-buildvcs=false", "-o", str(tmp / "lincheck"), "."], cwd=SOURCE,
-                              capture_output=True, text=True, timeout=600)
-        if proc.returncode != 0:
-            raise RuntimeError(f"building the Porcupine checker failed:\n{proc.stderr}")
-        os.replace(tmp / "lincheck", BINARY)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return BINARY
+    """Build tools/lincheck only when the binary is missing or older than its sources."""
+    return build_go_tool(SOURCE, BINARY, "the Porcupine checker (tools/lincheck)", timeout=600)
 
 
 @dataclass

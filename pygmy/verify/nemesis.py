@@ -115,7 +115,7 @@ def build_toxiproxy() -> Path:
     import fcntl
     import tempfile
 
-    from pygmy.verify.lincheck import _go
+    from pygmy.verify.gobuild import go_command
 
     TOXIPROXY.parent.mkdir(parents=True, exist_ok=True)
     # Several test processes may want it at once: one builds, the others wait and find it built.
@@ -124,7 +124,7 @@ def build_toxiproxy() -> Path:
         if TOXIPROXY.exists():
             return TOXIPROXY
         with tempfile.TemporaryDirectory(dir=TOXIPROXY.parent) as out:
-            proc = subprocess.run([_go(), "install", TOXIPROXY_MODULE], env={**os.environ, "GOBIN": out},
+            proc = subprocess.run([go_command("Toxiproxy"), "install", TOXIPROXY_MODULE], env={**os.environ, "GOBIN": out},
                                   capture_output=True, text=True, timeout=900)
             if proc.returncode != 0:
                 raise RuntimeError(f"building Toxiproxy failed:\n{proc.stderr}")

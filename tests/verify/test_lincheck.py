@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from pygmy.verify import lincheck
+from pygmy.verify import gobuild, lincheck
 
 ITEM = 3
 INITIAL = {ITEM: {"cost": 1250, "stock": 10}}
@@ -47,10 +47,10 @@ def assert_caught(result: lincheck.CheckResult) -> None:
 
 def test_go_is_there_or_the_error_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     assert lincheck.build_checker().exists()  # without Go: RuntimeError "Go is needed ... install golang"
-    monkeypatch.setattr(lincheck.shutil, "which", lambda name: None)
-    monkeypatch.setattr(lincheck.os, "access", lambda path, mode: False)
+    monkeypatch.setattr(gobuild.shutil, "which", lambda name: None)
+    monkeypatch.setattr(gobuild.os, "access", lambda path, mode: False)
     with pytest.raises(RuntimeError, match="Go is needed to build the Porcupine checker"):
-        lincheck._go()
+        gobuild.go_command("the Porcupine checker")
 
 
 def test_linearizable_history_with_overlaps_and_unknown_outcomes(tmp_path: Path) -> None:
