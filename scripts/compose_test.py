@@ -212,10 +212,12 @@ def frontends(compose: list[str], orders: list[dict[str, Any]], args: argparse.N
     failed = [(path, code) for i in range(20)
               for path in (f"/lookup/{1 + i % 7}",) for code, _ in (call("GET", path),) if code != 200]
     check(not failed, f"lookups go on through the proxy with frontend-1 killed (failed: {failed})")
-    for _ in range(3):
-        order, _tries = buy(1, f"compose-frontend-{uuid.uuid4()}", args.window)
-        orders.append(order)
-    check(True, "buys go on through the proxy with frontend-1 killed")
+    earlier = {o["order_number"] for o in orders}
+    bought = [buy(1, f"compose-frontend-{uuid.uuid4()}", args.window)[0] for _ in range(3)]
+    numbers = {o.get("order_number") for o in bought}
+    check(len(numbers) == 3 and not numbers & earlier and all(o.get("item_number") == 1 for o in bought),
+          f"3 buys acknowledged through the proxy with frontend-1 killed, each a new order ({sorted(map(str, numbers))})")
+    orders.extend(bought)
     subprocess.run([*compose, "start", "frontend-1"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     log("frontends ok: pipelining through the proxy; one frontend killed, lookups and buys went on")
 

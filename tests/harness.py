@@ -17,7 +17,7 @@ from pygmy.verify import lincheck
 from pygmy.verify.chaos import ChaosWorkload
 
 __all__ = ["CHECKED", "FAULTS_AT_STOP", "MUTATIONS", "BackgroundLoad", "Cluster", "FakeLeadership", "StandIn", "cluster_env",
-           "free_port_base", "hidden_faults", "http_answers", "pygmy", "read_answer", "send_whole_buys", "start_cluster", "stop_checked",
+           "free_port_base", "hidden_faults", "http_answer", "http_answers", "pygmy", "read_answer", "send_whole_buys", "start_cluster", "stop_checked",
            "wait_for"]
 
 #: Test-only faults and mutations (``tests/mutations/sitecustomize.py``), for the processes of a cluster.
@@ -126,25 +126,30 @@ def send_whole_buys(url: str, keys: list[str], item: int) -> list[socket.socket]
     return socks
 
 
+def http_answer(sock: socket.socket, data: bytes = b"") -> tuple[int, dict[str, str], bytes, bytes]:
+    """One HTTP answer with a ``Content-Length`` body, from ``data`` and then ``sock`` (plain or TLS):
+    status, headers (lower-case names), body, and the bytes read after it."""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed mid-answer after {data!r}"
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    length = int(headers.get("content-length", "0"))
+    while len(rest) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "connection closed mid-body"
+        rest += chunk
+    return int(lines[0].split()[1]), headers, rest[:length], rest[length:]
+
+
 def http_answers(sock: socket.socket, n: int) -> list[tuple[int, dict[str, str], bytes]]:
-    """``n`` HTTP answers with ``Content-Length`` bodies, read in order off ``sock`` (plain or TLS):
-    ``(status, headers with lower-case names, body)`` each; nothing may follow the last."""
+    """``n`` answers read in order off ``sock`` (``http_answer``); nothing may follow the last."""
     out, data = [], b""
     for _ in range(n):
-        while b"\r\n\r\n" not in data:
-            chunk = sock.recv(65536)
-            assert chunk, f"the connection closed after {len(out)} of {n} answers"
-            data += chunk
-        head, _, data = data.partition(b"\r\n\r\n")
-        lines = head.decode("latin-1").split("\r\n")
-        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
-        length = int(headers.get("content-length", "0"))
-        while len(data) < length:
-            chunk = sock.recv(65536)
-            assert chunk, "the connection closed mid-body"
-            data += chunk
-        out.append((int(lines[0].split()[1]), headers, data[:length]))
-        data = data[length:]
+        status, headers, body, data = http_answer(sock, data)
+        out.append((status, headers, body))
     assert data == b"", f"more than {n} answers: {data[:200]!r}"
     return out
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import requests
+from harness import http_answer as read_answer
 
 from pygmy.cluster.worker import _Reader, _request_head, asks_to_close, said_closing
 from pygmy.experiments.refusal import serve_gated
@@ -23,24 +24,6 @@ def full_writes(tmp_path: Path) -> Iterator[tuple[str, int, Path]]:
     """A one-worker server whose single write place is held until ``release`` is touched."""
     with serve_gated(tmp_path) as (port, _, release):
         yield "127.0.0.1", port, release
-
-
-def read_answer(sock: socket.socket, data: bytes = b"") -> tuple[int, dict[str, str], bytes, bytes]:
-    """One HTTP answer from ``data`` and then ``sock``: status, headers (lower-case names), body,
-    and the bytes read after it."""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(4096)
-        assert chunk, f"connection closed mid-answer after {data!r}"
-        data += chunk
-    head, _, rest = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
-    length = int(headers.get("content-length", "0"))
-    while len(rest) < length:
-        chunk = sock.recv(4096)
-        assert chunk, "connection closed mid-body"
-        rest += chunk
-    return int(lines[0].split()[1]), headers, rest[:length], rest[length:]
 
 
 def buy_request(extra: str = "", body: bytes = b"{}") -> bytes:
