@@ -852,12 +852,13 @@ class ReplicaNode:
                 return f"{self.name}: no replication turn within {turn_within:g} s"
         return None
 
-    def readiness(self) -> str | None:
+    def readiness(self, st: dict[str, Any] | None = None) -> str | None:
         """Why this replica cannot do its job now (None: it can): faulted, recovering (its log not
         yet caught up with a leader's first commit), a candidate, removed, a leader without its
         lease, or a follower or learner that knows no leader of its term. A ready follower has
-        heard from its leader within an election timeout (else it would be a candidate)."""
-        st = self.status()
+        heard from its leader within an election timeout (else it would be a candidate). ``st``: a
+        ``status()`` just read, if the caller has one."""
+        st = st if st is not None else self.status()
         role = st["role"]
         if st["error"]:
             return f"{self.name}: {st['error']}"

@@ -172,8 +172,8 @@ class ReplicaRuntime:
         def readyz() -> Response:
             """This replica can serve now: not recovering, not faulted, with a leader of its term
             (itself, holding its lease); what a readiness probe and the frontend's ``/readyz`` ask."""
-            why = self.node.readiness()
             st = self.node.status()
+            why = self.node.readiness(st)
             body = {"name": self.name, "role": st["role"], "leader": st["leader"], "term": st["term"]}
             if why is not None:
                 fail(503, why, **body)

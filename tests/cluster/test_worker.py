@@ -138,8 +138,6 @@ def test_http_1_0_is_gunicorns_and_the_http_1_1_after_it_the_event_loops(full_wr
     with socket.create_connection((host, port), timeout=5) as sock:
         # Followed by HTTP/1.1 in one segment: the version was once read after the whole segment,
         # the second request's, and the HTTP/1.0 one was answered by the event loop as HTTP/1.1.
-        # (Gunicorn answers the second only when more bytes come: gthread does not look at what
-        # it has already read off the socket.)
         sock.sendall(http10 + HIT)
         status, headers, _, _ = read_answer(sock)
         assert status == 200
