@@ -72,6 +72,7 @@ SETTINGS: dict[str, tuple[str, Any, str]] = {
     "frontend_write_limit": ("frontend_write_limit", int, "PYGMY_FRONTEND_WRITE_LIMIT"),
     "frontend_read_limit": ("frontend_read_limit", int, "PYGMY_FRONTEND_READ_LIMIT"),
     "replica_write_limit": ("replica_write_limit", int, "PYGMY_REPLICA_WRITE_LIMIT"),
+    "frontend_write_tolerance": ("frontend_write_tolerance", float, "PYGMY_FRONTEND_WRITE_TOLERANCE"),
     "replica_read_limit": ("replica_read_limit", int, "PYGMY_REPLICA_READ_LIMIT"),
     "peer_addresses": ("peer_addresses", _links, "PYGMY_PEER_ADDRESSES"),
     "router_urls": ("router_urls", _links, "PYGMY_ROUTER_URLS"),
@@ -107,6 +108,9 @@ def add_cluster_options(p: argparse.ArgumentParser, serve: bool = False) -> None
                    help="buys and updates in flight per frontend, all its workers together; more get 503 + "
                         "Retry-After (default 48)")
     p.add_argument("--frontend-read-limit", type=int, help="reads in flight per frontend (default 64)")
+    p.add_argument("--frontend-write-tolerance", type=float,
+                   help="the write cap follows latency: cut while buys take more than this many times their "
+                        "latency below the cap (default 2; 0: a fixed cap)")
     p.add_argument("--replica-write-limit", type=int, help="writes in flight per replica (default 64)")
     p.add_argument("--replica-read-limit", type=int, help="reads in flight per replica (default 48)")
     p.add_argument("--peer-addresses", type=_links, metavar="JSON",
@@ -156,6 +160,8 @@ def resolve(args: argparse.Namespace, use_cluster_file: bool, serve: bool = Fals
         raise SystemExit("pygmy: --frontends and --frontend-workers must be at least 1")
     if min(*config.limits("frontend").values(), *config.limits("catalog").values()) < 1:
         raise SystemExit("pygmy: every --*-limit must be at least 1")
+    if not (config.frontend_write_tolerance == 0 or config.frontend_write_tolerance > 1):
+        raise SystemExit("pygmy: --frontend-write-tolerance must be 0 (a fixed cap) or over 1")
     bad_links = config.check_links()
     if bad_links:
         raise SystemExit("pygmy: " + "; ".join(bad_links))

@@ -133,16 +133,78 @@ class Board:
             self.clear(slot)
 
 
+class LatencyLimit:
+    """A cap on requests in flight that follows their measured latency: AIMD, as TCP's window follows loss.
+
+    A fixed cap does not notice when the machine is full: under a surge every admitted buy holds a
+    place for as long as the CPU it queues for makes it take, reads queue for the same CPU, and the
+    cap is reached at the latency of a saturated machine. This one is cut by a tenth each window
+    whose median latency is over ``tolerance`` times the ``baseline`` *and* in which the cap was
+    reached (so that load the cap did not hold back, such as closed-loop clients, which cannot
+    overload anything, is never shed for being slow), and grows by one each window at or under it,
+    up to the configured cap (``ceiling``): it never admits more than the fixed cap would.
+
+    ``baseline`` is the latency of the service with the cap not reached: it follows the windows in
+    which the cap was not reached (falling at once, rising by a twentieth of the difference), and
+    while the cap is reached it only falls, so that a long surge cannot teach it its own latency.
+
+    Pure: no clock, threads or I/O. The caller gives each finished request's latency and the time
+    (``observe``) and says when the cap was reached (``reached``); ``pygmy.kit.admission.Gate``
+    does, under its lock, with ``time.monotonic``."""
+
+    def __init__(self, ceiling: int, tolerance: float, *, floor: int = 4, window: float = 0.05,
+                 min_samples: int = 4, backoff: float = 0.9, follow: float = 0.05) -> None:
+        if tolerance <= 1:
+            raise ValueError("a latency tolerance must be over 1 (times the baseline latency)")
+        self.ceiling, self.tolerance, self.floor = ceiling, tolerance, min(floor, ceiling)
+        self.window, self.min_samples, self.backoff, self.follow = window, min_samples, backoff, follow
+        self.value = float(ceiling)
+        self.baseline: float | None = None
+        self._samples: list[float] = []
+        self._opened: float | None = None
+        self._reached = False
+
+    @property
+    def limit(self) -> int:
+        return max(self.floor, int(self.value))
+
+    def reached(self) -> None:
+        """The cap was reached in this window (a request refused, or one admitted into the last place)."""
+        self._reached = True
+
+    def observe(self, now: float, latency: float) -> None:
+        """One request finished at ``now`` after ``latency`` seconds; closes the window when due."""
+        if self._opened is None:
+            self._opened = now
+        self._samples.append(latency)
+        if now - self._opened < self.window or len(self._samples) < self.min_samples:
+            return
+        samples, reached = sorted(self._samples), self._reached
+        self._samples, self._opened, self._reached = [], None, False
+        median = samples[len(samples) // 2]
+        base = self.baseline
+        if base is None or median < base:
+            self.baseline = base = median
+        elif not reached:
+            self.baseline = base = base + (median - base) * self.follow
+        if median <= self.tolerance * base:
+            self.value = min(float(self.ceiling), self.value + 1)
+        elif reached:
+            self.value = max(float(self.floor), self.value * self.backoff)
+
+
 class Gate:
     """A cap on requests in flight for one class: non-blocking, so the excess is refused, not queued.
 
     Alone it counts this process's requests; ``share`` makes it count those of every worker on a
-    ``Board``."""
+    ``Board``. With a ``LatencyLimit`` the cap follows the latency of this process's requests (each
+    worker judges the shared count against its own: they measure the same service)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, tolerance: float = 0.0) -> None:
         if limit < 1:
             raise ValueError("a limit on requests in flight must be at least 1")
-        self.limit = limit
+        self.ceiling = self.limit = limit
+        self.adaptive = LatencyLimit(limit, tolerance) if tolerance else None
         self.in_flight = 0  # this process's
         self._lock = threading.Lock()
         self._board: tuple[Board, str, int] | None = None
@@ -168,14 +230,30 @@ class Gate:
 
     def try_enter(self) -> bool:
         with self._lock:
-            if self.total() >= self.limit:
+            total = self.total()
+            if total >= self.limit:
+                if self.adaptive is not None:
+                    self.adaptive.reached()
                 return False
+            if total + 1 >= self.limit and self.adaptive is not None:
+                self.adaptive.reached()
             self._count(1)
             return True
 
-    def leave(self) -> None:
+    def refused(self) -> None:
+        """A request of the class was refused on a look at ``full()``, without ``try_enter``."""
+        if self.adaptive is not None:
+            with self._lock:
+                self.adaptive.reached()
+
+    def leave(self, entered: float | None = None) -> None:
+        """One request done; ``entered`` (its ``time.monotonic()`` at ``try_enter``) feeds the latency limit."""
         with self._lock:
             self._count(-1)
+            if self.adaptive is not None and entered is not None:
+                now = time.monotonic()
+                self.adaptive.observe(now, now - entered)
+                self.limit = self.adaptive.limit
 
 
 class Deferred:
@@ -217,14 +295,14 @@ class Admission:
     the answers behind it."""
 
     def __init__(self, app: Callable[..., Any], service: str, limits: dict[str, int],
-                 metrics: RequestMetrics | None = None) -> None:
+                 metrics: RequestMetrics | None = None, tolerances: dict[str, float] | None = None) -> None:
         self.app, self.service = app, service
         self.metrics = metrics or RequestMetrics(service)
-        self.gates = {cls: Gate(limit) for cls, limit in limits.items()}
+        self.gates = {cls: Gate(limit, (tolerances or {}).get(cls, 0.0)) for cls, limit in limits.items()}
         self._shed = {cls: SHED.labels(service, cls) for cls in limits}
         self._refusal = {cls: json.dumps({"error": {
-            "code": 503, "message": f"{service} is overloaded ({limit} {cls}s in flight): retry after {RETRY_AFTER} s",
-            "overloaded": True}}).encode() for cls, limit in limits.items()}
+            "code": 503, "message": f"{service} is overloaded ({cls}s in flight at their cap): retry after {RETRY_AFTER} s",
+            "overloaded": True}}).encode() for cls in limits}
         self._expired = EXPIRED.labels(service)
         self._wire = {cls: (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                             b"Content-Length: %d\r\nRetry-After: %d\r\n%s: " % (len(body), RETRY_AFTER,
@@ -233,6 +311,7 @@ class Admission:
 
     def _shed_wire(self, cls: str, method: str, headers: dict[bytes, bytes]) -> bytes:
         """The whole 503 of a full class, with the request's id, counted."""
+        self.gates[cls].refused()
         self._shed[cls].inc()
         self.metrics.count(ROUTE, method, 503)
         given = headers.get(_ID_NAME)
@@ -245,9 +324,16 @@ class Admission:
         for cls, gate in self.gates.items():
             gate.share(board, cls, slot)
 
-    def snapshot(self) -> dict[str, dict[str, int]]:
-        """``{class: {"limit", "in_flight"}}``: what the cap applies to (every worker's, if shared)."""
-        return {cls: {"limit": g.limit, "in_flight": g.total()} for cls, g in self.gates.items()}
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """``{class: {"limit", "in_flight"}}``: what the cap applies to (every worker's, if shared);
+        for a cap that follows latency also ``ceiling`` (the configured cap) and ``baseline_ms``."""
+        out: dict[str, dict[str, Any]] = {}
+        for cls, g in self.gates.items():
+            out[cls] = {"limit": g.limit, "in_flight": g.total()}
+            if g.adaptive is not None:
+                base = g.adaptive.baseline
+                out[cls].update(ceiling=g.ceiling, baseline_ms=None if base is None else round(base * 1000, 2))
+        return out
 
     def answers_early(self) -> bool:
         """Whether ``early`` may answer now: a class is at its cap, or the app has a shortcut."""
@@ -290,11 +376,11 @@ class Admission:
             return answer
         if not gate.try_enter():  # filled up since the look above: refused as it would be there
             return self._shed_wire(cls, method, headers)  # type: ignore[arg-type]
-        work, left = answer, threading.Lock()
+        work, left, entered = answer, threading.Lock(), time.monotonic()
 
         def leave() -> None:
             if left.acquire(blocking=False):  # once, whether delivered or cancelled
-                gate.leave()
+                gate.leave(entered)
 
         def start(deliver: Callable[[bytes], None]) -> None:
             def delivered(out: bytes) -> None:
@@ -335,12 +421,13 @@ class Admission:
                                                        ("Retry-After", str(RETRY_AFTER)),
                                                        (REQUEST_ID_HEADER, valid_request_id(environ.get(_ID_ENVIRON)))])
             return [body]
+        entered = time.monotonic()
         try:
             result = self.app(environ, start_response)
         except BaseException:
-            gate.leave()
+            gate.leave(entered)
             raise
-        return ClosingIterator(result, gate.leave)  # released when the server has sent the body
+        return ClosingIterator(result, lambda: gate.leave(entered))  # released when the server has sent the body
 
     def _refuse(self, environ: dict[str, Any], start_response: Callable[..., Any], method: str, status: str,
                 code: int, message: str) -> list[bytes]:

@@ -75,6 +75,10 @@ class ClusterConfig:
     frontend_read_limit: int = 64
     replica_write_limit: int = 64
     replica_read_limit: int = 48
+    #: The frontend's write cap follows latency (``pygmy.kit.admission.LatencyLimit``): cut while its
+    #: buys take more than this many times their latency with the cap not reached, and the cap was
+    #: reached; ``frontend_write_limit`` is its most. 0: a fixed cap.
+    frontend_write_tolerance: float = 2.0
     #: How long the frontend keeps retrying a buy (same idempotency key) across a failover.
     buy_deadline: float = 5.0
     #: Seconds an idempotency key is remembered (buys, and the catalog's decrements and updates):
@@ -109,6 +113,10 @@ class ClusterConfig:
         if tier == "frontend":
             return {"write": self.frontend_write_limit, "read": self.frontend_read_limit}
         return {"write": self.replica_write_limit, "read": self.replica_read_limit}
+
+    def tolerances(self, tier: str) -> dict[str, float]:
+        """The classes of ``tier`` whose cap follows latency, with their tolerance (``LatencyLimit``)."""
+        return {"write": self.frontend_write_tolerance} if tier == "frontend" and self.frontend_write_tolerance else {}
 
     def threads(self, tier: str) -> int:
         """Gunicorn threads per worker: room for both capped classes at once (a frontend's caps are

@@ -290,18 +290,19 @@ class CompactJSON(DefaultJSONProvider):
 
 
 def create_base_app(name: str, extra_metrics: Callable[[], Iterable[Collector]] | None = None,
-                    limits: dict[str, int] | None = None) -> Flask:
+                    limits: dict[str, int] | None = None, tolerances: dict[str, float] | None = None) -> Flask:
     """A Flask app whose every error, including 404/405/413/414/431 and crashes, is a JSON body.
 
     In front of it, admission control (``pygmy/kit/admission.py``): ``limits`` caps the requests in
-    flight per class, and every request's time budget is read from its header. Then the ``Edge``:
+    flight per class (``tolerances``: the classes whose cap follows their latency), and every
+    request's time budget is read from its header. Then the ``Edge``:
     ids, size limits, metrics and the access log of every admitted request.
     """
     app = Flask(name)
     app.json = CompactJSON(app)
     app.request_class = EdgeRequest
     edge = app.extensions["pygmy_edge"] = Edge(app.wsgi_app, name)
-    app.wsgi_app = Admission(edge, name, limits or {}, edge.metrics)  # type: ignore[method-assign]
+    app.wsgi_app = Admission(edge, name, limits or {}, edge.metrics, tolerances)  # type: ignore[method-assign]
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY
     instrument(app, extra_metrics)
 
