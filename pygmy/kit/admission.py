@@ -142,7 +142,11 @@ class LatencyLimit:
     whose median latency is over ``tolerance`` times the ``baseline`` *and* in which the cap was
     reached (so that load the cap did not hold back, such as closed-loop clients, which cannot
     overload anything, is never shed for being slow), and grows by one each window at or under it,
-    up to the configured cap (``ceiling``): it never admits more than the fixed cap would.
+    up to the configured cap (``ceiling``): it never admits more than the fixed cap would. Nor fewer
+    than a quarter of it (``floor``): on a machine that the shed requests' own refusals and their
+    senders keep busy, latency does not fall with the cap, and a cap cut to a handful would leave
+    the write path idle (``python -m pygmy.experiments.overload``: 0.71x the closed-loop capacity at
+    a 3x surge with a floor of 4 and a tolerance of 2).
 
     ``baseline`` is the latency of the service with the cap not reached: it follows the windows in
     which the cap was not reached (falling at once, rising by a twentieth of the difference), and
@@ -152,11 +156,12 @@ class LatencyLimit:
     (``observe``) and says when the cap was reached (``reached``); ``pygmy.kit.admission.Gate``
     does, under its lock, with ``time.monotonic``."""
 
-    def __init__(self, ceiling: int, tolerance: float, *, floor: int = 4, window: float = 0.05,
+    def __init__(self, ceiling: int, tolerance: float, *, floor: int | None = None, window: float = 0.05,
                  min_samples: int = 4, backoff: float = 0.9, follow: float = 0.05) -> None:
         if tolerance <= 1:
             raise ValueError("a latency tolerance must be over 1 (times the baseline latency)")
-        self.ceiling, self.tolerance, self.floor = ceiling, tolerance, min(floor, ceiling)
+        self.ceiling, self.tolerance = ceiling, tolerance
+        self.floor = max(1, ceiling // 4) if floor is None else min(floor, ceiling)
         self.window, self.min_samples, self.backoff, self.follow = window, min_samples, backoff, follow
         self.value = float(ceiling)
         self.baseline: float | None = None
