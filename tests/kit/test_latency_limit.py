@@ -35,13 +35,29 @@ def test_slow_requests_while_the_cap_holds_load_back_cut_it_and_fast_ones_grow_i
     assert limit.limit == 48 and limit.baseline == pytest.approx(0.010)
     now = feed(limit, now, 0.050, 1, reached=True)
     assert limit.limit == 43, "cut by a tenth"
-    now = feed(limit, now, 0.050, 40, reached=True)
-    assert limit.limit == 12, "down to the floor (a quarter), not below"
+    now = feed(limit, now, 0.050, 5, reached=True)
+    assert limit.limit == 25
     assert limit.baseline == pytest.approx(0.010), "a surge does not raise the baseline"
-    now = feed(limit, now, 0.012, 20, reached=True)
-    assert limit.limit == 32, "one more place each window at normal latency"
+    now = feed(limit, now, 0.012, 10, reached=True)
+    assert limit.limit == 35, "one more place each window at normal latency"
     feed(limit, now, 0.012, 40, reached=False)
     assert limit.limit == 48, "back to the configured cap, never over it"
+
+
+def test_requests_still_slow_at_the_floor_put_the_cap_back_and_rebase() -> None:
+    """Slow whatever the cap: the cap is not the cause, and a low one would only cost goodput."""
+    limit = LatencyLimit(48, 2.0)
+    now = feed(limit, 0.0, 0.010, 5, reached=False)
+    now = feed(limit, now, 0.050, 14, reached=True)
+    assert limit.limit == 12, "down to the floor (a quarter), not below"
+    now = feed(limit, now, 0.050, 2, reached=True)
+    assert limit.limit == 12, "it waits for the floor's own windows"
+    now = feed(limit, now, 0.050, 1, reached=True)
+    assert limit.limit == 48 and limit.baseline == pytest.approx(0.050)
+    now = feed(limit, now, 0.060, 50, reached=True)
+    assert limit.limit == 48, "as slow as at the floor: within the tolerance of the new baseline"
+    feed(limit, now, 0.010, 1, reached=False)
+    assert limit.baseline == pytest.approx(0.010), "and a fast window brings it down at once"
 
 
 def test_slow_requests_the_cap_did_not_hold_back_are_not_shed_and_teach_the_baseline() -> None:
