@@ -96,14 +96,28 @@ class Board:
     when the worker has exited (``release``, ``child_exit``), so the places of a killed worker are
     not lost. A worker writes only its own slot, under its own lock; the sum is read without a
     lock, so two workers admitting at the same instant may overshoot a cap by at most one request
-    each, never more."""
+    each, never more.
+
+    A cap that follows latency is kept here too, one per class (``cap``, ``set_cap``; 0 until a
+    worker sets it): every worker judges the count against the same cap and moves it with its own
+    requests' latency. Two workers closing a window at the same instant may lose one step of it."""
 
     def __init__(self, classes: Iterable[str], slots: int) -> None:
         self.classes = list(classes)
         self.slots = slots
-        self._memory = mmap.mmap(-1, 8 * slots * max(1, len(self.classes)))  # MAP_SHARED: kept over fork
-        self._counts = memoryview(self._memory).cast("q")
+        n = max(1, len(self.classes))
+        self._memory = mmap.mmap(-1, 8 * slots * n + 8 * n)  # MAP_SHARED: kept over fork
+        self._counts = memoryview(self._memory)[:8 * slots * n].cast("q")
+        self._caps = memoryview(self._memory)[8 * slots * n:].cast("d")
         self._ranges = {cls: slice(k * slots, (k + 1) * slots) for k, cls in enumerate(self.classes)}
+        self._cap_at = {cls: k for k, cls in enumerate(self.classes)}
+
+    def cap(self, cls: str) -> float:
+        """The shared cap of ``cls`` that follows latency; 0 if no worker has set it yet."""
+        return self._caps[self._cap_at[cls]]
+
+    def set_cap(self, cls: str, value: float) -> None:
+        self._caps[self._cap_at[cls]] = value
 
     def total(self, cls: str) -> int:
         """Requests of ``cls`` in flight in all the service's workers."""
@@ -133,6 +147,11 @@ class Board:
             self.clear(slot)
 
 
+#: The least latency a ``LatencyLimit`` takes a window's median to be (s): a coarse clock's zero
+#: must not make every later window look infinitely slow.
+MIN_LATENCY = 1e-4
+
+
 class LatencyLimit:
     """A cap on requests in flight that follows their measured latency: AIMD, as TCP's window follows loss.
 
@@ -155,23 +174,29 @@ class LatencyLimit:
     faster, 1.37x their p50 before the surge against 1.46x.)
 
     ``baseline`` is the latency of the service with the cap not reached: it follows the windows in
-    which the cap was not reached (falling at once, rising by a twentieth of the difference), and
-    while the cap is reached it only falls, so that a long surge cannot teach it its own latency.
+    which the cap was not reached (falling at once, rising by a twentieth of the difference); while
+    the cap is reached it only falls, so that a long surge cannot teach it its own latency, except
+    when the rule above rebases it. A window left open longer than ``stale`` windows (no requests
+    finished: an idle service) is dropped, so that old samples are not judged with new ones.
 
     Pure: no clock, threads or I/O. The caller gives each finished request's latency and the time
     (``observe``) and says when the cap was reached (``reached``); ``pygmy.kit.admission.Gate``
     does, under its lock, with ``time.monotonic``."""
 
     def __init__(self, ceiling: int, tolerance: float, *, floor: int | None = None, window: float = 0.05,
-                 min_samples: int = 4, backoff: float = 0.9, follow: float = 0.05, settle: int = 3) -> None:
+                 min_samples: int = 4, backoff: float = 0.9, follow: float = 0.05, settle: int = 3,
+                 stale: int = 40) -> None:
         if tolerance <= 1:
             raise ValueError("a latency tolerance must be over 1 (times the baseline latency)")
+        if ceiling < 1:
+            raise ValueError("a cap on requests in flight must be at least 1")
         self.ceiling, self.tolerance = ceiling, tolerance
-        self.floor = max(1, ceiling // 4) if floor is None else min(floor, ceiling)
+        self.floor = max(1, ceiling // 4 if floor is None else min(floor, ceiling))
         self.window, self.min_samples, self.backoff, self.follow = window, min_samples, backoff, follow
-        self.settle = settle
+        self.settle, self.stale = settle, stale
         self.value = float(ceiling)
         self._slow_at_floor = 0  # windows in a row over the tolerance with the cap at its floor
+        self.rebases = 0  # times the rule above put the cap back
         self.baseline: float | None = None
         self._samples: list[float] = []
         self._opened: float | None = None
@@ -187,14 +212,14 @@ class LatencyLimit:
 
     def observe(self, now: float, latency: float) -> None:
         """One request finished at ``now`` after ``latency`` seconds; closes the window when due."""
-        if self._opened is None:
-            self._opened = now
+        if self._opened is None or now - self._opened > self.stale * self.window:
+            self._opened, self._samples = now, []  # a ``reached`` since stays: it is news
         self._samples.append(latency)
         if now - self._opened < self.window or len(self._samples) < self.min_samples:
             return
         samples, reached = sorted(self._samples), self._reached
         self._samples, self._opened, self._reached = [], None, False
-        median = samples[len(samples) // 2]
+        median = max(samples[len(samples) // 2], MIN_LATENCY)
         base = self.baseline
         if base is None or median < base:
             self.baseline = base = median
@@ -203,11 +228,12 @@ class LatencyLimit:
         if median <= self.tolerance * base:
             self._slow_at_floor = 0
             self.value = min(float(self.ceiling), self.value + 1)
-        elif self.value <= self.floor:
+        elif self.limit <= self.floor:
             self._slow_at_floor += 1
             if self._slow_at_floor >= self.settle:  # the cap is not what makes them slow
                 self._slow_at_floor = 0
                 self.baseline, self.value = median, float(self.ceiling)
+                self.rebases += 1
         elif reached:
             self.value = max(float(self.floor), self.value * self.backoff)
 
@@ -216,8 +242,8 @@ class Gate:
     """A cap on requests in flight for one class: non-blocking, so the excess is refused, not queued.
 
     Alone it counts this process's requests; ``share`` makes it count those of every worker on a
-    ``Board``. With a ``LatencyLimit`` the cap follows the latency of this process's requests (each
-    worker judges the shared count against its own: they measure the same service)."""
+    ``Board``. With a ``LatencyLimit`` the cap follows the latency of the requests: of this
+    process's alone, or, shared, one cap on the board that each worker moves with its own."""
 
     def __init__(self, limit: int, tolerance: float = 0.0) -> None:
         if limit < 1:
@@ -232,6 +258,16 @@ class Gate:
         with self._lock:
             self._board = (board, cls, slot)
             board.put(cls, slot, self.in_flight)
+            if self.adaptive is not None:
+                if not board.cap(cls):  # the first worker; a replacement takes the cap as it is
+                    board.set_cap(cls, self.adaptive.value)
+                self.limit = self._shared_limit()
+
+    def _shared_limit(self) -> int:
+        """The board's cap, as ``LatencyLimit.limit`` reads its own (under the lock)."""
+        adaptive, shared = self.adaptive, self._board
+        assert adaptive is not None and shared is not None
+        return max(adaptive.floor, min(adaptive.ceiling, int(shared[0].cap(shared[1]))))
 
     def total(self) -> int:
         """Requests in flight that the limit applies to: this process's, or all its workers'."""
@@ -239,7 +275,7 @@ class Gate:
         return self.in_flight if shared is None else shared[0].total(shared[1])
 
     def full(self) -> bool:
-        return self.total() >= self.limit
+        return self.total() >= self.current()
 
     def _count(self, change: int) -> None:
         self.in_flight += change
@@ -249,12 +285,12 @@ class Gate:
 
     def try_enter(self) -> bool:
         with self._lock:
-            total = self.total()
-            if total >= self.limit:
+            total, limit = self.total(), self._now()
+            if total >= limit:
                 if self.adaptive is not None:
                     self.adaptive.reached()
                 return False
-            if total + 1 >= self.limit and self.adaptive is not None:
+            if total + 1 >= limit and self.adaptive is not None:
                 self.adaptive.reached()
             self._count(1)
             return True
@@ -266,13 +302,31 @@ class Gate:
                 self.adaptive.reached()
 
     def leave(self, entered: float | None = None) -> None:
-        """One request done; ``entered`` (its ``time.monotonic()`` at ``try_enter``) feeds the latency limit."""
+        """One request done; ``entered`` (its ``time.monotonic()`` at ``try_enter``, for a request
+        answered in full; None for one cancelled or failed) feeds the latency limit."""
         with self._lock:
             self._count(-1)
-            if self.adaptive is not None and entered is not None:
-                now = time.monotonic()
-                self.adaptive.observe(now, now - entered)
-                self.limit = self.adaptive.limit
+            adaptive = self.adaptive
+            if adaptive is None or entered is None:
+                return
+            shared = self._board
+            if shared is not None:  # another worker may have moved the cap since
+                adaptive.value = shared[0].cap(shared[1]) or adaptive.value
+            now = time.monotonic()
+            adaptive.observe(now, now - entered)
+            if shared is not None:
+                shared[0].set_cap(shared[1], adaptive.value)
+            self.limit = self._now()
+
+    def _now(self) -> int:
+        return self._shared_limit() if self.adaptive is not None and self._board is not None else (
+            self.adaptive.limit if self.adaptive is not None else self.limit)
+
+    def current(self) -> int:
+        """The cap in force now: a shared one as the board has it, whichever worker moved it last
+        (read without the lock: a hint, as ``total`` is)."""
+        self.limit = self._now()
+        return self.limit
 
 
 class Deferred:
@@ -348,7 +402,7 @@ class Admission:
         for a cap that follows latency also ``ceiling`` (the configured cap) and ``baseline_ms``."""
         out: dict[str, dict[str, Any]] = {}
         for cls, g in self.gates.items():
-            out[cls] = {"limit": g.limit, "in_flight": g.total()}
+            out[cls] = {"limit": g.current(), "in_flight": g.total()}
             if g.adaptive is not None:
                 base = g.adaptive.baseline
                 out[cls].update(ceiling=g.ceiling, baseline_ms=None if base is None else round(base * 1000, 2))
@@ -397,13 +451,13 @@ class Admission:
             return self._shed_wire(cls, method, headers)  # type: ignore[arg-type]
         work, left, entered = answer, threading.Lock(), time.monotonic()
 
-        def leave() -> None:
+        def leave(answered: bool = False) -> None:
             if left.acquire(blocking=False):  # once, whether delivered or cancelled
-                gate.leave(entered)
+                gate.leave(entered if answered else None)  # the latency of successes only
 
         def start(deliver: Callable[[bytes], None]) -> None:
             def delivered(out: bytes) -> None:
-                leave()
+                leave(out.startswith(b"HTTP/1.1 2"))
                 deliver(out)
 
             try:
@@ -440,13 +494,20 @@ class Admission:
                                                        ("Retry-After", str(RETRY_AFTER)),
                                                        (REQUEST_ID_HEADER, valid_request_id(environ.get(_ID_ENVIRON)))])
             return [body]
-        entered = time.monotonic()
+        entered, status = time.monotonic(), [""]
+        if gate.adaptive is not None:  # its latency counts if it succeeded
+            given = start_response
+
+            def start_response(code: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+                status[0] = code
+                return given(code, headers, exc_info) if exc_info is not None else given(code, headers)
         try:
             result = self.app(environ, start_response)
         except BaseException:
-            gate.leave(entered)
+            gate.leave()
             raise
-        return ClosingIterator(result, lambda: gate.leave(entered))  # released when the server has sent the body
+        # Released when the server has sent the body: its latency includes the sending.
+        return ClosingIterator(result, lambda: gate.leave(entered if status[0].startswith("2") else None))
 
     def _refuse(self, environ: dict[str, Any], start_response: Callable[..., Any], method: str, status: str,
                 code: int, message: str) -> list[bytes]:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from pygmy.kit import admission
 from pygmy.kit.admission import (
     DEADLINE_HEADER,
     ENVIRON_KEY,
@@ -256,3 +257,99 @@ def test_the_master_gives_each_worker_a_free_slot_and_frees_a_dead_workers_place
     extra = SimpleNamespace()
     board.assign(server, extra)  # no slot left: the worker caps alone, and no live slot is touched
     assert not hasattr(extra, "pygmy_slot") and board.total("write") == 1
+
+
+class Failing(Inner):
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        start_response("500 INTERNAL SERVER ERROR", [("Content-Type", "application/json")])
+        return [b"{}"]
+
+
+def test_a_following_cap_is_fed_the_latency_of_each_success_once_on_either_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The event loop's deferred buys and the routes' requests feed ``LatencyLimit`` one sample each
+    when answered with success; a cancelled, failed or crashed one feeds none (a fast failure must
+    not teach the cap that buys are fast)."""
+    clock = [100.0]
+    monkeypatch.setattr(admission.time, "monotonic", lambda: clock[0])
+    inner = EarlyInner()
+    app = Admission(inner, "svc-m", {"write": 8}, tolerances={"write": 2.0})
+    gate = app.gates["write"]
+    assert gate.adaptive is not None
+    seen: list[float] = []
+    monkeypatch.setattr(gate.adaptive, "observe", lambda now, latency: seen.append(latency))
+
+    def deferred(answer: bytes) -> None:
+        work = app.early("POST", "/buy/1", {}, b"later")
+        assert isinstance(work, Deferred)
+        work.start(lambda out: None)
+        clock[0] += 0.25
+        inner.started[-1](answer)
+        inner.started[-1](answer)  # a second delivery is a bug, and must not count twice
+
+    deferred(b"HTTP/1.1 200 OK\r\n\r\n{}")
+    deferred(b"HTTP/1.1 503 Service Unavailable\r\n\r\n{}")
+    cancelled = app.early("POST", "/buy/2", {}, b"later")
+    assert isinstance(cancelled, Deferred)
+    cancelled.cancel()
+    assert seen == [0.25] and gate.in_flight == 0
+
+    body = call(app, "POST", "/buy/3")[2]
+    clock[0] += 0.5
+    body.close()
+    assert seen == [0.25, 0.5]
+    failing = Admission(Failing(), "svc-m2", {"write": 8}, tolerances={"write": 2.0})
+    monkeypatch.setattr(failing.gates["write"].adaptive, "observe", lambda now, latency: seen.append(latency))
+    call(failing, "POST", "/buy/4")[2].close()
+    assert seen == [0.25, 0.5] and failing.gates["write"].in_flight == 0
+
+
+def test_taking_the_last_place_or_being_refused_marks_the_cap_reached() -> None:
+    app = Admission(EarlyInner(), "svc-n", {"write": 2}, tolerances={"write": 2.0})
+    adaptive = app.gates["write"].adaptive
+    assert adaptive is not None
+    first = call(app, "POST", "/buy/1")[2]
+    assert not adaptive._reached
+    second = call(app, "POST", "/buy/2")[2]
+    assert adaptive._reached, "the last place taken"
+    adaptive._reached = False
+    assert isinstance(app.early("POST", "/buy/3", {}), bytes)
+    assert adaptive._reached, "refused by the event loop's look"
+    adaptive._reached = False
+    assert call(app, "POST", "/buy/4")[0].startswith("503") and adaptive._reached, "refused by the middleware"
+    first.close()
+    second.close()
+
+
+def test_workers_on_one_board_share_one_following_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cap one worker's slow buys cut is the other's too, and the other's fast buys grow it back:
+    no worker keeps refusing on a cap of its own that nothing of its own moves."""
+    clock = [100.0]
+    monkeypatch.setattr(admission.time, "monotonic", lambda: clock[0])
+    board = Board(["write"], slots=2)
+    a, b = (Admission(Inner(), "svc-o", {"write": 40}, tolerances={"write": 2.0}) for _ in range(2))
+    a.share(board, 0)
+    b.share(board, 1)
+    assert board.cap("write") == 40
+
+    def rounds(app: Admission, latency: float, windows: int, at_cap: bool) -> None:
+        for _ in range(windows):
+            gate = app.gates["write"]
+            if at_cap:
+                gate.adaptive._reached = True  # type: ignore[union-attr]
+            for _ in range(4):
+                body = call(app, "POST", "/buy/1")[2]
+                clock[0] += latency
+                body.close()
+            clock[0] += 0.05
+
+    rounds(a, 0.01, 2, False)
+    rounds(b, 0.01, 2, False)
+    rounds(a, 0.2, 5, True)
+    cut = a.snapshot()["write"]["limit"]
+    assert 10 <= cut <= 30 and b.snapshot()["write"]["limit"] == cut, "one cap, cut by the first worker's buys"
+    held = [call(b, "POST", "/buy/2")[2] for _ in range(cut)]
+    assert b.gates["write"].full() and call(b, "POST", "/buy/2")[0].startswith("503"), "the other worker admits by it"
+    for body in held:
+        body.close()
+    rounds(b, 0.01, 60, False)
+    assert a.snapshot()["write"]["limit"] == 40, "the other worker's fast buys grew the shared cap back"

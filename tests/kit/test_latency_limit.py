@@ -9,7 +9,7 @@ whatever it is fed."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pygmy.kit import admission
@@ -48,12 +48,12 @@ def test_requests_still_slow_at_the_floor_put_the_cap_back_and_rebase() -> None:
     """Slow whatever the cap: the cap is not the cause, and a low one would only cost goodput."""
     limit = LatencyLimit(48, 2.0)
     now = feed(limit, 0.0, 0.010, 5, reached=False)
-    now = feed(limit, now, 0.050, 14, reached=True)
+    now = feed(limit, now, 0.050, 13, reached=True)
     assert limit.limit == 12, "down to the floor (a quarter), not below"
     now = feed(limit, now, 0.050, 2, reached=True)
     assert limit.limit == 12, "it waits for the floor's own windows"
     now = feed(limit, now, 0.050, 1, reached=True)
-    assert limit.limit == 48 and limit.baseline == pytest.approx(0.050)
+    assert limit.limit == 48 and limit.baseline == pytest.approx(0.050) and limit.rebases == 1
     now = feed(limit, now, 0.060, 50, reached=True)
     assert limit.limit == 48, "as slow as at the floor: within the tolerance of the new baseline"
     feed(limit, now, 0.010, 1, reached=False)
@@ -107,6 +107,7 @@ def test_a_simulated_open_loop_surge_settles_where_latency_meets_the_tolerance()
 
 
 @settings(max_examples=200, deadline=None)
+@example(ceiling=1, tolerance=2.0, steps=[(0.06, 0.01, False)] * 4 + [(0.06, 0.05, True)] * 16)
 @given(ceiling=st.integers(1, 200), tolerance=st.floats(1.01, 10),
        steps=st.lists(st.tuples(st.floats(0, 0.2), st.floats(0, 10), st.booleans()), max_size=300))
 def test_whatever_it_is_fed_the_cap_stays_within_its_bounds(ceiling: int, tolerance: float,
@@ -115,7 +116,7 @@ def test_whatever_it_is_fed_the_cap_stays_within_its_bounds(ceiling: int, tolera
     now, lowest = 0.0, None
     for dt, latency, reached in steps:
         now += dt
-        before = limit.baseline
+        before, rebases = limit.baseline, limit.rebases
         if reached:
             limit.reached()
         limit.observe(now, latency)
@@ -123,8 +124,8 @@ def test_whatever_it_is_fed_the_cap_stays_within_its_bounds(ceiling: int, tolera
         assert max(1, ceiling // 4) <= limit.limit <= ceiling
         if limit.baseline is not None:
             assert limit.baseline >= lowest, "the baseline is a latency that was seen, or above one"
-            if reached and before is not None:
-                assert limit.baseline <= before, "while the cap is reached the baseline only falls"
+            if reached and before is not None and limit.rebases == rebases:
+                assert limit.baseline <= before, "while the cap is reached the baseline only falls, but for a rebase"
 
 
 def test_a_tolerance_must_be_over_one() -> None:
@@ -165,3 +166,37 @@ def test_admission_reports_a_following_cap_and_its_baseline() -> None:
     assert snap["write"] == {"limit": 6, "in_flight": 0, "ceiling": 6, "baseline_ms": None}
     assert snap["read"] == {"limit": 3, "in_flight": 0}
     assert app.gates["read"].adaptive is None
+
+
+def test_a_small_cap_reaches_its_floor_and_rebases_like_a_large_one() -> None:
+    limit = LatencyLimit(3, 2.0)
+    assert limit.floor == 1
+    now = feed(limit, 0.0, 0.010, 3, reached=False)
+    now = feed(limit, now, 0.050, 4, reached=True)
+    assert limit.limit == 1 and limit.value > 1
+    now = feed(limit, now, 0.050, 2, reached=True)
+    assert limit.limit == 1
+    feed(limit, now, 0.050, 1, reached=True)
+    assert limit.limit == 3 and limit.rebases == 1, "three windows at the floor, counted by the cap in force"
+    assert LatencyLimit(10, 2.0, floor=0).floor == 1 and LatencyLimit(10, 2.0, floor=20).floor == 10
+    with pytest.raises(ValueError):
+        LatencyLimit(0, 2.0)
+
+
+def test_a_window_left_open_by_an_idle_service_is_dropped_not_judged_with_new_samples() -> None:
+    limit = LatencyLimit(12, 2.0)
+    now = feed(limit, 0.0, 0.010, 3, reached=False)
+    for k in range(3):  # an idle service: three fast buys, then nothing for seconds
+        limit.observe(now + k * 0.001, 0.010)
+    now += 5.0
+    limit.reached()
+    for k in range(4):  # slow ones at the cap: their window alone is judged, and cut
+        limit.observe(now + k * 0.02, 1.0)
+    assert limit.limit == 10
+
+
+def test_a_zero_latency_does_not_make_every_later_window_slow() -> None:
+    limit = LatencyLimit(48, 2.0)
+    now = feed(limit, 0.0, 0.0, 2, reached=False)
+    feed(limit, now, 0.0001, 5, reached=True)
+    assert limit.limit == 48

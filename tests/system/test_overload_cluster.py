@@ -35,7 +35,8 @@ LIMIT = 2
 def held(tmp_path_factory: pytest.TempPathFactory) -> Any:
     tmp = tmp_path_factory.mktemp("overload")
     flag = tmp / "hold-decrements"
-    c = start_cluster(tmp, "--frontend-workers", "2", "--frontend-write-limit", str(LIMIT),
+    # A fixed cap: these tests hold buys at it (tests/system/test_admission_latency.py: one that follows latency).
+    c = start_cluster(tmp, "--frontend-workers", "2", "--frontend-write-limit", str(LIMIT), "--frontend-write-tolerance", "0",
                       env=cluster_env(PYGMY_TEST_HOLD_DECREMENTS=str(flag)))
     try:
         yield c, flag
