@@ -75,10 +75,12 @@ class ClusterConfig:
     frontend_read_limit: int = 64
     replica_write_limit: int = 64
     replica_read_limit: int = 48
-    #: The frontend's write cap follows latency (``pygmy.kit.admission.LatencyLimit``): cut while its
-    #: buys take more than this many times their latency with the cap not reached, and the cap was
-    #: reached; ``frontend_write_limit`` is its most, a quarter of it its least. 0: a fixed cap.
-    frontend_write_tolerance: float = 3.0
+    #: Over 1: the frontend's write cap follows latency (``pygmy.kit.admission.LatencyLimit``), cut
+    #: while its buys take more than this many times their latency with the cap not reached, and the
+    #: cap was reached; ``frontend_write_limit`` is its most, a quarter of it its least. 0 (the
+    #: default): a fixed cap, which served more buys at a surge here with reads as fast
+    #: (docs/performance.md, "Overload").
+    frontend_write_tolerance: float = 0.0
     #: How long the frontend keeps retrying a buy (same idempotency key) across a failover.
     buy_deadline: float = 5.0
     #: Seconds an idempotency key is remembered (buys, and the catalog's decrements and updates):

@@ -35,7 +35,7 @@ LIMIT = 2
 def held(tmp_path_factory: pytest.TempPathFactory) -> Any:
     tmp = tmp_path_factory.mktemp("overload")
     flag = tmp / "hold-decrements"
-    # A fixed cap: these tests hold buys at it (tests/system/test_admission_latency.py: one that follows latency).
+    # A fixed cap (the default, named): these tests hold buys at it (test_admission_latency.py: one that follows latency).
     c = start_cluster(tmp, "--frontend-workers", "2", "--frontend-write-limit", str(LIMIT), "--frontend-write-tolerance", "0",
                       env=cluster_env(PYGMY_TEST_HOLD_DECREMENTS=str(flag)))
     try:
