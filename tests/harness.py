@@ -1,11 +1,12 @@
 """Test-side names for the local cluster driver (``pygmy.cluster.local``), and the test-only hooks."""
 
+import contextlib
 import os
 import re
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,20 @@ class FakeLeadership:
 
     def vote_quiet_s(self) -> float:
         return self.vote_quiet
+
+
+@contextlib.contextmanager
+def held_decrements_cluster(tmp: Path, *args: str) -> Iterator[tuple[Cluster, Path]]:
+    """A cluster (``args`` as ``pygmy up``'s) whose order leader holds every batch of decrements
+    while the file it yields beside it exists (``PYGMY_TEST_HOLD_DECREMENTS``): buys stay in flight
+    for as long as a test wants. Stopped, and the file removed, on exit."""
+    flag = tmp / "hold-decrements"
+    c = start_cluster(tmp, *args, env=cluster_env(PYGMY_TEST_HOLD_DECREMENTS=str(flag)))
+    try:
+        yield c, flag
+    finally:
+        flag.unlink(missing_ok=True)
+        c.stop()
 
 
 def read_answer(sock: socket.socket) -> bytes:

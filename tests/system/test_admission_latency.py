@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import requests
-from harness import cluster_env, start_cluster
+from harness import held_decrements_cluster
 
 from pygmy.client.api import PygmyClient, PygmyError
 from pygmy.cluster.local import LocalCluster
@@ -26,15 +26,9 @@ BOOK = 3
 
 @pytest.fixture(scope="module")
 def held(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    tmp = tmp_path_factory.mktemp("latency-cap")
-    flag = tmp / "hold-decrements"
-    c = start_cluster(tmp, "--frontend-workers", "1", "--frontend-write-limit", str(CEILING), "--frontend-write-tolerance", "3",
-                      env=cluster_env(PYGMY_TEST_HOLD_DECREMENTS=str(flag)))
-    try:
-        yield c, flag
-    finally:
-        flag.unlink(missing_ok=True)
-        c.stop()
+    with held_decrements_cluster(tmp_path_factory.mktemp("latency-cap"), "--frontend-workers", "1",
+                                 "--frontend-write-limit", str(CEILING), "--frontend-write-tolerance", "3") as held:
+        yield held
 
 
 def write_cap(c: LocalCluster) -> dict[str, Any]:

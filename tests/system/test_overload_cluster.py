@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import requests
-from harness import cluster_env, pygmy, read_answer, send_whole_buys, start_cluster
+from harness import held_decrements_cluster, pygmy, read_answer, send_whole_buys
 
 from pygmy.client.api import PygmyClient, PygmyError
 from pygmy.cluster.local import LocalCluster
@@ -33,16 +33,10 @@ LIMIT = 2
 
 @pytest.fixture(scope="module")
 def held(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    tmp = tmp_path_factory.mktemp("overload")
-    flag = tmp / "hold-decrements"
     # A fixed cap (the default, named): these tests hold buys at it (test_admission_latency.py: one that follows latency).
-    c = start_cluster(tmp, "--frontend-workers", "2", "--frontend-write-limit", str(LIMIT), "--frontend-write-tolerance", "0",
-                      env=cluster_env(PYGMY_TEST_HOLD_DECREMENTS=str(flag)))
-    try:
-        yield c, flag
-    finally:
-        flag.unlink(missing_ok=True)
-        c.stop()
+    with held_decrements_cluster(tmp_path_factory.mktemp("overload"), "--frontend-workers", "2", "--frontend-write-limit",
+                                 str(LIMIT), "--frontend-write-tolerance", "0") as held:
+        yield held
 
 
 def in_flight_writes(c: LocalCluster) -> int:
