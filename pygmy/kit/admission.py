@@ -162,7 +162,9 @@ class LatencyLimit:
     reached (so that load the cap did not hold back, such as closed-loop clients, which cannot
     overload anything, is never shed for being slow), and grows by one each window at or under it,
     up to the configured cap (``ceiling``): it never admits more than the fixed cap would, nor
-    fewer than a quarter of it (``floor``).
+    fewer than a quarter of it (``floor``). A frontend uses one only if asked
+    (``--frontend-write-tolerance``): on this project's machine it served fewer buys at a surge than
+    the fixed cap, with reads no faster (docs/performance.md, "Overload").
 
     A cap only helps when the requests it admits are what makes them slow. When requests are still
     too slow after ``settle`` windows at the floor, something else is (on one machine: the refusals
