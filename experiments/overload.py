@@ -20,6 +20,7 @@ On a cluster of 3+3 replicas with a 1,000-book catalogue and a stock nothing can
    of 5) are back within 1.5x of normal and lookups answer under 0.5 s (``--quick``: a 20 s surge
    and 10 s after it). ``--kill-follower`` SIGKILLs an order
    (or catalog) follower half-way through the surge; ``--frontends 2`` spreads the load over two;
+   ``--write-tolerance 3`` makes the frontends' write cap follow latency (``--frontend-write-tolerance``);
 5. checks from outside, after the cluster settled: every buy without a definite answer (none, 429,
    5xx) is re-sent once with its key; then every acknowledged order must be found by
    ``GET /orders/N`` with its item and quantity, no key may give two orders nor two keys one order,
@@ -835,13 +836,18 @@ SWEEP_COLUMNS = ["x C", "offered/s", "goodput/s", "goodput/C", "shed/s", "errors
                  "accepted p99 ms", "shed p99 ms", "max answered ms", "gen lag p99 ms", "fast again s"]
 
 
-def run(settings: h.Settings, frontends: int = 1, kill: str | None = None) -> dict[str, Any]:
-    """``kill``: None, "order", "catalog" or "both" (a follower of that tier, half-way through the surge)."""
+def run(settings: h.Settings, frontends: int = 1, kill: str | None = None,
+        write_tolerance: float | None = None) -> dict[str, Any]:
+    """``kill``: None, "order", "catalog" or "both" (a follower of that tier, half-way through the surge).
+    ``write_tolerance``: the frontends' write cap follows latency (``--frontend-write-tolerance``)."""
     started = time.monotonic()
     z = Sizes.of(settings)
-    suffix = (f"_{frontends}frontends" if frontends > 1 else "") + (f"_kill_{kill}" if kill else "")
+    suffix = ((f"_{frontends}frontends" if frontends > 1 else "") + (f"_kill_{kill}" if kill else "")
+              + (f"_tolerance{write_tolerance:g}" if write_tolerance else ""))
     name = "overload" + suffix
     args = ["--frontends", str(frontends)] if frontends > 1 else []
+    if write_tolerance:
+        args += ["--frontend-write-tolerance", f"{write_tolerance:g}"]
     out: dict[str, Any] = {"sizes": asdict(z), "frontends": frontends, "kill_follower": kill, "timeout_s": TIMEOUT,
                            "point_s": z.point_s, "load_1min_before": h.machine()["load_1min"],
                            "generator": f"{BULK_PROCS} bulk processes + 1 probe process, each asyncio + aiohttp"}
@@ -900,7 +906,8 @@ def run(settings: h.Settings, frontends: int = 1, kill: str | None = None) -> di
                    p["errors_per_s"], p["noanswer"], p["accepted_p50_ms"], p["accepted_p99_ms"], p["shed_p99_ms"],
                    p["max_answered_ms"], p["lag_p99_ms"], p["fast_again_s"]] for p in out["sweep"]]
     what = (f"{frontends} frontends" if frontends > 1 else "1 frontend") + (
-        f", {' and '.join(k['victim'] for k in kills)} killed mid-surge" if kills else "")
+        f", {' and '.join(k['victim'] for k in kills)} killed mid-surge" if kills else "") + (
+        f", write cap following latency (tolerance {write_tolerance:g})" if write_tolerance else "")
     print(f"\nsweep (open loop, {z.point_s:g} s per point, capacity C = {cap:.0f} buys/s):")
     print(_text_table(SWEEP_COLUMNS, sweep_rows))
     print(f"\nsurge ({what}):")
@@ -957,12 +964,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--frontends", type=int, default=1, help="frontends to spread the load over (default 1)")
     p.add_argument("--kill-follower", nargs="?", const="order", choices=("order", "catalog", "both"),
                    help="SIGKILL a follower of this tier (default order) half-way through the surge")
+    p.add_argument("--write-tolerance", type=float, metavar="X",
+                   help="the frontends' write cap follows latency, X times its baseline (default: a fixed cap)")
     p.add_argument("--results-dir", type=Path, default=h.RESULTS)
     p.add_argument("--plots-dir", type=Path, default=h.PLOTS)
     a = p.parse_args(argv)
+    if a.write_tolerance is not None and not (a.write_tolerance == 0 or a.write_tolerance > 1):
+        p.error("--write-tolerance must be 0 or over 1")
     with contextlib.suppress(KeyboardInterrupt):
         run(h.Settings(quick=a.quick, results_dir=a.results_dir, plots_dir=a.plots_dir, progress=False),
-            frontends=a.frontends, kill=a.kill_follower)
+            frontends=a.frontends, kill=a.kill_follower, write_tolerance=a.write_tolerance)
 
 
 if __name__ == "__main__":
