@@ -10,7 +10,6 @@ paused for 2 s (no gap between successful buys over 1 s). Results also go to ``r
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 from typing import Any
 
@@ -65,12 +64,8 @@ def _surge(settings: h.Settings) -> dict[str, Any]:
     cached), from before the surge until after it. Its outside checks are the experiment's, not here."""
     z = overload.Sizes.of(settings)
     with h.cluster(settings, books=synthetic(z.books, topics=overload.TOPICS, stock=overload.STOCK)) as c:
-        time.sleep(2 * z.settle_s)
-        overload.seq_buys(c.url, 10, z.books, phase="warm")
-        normal = overload.measure_normal([c.url], z)
-        capacity = overload.measure_capacity(c, [c.url], z)
+        normal, capacity = overload.normal_and_capacity(c, [c.url], z)
         cap = capacity["per_s"]
-        overload.seq_buys(c.url, None, z.books, until_fast_ms=3 * normal["buy"]["p50"], phase="warm")
         fired, _, cpu = overload.surge(c, [c.url], z, cap, None)
     figures = overload.surge_figures(fired, z, cap, normal["buy"]["p50"])
     keep = ("seconds", "multiple", "offered_per_s", "goodput_per_s", "goodput_over_capacity", "shed_per_s", "errors",

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import sqlite3
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from typing import Any
 
 from pygmy.catalog.books import synthetic
 from pygmy.cluster.local import ROOT
+from pygmy.experiments import baseline
 from pygmy.experiments import harness as h
 from pygmy.experiments.writepath import BOOKS, STOCK, TOPICS
 from pygmy.replication.transport import FrameClient
@@ -161,8 +161,8 @@ time.sleep(3600)
 def floor_parts(n: int = 300) -> dict[str, float]:
     """Medians (ms) of what the floor is made of, on this machine now: a frame's round trip between
     two sleeping processes (``FrameClient.call`` to an echoing ``FrameServer`` in another process,
-    with a pause between calls as between buys), and one synced SQLite commit of a small row (WAL,
-    ``synchronous=FULL``, as the log store's) in a temporary folder, where the cluster's data lives."""
+    with a pause between calls as between buys), and one synced SQLite commit of a small row
+    (``baseline.sqlite_commits``: WAL, ``synchronous=FULL``, as the log store's)."""
     port = h.free_port_base()
     server = subprocess.Popen([sys.executable, "-c", _ECHO, str(port)], cwd=ROOT)
     try:
@@ -186,19 +186,7 @@ def floor_parts(n: int = 300) -> dict[str, float]:
     finally:
         server.kill()
         server.wait()
-    with tempfile.TemporaryDirectory(prefix="pygmy-fsync-") as tmp:
-        conn = sqlite3.connect(Path(tmp) / "t.db", isolation_level=None)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=FULL")
-        conn.execute("CREATE TABLE t(i INTEGER PRIMARY KEY, v TEXT)")
-        commits = []
-        for i in range(n):
-            t0 = time.perf_counter()
-            conn.execute("BEGIN")
-            conn.execute("INSERT INTO t VALUES (?, ?)", (i, "x" * 200))
-            conn.execute("COMMIT")
-            commits.append(time.perf_counter() - t0)
-        conn.close()
+    commits = baseline.sqlite_commits(n)
     return {"frame_rtt_ms": statistics.median(rtts) * 1000, "synced_commit_ms": statistics.median(commits) * 1000}
 
 

@@ -660,6 +660,18 @@ def measure_capacity(c: LocalCluster, urls: Sequence[str], z: Sizes, procs: int 
             "cluster_cpu_cores": (cluster_cpu_s(c) - cpu0) / max(rec.wall, 1e-9)}
 
 
+def normal_and_capacity(c: LocalCluster, urls: Sequence[str], z: Sizes) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What a surge is measured against, on a cluster just started: the settled machine's normal
+    figures (``measure_normal``) and the closed-loop capacity (``measure_capacity``); then buys until
+    they are fast again (3x the normal p50), so that what comes next starts from a drained cluster."""
+    time.sleep(2 * z.settle_s)
+    seq_buys(c.url, 10, z.books, phase="warm")
+    normal = measure_normal(urls, z)
+    capacity = measure_capacity(c, urls, z)
+    seq_buys(c.url, None, z.books, until_fast_ms=3 * normal["buy"]["p50"], phase="warm")
+    return normal, capacity
+
+
 def sweep(c: LocalCluster, urls: Sequence[str], z: Sizes, cap: float, drain_ms: float,
           phases: list[Shots]) -> list[dict[str, Any]]:
     """Buys open-loop at each multiple of ``cap``; after each point, sequential buys until the
@@ -861,17 +873,13 @@ def run(settings: h.Settings, frontends: int = 1, kill: str | None = None,
     with h.cluster(settings, *args, books=synthetic(z.books, topics=TOPICS, stock=STOCK)) as c:
         urls = [c.cluster_config().frontend_url(k) for k in range(1, frontends + 1)]
         t = time.monotonic()
-        time.sleep(2 * z.settle_s)
-        seq_buys(c.url, 10, z.books, phase="warm")
-        out["normal"] = measure_normal(urls, z)
+        out["normal"], out["capacity"] = normal_and_capacity(c, urls, z)
         normal_buy = out["normal"]["buy"]["p50"]
         drain_ms = 3 * normal_buy
-        print(f"normal: buy p50 {normal_buy:.1f} ms, lookup p50 {out['normal']['lookup']['p50']:.1f} ms", flush=True)
-        out["capacity"] = measure_capacity(c, urls, z)
         cap = out["capacity_per_s"] = out["capacity"]["per_s"]
+        print(f"normal: buy p50 {normal_buy:.1f} ms, lookup p50 {out['normal']['lookup']['p50']:.1f} ms", flush=True)
         print(f"capacity C: {cap:.0f} buys/s (32 closed-loop buyers; p50 {out['capacity']['buy']['p50']:.0f} ms, "
               f"{out['capacity']['errors']} errors)", flush=True)
-        seq_buys(c.url, None, z.books, until_fast_ms=drain_ms, phase="warm")
         lap("normal and capacity", t)
 
         t = time.monotonic()

@@ -192,7 +192,10 @@ def pipelined(paths: list[str]) -> list[tuple[int, str, dict[str, Any]]]:
             headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
             length = int(headers.get("content-length", "0"))
             while len(data) < length:
-                data += sock.recv(65536)
+                chunk = sock.recv(65536)
+                if not chunk:  # closed mid-body: the answers read so far
+                    return out
+                data += chunk
             out.append((int(lines[0].split()[1]), headers.get("x-request-id", ""), json.loads(data[:length] or b"{}")))
             data = data[length:]
     return out
