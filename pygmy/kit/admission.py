@@ -250,7 +250,7 @@ class Gate:
     def __init__(self, limit: int, tolerance: float = 0.0) -> None:
         if limit < 1:
             raise ValueError("a limit on requests in flight must be at least 1")
-        self.ceiling = self.limit = limit
+        self.ceiling = limit
         self.adaptive = LatencyLimit(limit, tolerance) if tolerance else None
         self.in_flight = 0  # this process's
         self._lock = threading.Lock()
@@ -260,15 +260,18 @@ class Gate:
         with self._lock:
             self._board = (board, cls, slot)
             board.put(cls, slot, self.in_flight)
-            if self.adaptive is not None:
-                if not board.cap(cls):  # the first worker; a replacement takes the cap as it is
-                    board.set_cap(cls, self.adaptive.value)
-                self.limit = self._shared_limit()
+            if self.adaptive is not None and not board.cap(cls):  # the first worker; a replacement
+                board.set_cap(cls, self.adaptive.value)                # takes the cap as it is
 
-    def _shared_limit(self) -> int:
-        """The board's cap, as ``LatencyLimit.limit`` reads its own (under the lock)."""
+    @property
+    def limit(self) -> int:
+        """The cap in force: the configured one; or the one following latency, this process's or the
+        board's (whichever worker moved it last; read without the lock: a hint, as ``total`` is)."""
         adaptive, shared = self.adaptive, self._board
-        assert adaptive is not None and shared is not None
+        if adaptive is None:
+            return self.ceiling
+        if shared is None:
+            return adaptive.limit
         return max(adaptive.floor, min(adaptive.ceiling, int(shared[0].cap(shared[1]))))
 
     def total(self) -> int:
@@ -277,7 +280,7 @@ class Gate:
         return self.in_flight if shared is None else shared[0].total(shared[1])
 
     def full(self) -> bool:
-        return self.total() >= self.current()
+        return self.total() >= self.limit
 
     def _count(self, change: int) -> None:
         self.in_flight += change
@@ -287,7 +290,7 @@ class Gate:
 
     def try_enter(self) -> bool:
         with self._lock:
-            total, limit = self.total(), self._now()
+            total, limit = self.total(), self.limit
             if total >= limit:
                 if self.adaptive is not None:
                     self.adaptive.reached()
@@ -318,17 +321,6 @@ class Gate:
             adaptive.observe(now, now - entered)
             if shared is not None:
                 shared[0].set_cap(shared[1], adaptive.value)
-            self.limit = self._now()
-
-    def _now(self) -> int:
-        return self._shared_limit() if self.adaptive is not None and self._board is not None else (
-            self.adaptive.limit if self.adaptive is not None else self.limit)
-
-    def current(self) -> int:
-        """The cap in force now: a shared one as the board has it, whichever worker moved it last
-        (read without the lock: a hint, as ``total`` is)."""
-        self.limit = self._now()
-        return self.limit
 
 
 class Deferred:
@@ -404,7 +396,7 @@ class Admission:
         for a cap that follows latency also ``ceiling`` (the configured cap) and ``baseline_ms``."""
         out: dict[str, dict[str, Any]] = {}
         for cls, g in self.gates.items():
-            out[cls] = {"limit": g.current(), "in_flight": g.total()}
+            out[cls] = {"limit": g.limit, "in_flight": g.total()}
             if g.adaptive is not None:
                 base = g.adaptive.baseline
                 out[cls].update(ceiling=g.ceiling, baseline_ms=None if base is None else round(base * 1000, 2))
