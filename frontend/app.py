@@ -10,6 +10,7 @@ import base64
 import os
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import parse_qsl
@@ -390,14 +391,21 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
         reply = call(catalog.write, f"/books/{number}/update", command, request_deadline(UPDATE_DEADLINE))
         return passthrough(reply, BOOK_FIELDS)
 
-    def tier_alive(router: TierRouter) -> bool:
-        for replica in router.names:
+    def first_replica(router: TierRouter, path: str, good: Callable[[Reply], bool]) -> str | None:
+        """The first replica whose answer to ``GET path`` is ``good``, asking the last known leader
+        first (one round trip when it still leads), within 0.5 s each; None if none is."""
+        router.follow_members()
+        for replica in router.leader_first():
             try:
-                if router.get(replica, "/health", 0.5).status == 200:
-                    return True
+                reply = router.get(replica, path, 0.5)
             except HopError:
                 continue
-        return False
+            if good(reply):
+                return replica
+        return None
+
+    def tier_alive(router: TierRouter) -> bool:
+        return first_replica(router, "/health", lambda reply: reply.status == 200) is not None
 
     @app.get("/health")
     def health() -> Response:
@@ -415,14 +423,7 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
 
     def tier_leader(router: TierRouter) -> str | None:
         """The tier's leader, ready (holding its lease) and reachable from here, else None."""
-        for replica in router.names:
-            try:
-                reply = router.get(replica, "/readyz", 0.5)
-            except HopError:
-                continue
-            if reply.status == 200 and reply.body.get("role") == "leader":
-                return replica
-        return None
+        return first_replica(router, "/readyz", lambda reply: reply.status == 200 and reply.body.get("role") == "leader")
 
     @app.get("/readyz")
     def readyz() -> Response:

@@ -8,7 +8,9 @@ that ``pygmy up``, compose and Swarm secrets can hand a service just its own:
 * ``<name>.pem`` and ``<name>-key.pem`` for each service (``catalog-1``, ``order-2``,
   ``frontend-1``): role = its tier, names = its name, ``localhost``, its host and ``--host``s;
 * ``client.pem`` / ``admin.pem`` (and keys): role ``client`` (any outside caller of the frontend,
-  optional there) and ``admin`` (the operator's tools that speak to replicas).
+  optional there) and ``admin`` (the operator's tools that speak to replicas);
+* ``proxy.pem`` (and key): role ``proxy``, what the nginx in front of the frontends serves HTTPS with
+  (``deploy/proxy/``).
 
 The role is a URI subject alternative name ``pygmy://role/<role>`` (and the subject's OU), read by
 ``pygmy/kit/tls.py``. Keys are EC P-256 (fast handshakes), written 0600. Existing files are kept

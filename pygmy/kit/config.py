@@ -179,8 +179,7 @@ class ClusterConfig:
     def _schemed(self, url: str) -> str:
         """``url`` with this run's scheme: members recorded before ``--tls`` was turned on (or off)
         keep their host and port."""
-        scheme, sep, rest = url.partition("://")
-        return f"{self.scheme}://{rest}" if sep and scheme in ("http", "https") else url
+        return tls.with_scheme(url, self.tls)
 
     def urls(self, tier: str) -> list[str]:
         if tier in self.members:

@@ -67,14 +67,10 @@ class RequestMetrics:
         self._times: dict[str, Any] = {}
 
     def observe(self, route: str, method: str, status: int, seconds: float) -> None:
-        count = self._counts.get((route, method, status))
-        if count is None:
-            count = self._counts.setdefault((route, method, status),
-                                            REQUESTS.labels(self.service, route, method, str(status)))
+        self.count(route, method, status)
         timing = self._times.get(route)
         if timing is None:
             timing = self._times.setdefault(route, LATENCY.labels(self.service, route))
-        count.inc()
         timing.observe(seconds)
 
     def count(self, route: str, method: str, status: int) -> None:

@@ -223,14 +223,19 @@ def active() -> Identity | None:
     return _active
 
 
-def fit(url: str) -> str:
-    """``url`` with the scheme this process speaks: ``https`` with an identity, else ``http``. A
-    tier's log keeps its members' URLs as they were when recorded, and a cluster may be restarted
-    with or without ``--tls`` since: the host and port stay the truth, the scheme is this run's."""
+def with_scheme(url: str, https: bool) -> str:
+    """``url`` (``http`` or ``https``) with the scheme given; any other text unchanged. A tier's log
+    keeps its members' URLs as they were when recorded, and a cluster may be restarted with or
+    without ``--tls`` since: the host and port stay the truth, the scheme is this run's."""
     scheme, sep, rest = url.partition("://")
     if not sep or scheme not in ("http", "https"):
         return url
-    return ("https://" if _active is not None else "http://") + rest
+    return ("https://" if https else "http://") + rest
+
+
+def fit(url: str) -> str:
+    """``url`` with the scheme this process speaks: ``https`` with an identity, else ``http``."""
+    return with_scheme(url, _active is not None)
 
 
 def pool_options(identity: Identity | None = None) -> dict[str, Any]:

@@ -338,7 +338,8 @@ class _LeaderSeeker:
                 self.sightings.look_soon()  # a leader we do not know of: the members changed
         return leader
 
-    def _leader_first(self) -> list[str]:
+    def leader_first(self) -> list[str]:
+        """The replicas, the one last known to lead first."""
         hint = self.leader_hint
         rest = [n for n in self.names if n != hint]
         return ([hint] if hint else []) + rest
@@ -358,7 +359,7 @@ class _LeaderSeeker:
         self.budget.request()
         self.follow_members()
         while True:
-            for name in self._leader_first():
+            for name in self.leader_first():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TierUnavailable(self.tier, last)
