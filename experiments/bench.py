@@ -96,10 +96,10 @@ def run(settings: h.Settings) -> dict[str, Any]:
                                                          max(10, n // 5))
         # The buy's floor (docs/performance.md): one frontend request (the bare lookup beside it) and
         # two majority commits, each a frame round trip and one synced SQLite commit, measured now.
-        parts = breakdown.floor_parts(settings.size(300, 200, 20))
+        parts = breakdown.floor_parts(settings.size(300, 200, 20), commit_ms=base["sqlite_commit"]["p50"])
         bare = out["buy_3"]["paired"]["bare_p50"]
         out["buy_3"]["floor"] = {**parts, "bare_lookup_ms": bare,
-                                 "floor_ms": bare + 2 * (parts["frame_rtt_ms"] + parts["synced_commit_ms"])}
+                                 "floor_ms": breakdown.floor_ms(bare, parts)}
         out["invalidation_1fe"] = _invalidation(c, n)
         windows: dict[str, list[float]] = {}
         for tier in ("catalog", "order"):

@@ -158,11 +158,12 @@ time.sleep(3600)
 """
 
 
-def floor_parts(n: int = 300) -> dict[str, float]:
+def floor_parts(n: int = 300, commit_ms: float | None = None) -> dict[str, float]:
     """Medians (ms) of what the floor is made of, on this machine now: a frame's round trip between
     two sleeping processes (``FrameClient.call`` to an echoing ``FrameServer`` in another process,
     with a pause between calls as between buys), and one synced SQLite commit of a small row
-    (``baseline.sqlite_commits``: WAL, ``synchronous=FULL``, as the log store's)."""
+    (``baseline.sqlite_commits``: WAL, ``synchronous=FULL``, as the log store's), unless the run
+    measured it already (``commit_ms``)."""
     port = h.free_port_base()
     server = subprocess.Popen([sys.executable, "-c", _ECHO, str(port)], cwd=ROOT)
     try:
@@ -186,8 +187,15 @@ def floor_parts(n: int = 300) -> dict[str, float]:
     finally:
         server.kill()
         server.wait()
-    commits = baseline.sqlite_commits(n)
-    return {"frame_rtt_ms": statistics.median(rtts) * 1000, "synced_commit_ms": statistics.median(commits) * 1000}
+    if commit_ms is None:
+        commit_ms = statistics.median(baseline.sqlite_commits(n)) * 1000
+    return {"frame_rtt_ms": statistics.median(rtts) * 1000, "synced_commit_ms": commit_ms}
+
+
+def floor_ms(request_ms: float, parts: dict[str, float]) -> float:
+    """A buy's floor: one frontend request and two majority commits, each a frame round trip and
+    one synced commit (``floor_parts``)."""
+    return request_ms + 2 * (parts["frame_rtt_ms"] + parts["synced_commit_ms"])
 
 
 def timed_buys(c: Any, n: int) -> list[tuple[int, int]]:
@@ -224,8 +232,7 @@ def run(n: int) -> dict[str, Any]:
         print(f"  {m:6.3f}  {what} ({count})")
     path = {what: m for what, m, _ in out["path"]}
     http = path[PATH[0][1]] + path[PATH[-1][1]]
-    commit = parts["frame_rtt_ms"] + parts["synced_commit_ms"]
-    out["floor_ms"] = http + 2 * commit
+    out["floor_ms"] = floor_ms(http, parts)
     print(f"Floor: the frontend request as measured here ({http:.3f} ms: the first and last steps) + 2 majority "
           f"commits, each a frame round trip ({parts['frame_rtt_ms']:.3f} ms, median between two processes) + "
           f"one synced SQLite commit ({parts['synced_commit_ms']:.3f} ms, median) = {out['floor_ms']:.2f} ms; "

@@ -306,10 +306,10 @@ class FrameClient:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 sock.settimeout(max(0.001, budget - (time.monotonic() - started)))
                 if self.identity is not None:  # one more round trip, within the same budget
-                    # The server's role is checked, not its host name (``Identity.client_context``).
-                    sock = self.identity.client_context(hostnames=False).wrap_socket(
+                    sock = self.identity.client_context(hostnames=not self.server_role).wrap_socket(
                         sock, server_hostname=self.address[0])
-                    tls.check(sock, (self.server_role,))
+                    if self.server_role:  # the server's role, not its host name (``Identity.client_context``)
+                        tls.check(sock, (self.server_role,))
                 sock.sendall(self._hello)
                 stream = sock.makefile("rb")
                 answer = read_frame(stream)  # within the connect budget: a stopped peer is found here

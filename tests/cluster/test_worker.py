@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from harness import http_answer as read_answer
+from harness import http_answer
 
 from pygmy.cluster.worker import _Reader, _request_head, asks_to_close, said_closing
 from pygmy.experiments.refusal import serve_gated
@@ -37,18 +37,18 @@ def test_a_full_class_is_refused_by_the_event_loop_and_the_connection_kept(full_
         # In one segment, as a request arrives whole (http.client sends its body in a second one,
         # which the event loop may see missing: that case is the next test's).
         sock.sendall(buy_request())
-        status, headers, body, rest = read_answer(sock)
+        status, headers, body, rest = http_answer(sock)
         error = json.loads(body)["error"]
         assert status == 503 and headers["retry-after"] == "1" and rest == b""
         assert error["code"] == 503 and error["overloaded"] is True
         # Gunicorn names itself in every answer it writes; the event loop's refusal is ours alone.
         assert "server" not in headers, "refused by a pool thread, not by the event loop"
         sock.sendall(b"GET /read HTTP/1.1\r\nHost: t\r\n\r\n")  # the same connection, a class with room
-        status, _, body, _ = read_answer(sock)
+        status, _, body, _ = http_answer(sock)
         assert status == 200 and json.loads(body) == {"read": True}
         # A malformed deadline is the middleware's to refuse, with its 400.
         sock.sendall(buy_request("X-Request-Timeout-Ms: soon\r\n"))
-        status, _, body, _ = read_answer(sock)
+        status, _, body, _ = http_answer(sock)
         assert status == 400 and "X-Request-Timeout-Ms" in json.loads(body)["error"]["message"]
     release.touch()
     deadline = time.monotonic() + 10
@@ -63,23 +63,23 @@ def test_pipelined_partial_and_closing_requests_are_each_answered_once(full_writ
     with socket.create_connection((host, port), timeout=5) as sock:
         # Two requests in one segment: both refused, in order, nothing left over.
         sock.sendall(buy_request() + buy_request('X-Request-Id: second\r\n'))
-        first = read_answer(sock)
+        first = http_answer(sock)
         assert first[0] == 503
-        second = read_answer(sock, first[3])
+        second = http_answer(sock, first[3])
         assert second[0] == 503 and second[3] == b""
         # A body still on its way is not waited for by the event loop; the middleware refuses it.
         whole = buy_request(body=b'{"quantity": 1}')
         sock.sendall(whole[:-5])
         time.sleep(0.3)
         sock.sendall(whole[-5:])
-        status, headers, _, rest = read_answer(sock)
+        status, headers, _, rest = http_answer(sock)
         assert status == 503 and headers.get("server", "").startswith("gunicorn") and rest == b""
         # And the connection still serves.
         sock.sendall(b"GET /read HTTP/1.1\r\nHost: t\r\n\r\n")
-        assert read_answer(sock)[0] == 200
+        assert http_answer(sock)[0] == 200
     with socket.create_connection((host, port), timeout=5) as sock:
         sock.sendall(buy_request("Connection: close\r\n"))
-        status, headers, _, rest = read_answer(sock)
+        status, headers, _, rest = http_answer(sock)
         assert status == 503 and rest == b""
         assert headers.get("connection") == "close", "the answer did not say the connection closes"
         assert "server" not in headers, "refused by a pool thread, not by the event loop"
@@ -94,7 +94,7 @@ def assert_hit_from_the_event_loop(host: str, port: int) -> None:
     the worker still serves, and its parser still takes a plain request."""
     with socket.create_connection((host, port), timeout=10) as sock:
         sock.sendall(HIT)
-        status, headers, body, rest = read_answer(sock)
+        status, headers, body, rest = http_answer(sock)
     assert status == 200 and json.loads(body)["title"] == "a cached book" and rest == b""
     assert "server" not in headers, "a plain cache hit went to a pool thread"
 
@@ -108,16 +108,16 @@ def test_pipelined_requests_are_each_judged_by_their_own_method(full_writes: tup
     host, port, _ = full_writes
     with socket.create_connection((host, port), timeout=5) as sock:
         sock.sendall(HIT + buy_request())
-        status, headers, body, rest = read_answer(sock)
+        status, headers, body, rest = http_answer(sock)
         assert status == 200 and json.loads(body)["title"] == "a cached book", f"the hit got {status}"
         assert "server" not in headers
-        status, headers, body, rest = read_answer(sock, rest)
+        status, headers, body, rest = http_answer(sock, rest)
         assert status == 503 and json.loads(body)["error"]["overloaded"] is True and rest == b""
         assert "server" not in headers, "refused by a pool thread, not by the event loop"
         sock.sendall(buy_request() + HIT)
-        status, headers, _, rest = read_answer(sock)
+        status, headers, _, rest = http_answer(sock)
         assert status == 503 and "server" not in headers, "the buy was not refused by the event loop"
-        status, headers, body, rest = read_answer(sock, rest)
+        status, headers, body, rest = http_answer(sock, rest)
         assert status == 200 and json.loads(body)["title"] == "a cached book" and rest == b""
         assert "server" not in headers
 
@@ -129,17 +129,17 @@ def test_http_1_0_is_gunicorns_and_the_http_1_1_after_it_the_event_loops(full_wr
         # Alone: Gunicorn answers it (as HTTP/1.0 with keep-alive), and the next request on the same
         # connection, plain HTTP/1.1, is the event loop's again.
         sock.sendall(http10)
-        status, headers, _, rest = read_answer(sock)
+        status, headers, _, rest = http_answer(sock)
         assert status == 200 and rest == b"" and headers.get("connection") == "keep-alive"
         assert headers.get("server", "").startswith("gunicorn"), "HTTP/1.0 answered by the event loop"
         sock.sendall(HIT)
-        status, headers, _, rest = read_answer(sock)
+        status, headers, _, rest = http_answer(sock)
         assert status == 200 and "server" not in headers and rest == b""
     with socket.create_connection((host, port), timeout=5) as sock:
         # Followed by HTTP/1.1 in one segment: the version was once read after the whole segment,
         # the second request's, and the HTTP/1.0 one was answered by the event loop as HTTP/1.1.
         sock.sendall(http10 + HIT)
-        status, headers, _, _ = read_answer(sock)
+        status, headers, _, _ = http_answer(sock)
         assert status == 200
         assert headers.get("server", "").startswith("gunicorn"), "HTTP/1.0 answered by the event loop"
 
@@ -154,7 +154,7 @@ def test_a_request_line_gunicorn_refuses_is_refused_with_400(full_writes: tuple[
     host, port, _ = full_writes
     with socket.create_connection((host, port), timeout=5) as sock:
         sock.sendall(request_line + b"\r\nHost: t\r\n\r\n")
-        status, headers, body, rest = read_answer(sock)
+        status, headers, body, rest = http_answer(sock)
         assert status == 400, f"{request_line!r} was answered {status}, not refused as Gunicorn refuses it"
         assert json.loads(body)["error"]["message"].startswith("Invalid")  # Gunicorn's reason, as JSON
         assert headers.get("connection") == "close" and rest == b"" and sock.recv(100) == b""
@@ -172,7 +172,7 @@ def test_upgrade_and_connect_go_to_gunicorn_and_the_worker_serves_on(full_writes
     host, port, _ = full_writes
     with socket.create_connection((host, port), timeout=10) as sock:
         sock.sendall(data)
-        status, headers, _, _ = read_answer(sock)  # whatever Gunicorn and the app make of it
+        status, headers, _, _ = http_answer(sock)  # whatever Gunicorn and the app make of it
         assert 200 <= status < 600 and headers.get("server", "").startswith("gunicorn")
     assert_hit_from_the_event_loop(host, port)
 
@@ -185,22 +185,22 @@ def test_the_event_loops_parser_serves_on_after_a_close_an_error_and_a_partial_r
     host, port, _ = full_writes
     with socket.create_connection((host, port), timeout=5) as sock:
         sock.sendall(b"GET /hit HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
-        status, headers, _, rest = read_answer(sock)
+        status, headers, _, rest = http_answer(sock)
         assert status == 200 and "server" not in headers and headers.get("connection") == "close"
         assert rest == b"" and sock.recv(100) == b""
     assert_hit_from_the_event_loop(host, port)
     with socket.create_connection((host, port), timeout=5) as sock:
         sock.sendall(b"GET /hit HTTP/1.1\r\nX-Nul: a\x00b\r\n\r\n")
-        assert read_answer(sock)[0] == 400
+        assert http_answer(sock)[0] == 400
     assert_hit_from_the_event_loop(host, port)
     with socket.create_connection((host, port), timeout=5) as sock:
         sock.sendall(HIT[:-2])  # the headers not yet ended: the event loop leaves it
         time.sleep(0.3)
         sock.sendall(HIT[-2:])
-        status, _, _, _ = read_answer(sock)
+        status, _, _, _ = http_answer(sock)
         assert status == 200
         sock.sendall(HIT)  # the same connection's next request
-        status, headers, _, _ = read_answer(sock)
+        status, headers, _, _ = http_answer(sock)
         assert status == 200 and "server" not in headers
     assert_hit_from_the_event_loop(host, port)
 
@@ -303,24 +303,24 @@ def test_every_answer_has_a_request_id_and_is_counted(full_writes: tuple[str, in
     before = requests_counted(host, port)
     with socket.create_connection((host, port), timeout=5) as sock:
         sock.sendall(buy_request("X-Request-Id: shed-1\r\n"))         # the event loop's 503
-        status, headers, _, _ = read_answer(sock)
+        status, headers, _, _ = http_answer(sock)
         assert status == 503 and "server" not in headers and headers["x-request-id"] == "shed-1"
         whole = buy_request("X-Request-Id: shed-2\r\n", body=b'{"quantity": 1}')
         sock.sendall(whole[:-5])                                       # the middleware's 503
         time.sleep(0.3)
         sock.sendall(whole[-5:])
-        status, headers, _, _ = read_answer(sock)
+        status, headers, _, _ = http_answer(sock)
         assert status == 503 and headers.get("server", "").startswith("gunicorn")
         assert headers["x-request-id"] == "shed-2"
         sock.sendall(b"GET /read HTTP/1.1\r\nHost: t\r\nX-Request-Timeout-Ms: 0\r\n\r\n")  # spent: 504
-        status, headers, _, _ = read_answer(sock)
+        status, headers, _, _ = http_answer(sock)
         assert status == 504 and headers["x-request-id"]
         sock.sendall(b"GET /read HTTP/1.1\r\nHost: t\r\nX-Request-Timeout-Ms: soon\r\n\r\n")  # malformed: 400
-        status, headers, _, _ = read_answer(sock)
+        status, headers, _, _ = http_answer(sock)
         assert status == 400 and headers["x-request-id"]
     with socket.create_connection((host, port), timeout=5) as sock:
         sock.sendall(b"GET  /read HTTP/1.1\r\nHost: t\r\n\r\n")  # Gunicorn's parser refuses it
-        status, headers, body, _ = read_answer(sock)
+        status, headers, body, _ = http_answer(sock)
         assert status == 400 and headers["x-request-id"] and json.loads(body)["error"]["code"] == 400
     after = requests_counted(host, port)
 
@@ -342,7 +342,7 @@ def test_pipelined_requests_behind_a_pool_threads_answer_are_answered_in_order(
         sock.sendall(reqs)
         rest = b""
         for i in range(3):
-            status, headers, body, rest = read_answer(sock, rest)
+            status, headers, body, rest = http_answer(sock, rest)
             assert status == 200 and headers["x-request-id"] == f"p-{i}" and json.loads(body) == {"read": True}
         assert rest == b""
         # A hit, a miss and a hit: answered in order, whichever takes each.
@@ -350,7 +350,7 @@ def test_pipelined_requests_behind_a_pool_threads_answer_are_answered_in_order(
         rest = b""
         bodies = []
         for _ in range(3):
-            status, _, body, rest = read_answer(sock, rest)
+            status, _, body, rest = http_answer(sock, rest)
             assert status == 200
             bodies.append(json.loads(body))
         assert bodies[1] == {"read": True} and bodies[0] == bodies[2] != bodies[1]

@@ -58,8 +58,9 @@ def test_render_names_other_frontends_and_keeps_their_parameters() -> None:
 
 
 @contextlib.contextmanager
-def proxy_before(c: Cluster, run: Path, certs: Path | None = None) -> Iterator[str]:
-    """nginx with the shipped configuration before ``c``'s two frontends: its URL while the block runs."""
+def proxy_before(c: Cluster, run: Path, certs: Path | None = None, ready: str = "/livez") -> Iterator[str]:
+    """nginx with the shipped configuration before ``c``'s two frontends, answering ``ready`` through
+    them: its URL while the block runs. If it never does, the failure shows what nginx said."""
     run.mkdir()
     port = free_port_base(1, 1)
     conf = run / "nginx.conf"
@@ -68,10 +69,18 @@ def proxy_before(c: Cluster, run: Path, certs: Path | None = None) -> Iterator[s
     checked = subprocess.run([NGINX, "-t", "-q", "-c", str(conf), "-p", str(run)], capture_output=True, text=True,
                              timeout=30)
     assert checked.returncode == 0, checked.stderr
-    proc = subprocess.Popen([NGINX, "-e", "stderr", "-c", str(conf), "-p", str(run), "-g", "daemon off;"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    said = run / "nginx.stderr"
+    with said.open("wb") as err:
+        proc = subprocess.Popen([NGINX, "-e", "stderr", "-c", str(conf), "-p", str(run), "-g", "daemon off;"],
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     try:
-        yield f"{'https' if certs else 'http'}://127.0.0.1:{port}"
+        url = f"{'https' if certs else 'http'}://127.0.0.1:{port}"
+        verify: str | bool = str(certs / "ca.pem") if certs else True
+        try:
+            wait_for("the proxy", lambda: _ok(url + ready, verify=verify), 30)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; nginx said: {said.read_text(errors='replace')[-2000:]}") from exc
+        yield url
     finally:
         try:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -86,7 +95,6 @@ def proxied(tmp_path: Path) -> Iterator[tuple[Cluster, str]]:
     c = start_cluster(tmp_path, "--frontends", "2")
     try:
         with proxy_before(c, tmp_path / "proxy") as url:
-            wait_for("the proxy", lambda: _ok(url + "/livez"), 20)
             yield c, url
     finally:
         c.stop()
@@ -161,9 +169,8 @@ def test_through_the_proxy_over_tls(tmp_path: Path) -> None:
         certs = c.data_dir / "certs"
         made = pygmy("certs", "--data-dir", str(c.data_dir), "--only", "proxy", "--host", "localhost")
         assert made.returncode == 0 and (certs / "proxy.pem").exists(), made.stderr
-        with proxy_before(c, tmp_path / "proxy", certs) as url:
+        with proxy_before(c, tmp_path / "proxy", certs, ready="/readyz") as url:
             ca = str(certs / "ca.pem")
-            wait_for("the proxy over TLS", lambda: _ok(url + "/readyz", verify=ca), 30)
             r = requests.get(url + "/lookup/1", headers={"X-Request-Id": "tls-1"}, verify=ca, timeout=5)
             assert r.status_code == 200 and r.json()["item_number"] == 1 and r.headers["X-Request-Id"] == "tls-1"
             r = requests.post(url + "/buy/1", headers={"Idempotency-Key": uuid.uuid4().hex}, verify=ca, timeout=35)

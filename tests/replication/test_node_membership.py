@@ -8,7 +8,6 @@ from __future__ import annotations
 import random
 import socket
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -76,14 +75,6 @@ class Group(Harness):
     def write(self, n: int, key: str = "a") -> None:
         for _ in range(n):
             self.leader().propose({"k": key, "add": 1}, 5.0)
-
-    def until(self, predicate, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if predicate():
-                return
-            time.sleep(0.02)
-        raise AssertionError(f"not within {timeout}s: {[n.status() for n in self.nodes.values()]}")
 
 
 @pytest.fixture

@@ -10,28 +10,19 @@ from pathlib import Path
 from test_raft_node import Harness
 
 
-def until(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"not within {timeout}s")
-
-
 def test_ready_only_with_a_leader_live_throughout(tmp_path: Path) -> None:
     h = Harness(tmp_path)
     try:
         leader = h.leader()
         leader.propose({"k": "a", "add": 1}, 5.0)
         h.converge()
-        until(lambda: all(n.readiness() is None for n in h.nodes.values()))
+        h.until(lambda: all(n.readiness() is None for n in h.nodes.values()))
         # Two of three stopped: the last one has no leader (or leads without a lease), and is live.
         survivor = next(n for n in h.nodes if n != leader.name)
         for name in [n for n in list(h.nodes) if n != survivor]:
             h.stop(name)
         node = h.nodes[survivor]
-        until(lambda: node.readiness() is not None)
+        h.until(lambda: node.readiness() is not None)
         assert node.liveness() is None
         # Restarted alone, with no leader to catch up from: recovering, then a candidate; never ready.
         h.stop(survivor)
@@ -50,7 +41,7 @@ def test_ready_only_with_a_leader_live_throughout(tmp_path: Path) -> None:
             if name not in h.nodes:
                 h.start(name)
         h.leader()
-        until(lambda: all(n.readiness() is None for n in h.nodes.values()))
+        h.until(lambda: all(n.readiness() is None for n in h.nodes.values()))
     finally:
         h.close()
 

@@ -108,6 +108,15 @@ class Harness:
             time.sleep(0.01)
         raise AssertionError("no leader")
 
+    def until(self, predicate, timeout: float = 10.0) -> None:
+        """Until ``predicate()``; fails with every node's status after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"not within {timeout}s: {[n.status() for n in self.nodes.values()]}")
+
     def converge(self, timeout: float = 5.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

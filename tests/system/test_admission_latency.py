@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import requests
-from harness import held_decrements_cluster
+from harness import held_decrements_cluster, wait_for
 
 from pygmy.client.api import PygmyClient, PygmyError
 from pygmy.cluster.local import LocalCluster
@@ -33,13 +33,6 @@ def held(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 def write_cap(c: LocalCluster) -> dict[str, Any]:
     return requests.get(f"{c.url}/status", timeout=5).json()["frontend"]["admission"]["write"]
-
-
-def wait_for(check: Any, timeout: float = 15) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.05)
 
 
 def held_buys(c: LocalCluster, flag: Any, offered: int, admitted: int) -> tuple[int, int]:
@@ -63,7 +56,8 @@ def held_buys(c: LocalCluster, flag: Any, offered: int, admitted: int) -> tuple[
     try:
         for t in threads:
             t.start()
-        wait_for(lambda: write_cap(c)["in_flight"] >= admitted and len(outcomes) >= offered - admitted)
+        wait_for("the admitted buys in flight, the rest refused",
+                 lambda: write_cap(c)["in_flight"] >= admitted and len(outcomes) >= offered - admitted, 15)
         time.sleep(2.5)  # slow against a baseline of milliseconds; and what is left of an older window is dropped
     finally:
         flag.unlink(missing_ok=True)

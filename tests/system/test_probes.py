@@ -1,8 +1,8 @@
 """``/livez`` and ``/readyz`` on real processes (#39): every service is live and ready on a working
 cluster; with two catalog replicas killed the catalog tier has no leader, and then the frontend and
 the last catalog replica stay live while neither is ready (a liveness probe must not restart them
-while their tier fails over); a killed replica restarted is not ready until it has caught up, and
-then every service is ready again."""
+while their tier fails over); the killed replicas restarted, every service is ready again. (That a
+replica still catching up is not ready is `tests/replication/test_node_probes.py`'s.)"""
 
 from __future__ import annotations
 

@@ -256,9 +256,12 @@ def test_the_container_healthcheck_speaks_tls_with_the_services_own_certificate(
         shutil.copy(own(cluster) / f, tmp_path / f)
     port = cluster.replica_url("catalog-1").rsplit(":", 1)[1]
 
-    def check(**env: str) -> int:
+    def check(**env: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, str(ROOT / "scripts" / "healthcheck.py")], capture_output=True,
-                              timeout=30, env={"PYGMY_PORT": port, "PYGMY_CERTS_DIR": str(tmp_path), **env}).returncode
+                              text=True, timeout=30, env={"PYGMY_PORT": port, "PYGMY_CERTS_DIR": str(tmp_path),
+                                                          "PYGMY_PROBE_MARK": str(tmp_path / "ready-once"), **env})
 
-    assert check(PYGMY_TLS="1") == 0
-    assert check() == 1  # plain text: refused
+    ok = check(PYGMY_TLS="1")
+    assert ok.returncode == 0, ok.stderr
+    plain = check()  # plain text to a TLS port: refused
+    assert plain.returncode == 1 and plain.stderr.strip(), plain
