@@ -118,6 +118,39 @@ def group_alive(pid: int) -> bool:
     return bool(alive_groups([pid]))
 
 
+def _running_threads(pids: Iterable[int]) -> list[int]:
+    """The threads of these processes not yet stopped (SIGSTOP), nor dead."""
+    out = []
+    for pid in pids:
+        try:
+            tids = os.listdir(PROC / str(pid) / "task")
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        for tid in tids:
+            try:
+                raw = (PROC / str(pid) / "task" / tid / "stat").read_text()
+            except (FileNotFoundError, ProcessLookupError, PermissionError):
+                continue
+            if raw[raw.rfind(")") + 2] not in ("T", "t", *ZOMBIE):
+                out.append(int(tid))
+    return out
+
+
+def pause(pid: int, group: bool = True, timeout: float = STOP_TIMEOUT) -> None:
+    """SIGSTOP process group ``pid`` (or the one process, without ``group``) and return once every
+    thread of it has stopped. ``kill()`` returns before they do: the thread that takes the signal
+    stops the others when it next runs, and on a busy machine they may run on meanwhile (a
+    follower acknowledging an append sent after its "pause" made a minority leader look as if it
+    committed). Raises TimeoutError if some thread is still running after ``timeout`` seconds (one
+    stuck in the kernel, say)."""
+    (os.killpg if group else os.kill)(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while running := _running_threads([p.pid for p in _group(pid)] if group else [pid]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"threads {running[:5]} of {pid} still run {timeout:g} s after SIGSTOP")
+        time.sleep(0.002)
+
+
 def _is_service(pid: int, config: ClusterConfig, name: str) -> bool:
     """Whether process ``pid`` is ``pygmy serve`` of service ``name`` with this data dir.
 
@@ -435,12 +468,12 @@ class Faults:
                 if pid is None:
                     raise LaunchError(f"{name} is not running")
                 with self._lock:
-                    os.killpg(pid, signal.SIGSTOP)
-                    self._paused[name] = (pid, time.monotonic() + seconds)
+                    self._paused[name] = (pid, time.monotonic() + seconds)  # resumed even if pause() raises
+                pause(pid)  # "paused" once it is: every thread of it stopped
                 message = f"paused {name} for {seconds:g} s"
             else:
                 message = f"started {name} (pid {spawn(self.config, name).pid})"
-        except (LaunchError, ProcessLookupError) as exc:
+        except (LaunchError, ProcessLookupError, TimeoutError) as exc:
             raise control.ControlError(409, str(exc) or f"{name} is not running") from None
         self.say(message + " (from a dashboard)")
         return {"ok": True, "message": message}

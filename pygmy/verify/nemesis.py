@@ -34,6 +34,7 @@ from typing import Any
 import requests
 
 from pygmy import ROOT
+from pygmy.cluster import launcher
 from pygmy.kit.config import ClusterConfig, parse_name
 from pygmy.replication.transport import RAFT_PORT_OFFSET
 from pygmy.verify import hosts
@@ -616,7 +617,7 @@ class Nemesis:
                 pid = self.pid(name)
                 if pid is None:
                     raise RuntimeError(f"{name} has no pid")
-                os.killpg(pid, signal.SIGSTOP)
+                launcher.pause(pid)
                 undo.append(lambda: os.killpg(pid, signal.SIGCONT))
                 detail = name
             elif kind == "kill":

@@ -379,3 +379,55 @@ def test_pygmy_member_in_a_container_takes_the_tiers_from_the_environment(tmp_pa
         joined = resolve(args, use_cluster_file=True, serve=True)
         assert joined.peers("catalog")["catalog-4"] == "http://c4:8000" and joined.learners("catalog") == ["catalog-4"]
         assert resolve(args, use_cluster_file=False).learners("catalog") == []  # pygmy up ignores it
+
+
+SPINNERS = """
+import os, sys, threading
+def spin():
+    while True:
+        pass
+if os.fork() == 0:  # a worker of the group, as Gunicorn's
+    for _ in range(3):
+        threading.Thread(target=spin, daemon=True).start()
+    spin()
+for _ in range(3):
+    threading.Thread(target=spin, daemon=True).start()
+print("spinning", flush=True)
+spin()
+"""
+
+
+def test_pause_returns_once_every_thread_of_the_group_has_stopped() -> None:
+    """``kill()`` returns before a group's threads stop; ``pause`` returns only after. Two processes
+    of eight busy threads on two cores: right after ``pause`` every thread reads as stopped, and no
+    CPU is used from then on."""
+    proc = subprocess.Popen([sys.executable, "-c", SPINNERS], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "spinning\n"
+        time.sleep(0.2)  # every thread running
+        members = [p.pid for p in launcher._group(proc.pid)]
+        assert len(members) == 2
+        launcher.pause(proc.pid)
+        assert launcher._running_threads(members) == []
+        tasks = [f"/proc/{pid}/task/{tid}/stat" for pid in members for tid in os.listdir(f"/proc/{pid}/task")]
+        assert len(tasks) == 8
+        ticks = sum(p.cpu_ticks for p in launcher._group(proc.pid))
+        time.sleep(0.3)
+        assert sum(p.cpu_ticks for p in launcher._group(proc.pid)) == ticks, "a paused group used CPU"
+        os.killpg(proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while not launcher._running_threads(members):
+            assert time.monotonic() < deadline, "SIGCONT did not resume the group"
+            time.sleep(0.01)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close() if proc.stdout else None
+
+
+def test_pause_of_a_group_that_is_gone_raises_process_lookup_error() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    proc.wait()
+    with pytest.raises(ProcessLookupError):
+        launcher.pause(proc.pid)

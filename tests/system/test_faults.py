@@ -25,6 +25,7 @@ import requests
 from harness import Cluster, cluster_env, free_port_base, pygmy
 
 from pygmy.client.api import PygmyClient, PygmyError
+from pygmy.cluster import launcher
 
 INITIAL_STOCK = 1000
 BOOKS = range(1, 8)
@@ -342,7 +343,7 @@ def test_paused_leader_and_whole_cluster_crash(cluster3: Cluster) -> None:
         for tier in ("catalog", "order"):
             victim = leader(c, tier)
             with load.fault(f"{tier} leader {victim} paused"):
-                os.killpg(group(c, victim), signal.SIGSTOP)  # a leader that stops answering for 2 s
+                launcher.pause(group(c, victim))  # a leader that stops answering for 2 s
                 try:
                     time.sleep(2.0)
                 finally:
@@ -375,7 +376,7 @@ def test_minority_leader_acknowledges_nothing(cluster3: Cluster) -> None:
     secret = {"Authorization": f"Bearer {c.secret()}"}
     before = requests.get(c.replica_url(lead) + "/books/5", headers=secret, timeout=5).json()["stock"]
     for f in followers:
-        os.killpg(group(c, f), signal.SIGSTOP)
+        launcher.pause(group(c, f))  # stopped for certain before the writes are sent
     try:
         r = requests.post(c.replica_url(lead) + "/books/5/update", json={"stock_delta": 3}, headers=secret,
                           timeout=15)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from harness import Cluster, cluster_env, start_cluster
 
+from pygmy.cluster import launcher
 from pygmy.experiments import harness as h
 from pygmy.verify import lincheck
 from pygmy.verify.linearizability import Verdict, run_and_check
@@ -224,7 +225,7 @@ def catalog_leader_pauses(c: Cluster, flag: Path, pauses: int, stop: threading.E
             flag.unlink(missing_ok=True)
 
         try:
-            os.killpg(group, signal.SIGSTOP)
+            launcher.pause(group)
             flag.touch()
         except BaseException:
             end()

@@ -26,6 +26,7 @@ import requests
 from harness import held_decrements_cluster, pygmy, read_answer, send_whole_buys
 
 from pygmy.client.api import PygmyClient, PygmyError
+from pygmy.cluster import launcher
 from pygmy.cluster.local import LocalCluster
 
 LIMIT = 2
@@ -172,11 +173,11 @@ def test_the_cap_is_the_frontends_and_a_killed_worker_gives_its_places_back(held
     socks = []
     flag.touch()
     try:
-        os.kill(second, signal.SIGSTOP)
+        launcher.pause(second, group=False)
         try:
             socks += send_whole_buys(c.url, keys[:LIMIT], 6)  # all accepted by the first worker
             wait_for(lambda: in_flight_writes(c) >= LIMIT)
-            os.kill(first, signal.SIGSTOP)
+            launcher.pause(first, group=False)
             os.kill(second, signal.SIGCONT)
             (refused,) = send_whole_buys(c.url, [f"over-{uuid.uuid4().hex[:8]}"], 6)  # to the second
             answer = read_answer(refused)
