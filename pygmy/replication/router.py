@@ -349,13 +349,15 @@ class _LeaderSeeker:
         connection errors, until ``deadline`` (monotonic).
 
         A 503 that sheds load (``overloaded``) comes back to the caller at once: only the leader can
-        take a write, and asking it again would add to its load. A retry after a timeout (the
+        take a write, and asking it again would add to its load. It says nothing was done, so it comes
+        back as a plain 503 (outcome unknown) if an earlier attempt may have done it. A retry after a timeout (the
         replica may still be working on it) needs the retry budget; fast failures (refused
         connections, "not the leader", "not ready") cost the replicas almost nothing and are only
         spaced out, with jittered exponential backoff between sweeps.
         """
         last = "no replica tried"
         tries = 0
+        unsure = False  # an earlier attempt may have reached a replica and done the work
         self.budget.request()
         self.follow_members()
         while True:
@@ -371,9 +373,11 @@ class _LeaderSeeker:
                 except Abandoned as exc:  # another replica leads now: go there (the key makes it safe)
                     last = f"{name}: {exc}"
                     self.leader_hint = exc.reason
+                    unsure = True
                     break
                 except OSError as exc:  # HopError and the transport's errors
                     last = f"{name}: {type(exc).__name__}"
+                    unsure = unsure or _may_have_arrived(exc)
                     self.sightings.forget_leader(name)
                     if _timed_out(exc):
                         if timeout < remaining and not self.sightings.silent(name):
@@ -388,8 +392,13 @@ class _LeaderSeeker:
                 if reply.status not in RETRY_ELSEWHERE or overloaded(reply):
                     if reply.status not in RETRY_ELSEWHERE:
                         self.leader_hint = name
+                    if unsure and overloaded(reply):
+                        # "Overloaded" promises nothing was done; an earlier attempt may have done it.
+                        message = f"{last}, then shed by {name}: the outcome is unknown (retry with the same key)"
+                        return Reply(503, {"error": {"code": 503, "message": message}}, name, reply.leader)
                     return reply
                 last = f"{name}: {reply.status} {reply.body.get('error', {}).get('message', '')}"
+                unsure = unsure or reply.status == 503  # it may say the outcome is not known yet
                 leader = self._note_leader(reply)
                 if leader and leader != name and leader in self.peers:
                     break  # go straight to the leader it named
@@ -404,6 +413,21 @@ class _LeaderSeeker:
 def overloaded(reply: Reply) -> bool:
     """A replica shed this request (pygmy/kit/admission.py): 503 with ``overloaded``."""
     return reply.status == 503 and reply.body.get("error", {}).get("overloaded") is True
+
+
+def _may_have_arrived(exc: OSError) -> bool:
+    """Whether a failed call may have reached the replica (a timeout, a reset, an abandoned wait),
+    rather than failed to connect at all."""
+    if getattr(exc, "connect_timed_out", False):
+        return False
+    cause: BaseException | None = exc
+    seen: set[int] = set()
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, ConnectionRefusedError | urllib3.exceptions.NewConnectionError):
+            return False
+        cause = cause.__cause__ or getattr(cause, "reason", None)
+    return True
 
 
 def _timed_out(exc: OSError) -> bool:

@@ -21,7 +21,9 @@ Without the variables below it does nothing.
   (tests/system/test_faults.py) to catch: ``crash-mid-buy`` (every frontend worker SIGKILLs itself
   after it has its 20th buy's outcome and before it answers) and ``hang-failover-buys`` (a buy that
   waited over 0.3 s for its batch, as one does across an order leader's failover, is answered
-  only 11 s later, past the tests' 10 s client timeout).
+  only 11 s later, past the tests' 10 s client timeout). ``shed-after-buy`` breaks "503 with
+  ``overloaded`` means nothing was done": every third buy a frontend worker makes is answered so, for
+  the history checker to catch (tests/system/test_linearizability.py).
   ``decrements-not-held`` (the catalog applies a batch of buys' decrements without holding their
   books in the frontends' caches: a cached lookup may show the stock from before an acknowledged
   buy until the book's next update; caught by tests/frontend/test_stale_reads.py's history check,
@@ -133,7 +135,7 @@ def _mutate(name: str) -> None:
 
 
 #: ``PYGMY_MUTATION`` names of broken frontends (what a client may see during a failover).
-FRONTEND_MUTATIONS = ("crash-mid-buy", "hang-failover-buys")
+FRONTEND_MUTATIONS = ("crash-mid-buy", "hang-failover-buys", "shed-after-buy")
 
 
 def _frontend_mutation(name: str) -> None:
@@ -156,9 +158,26 @@ def _frontend_mutation(name: str) -> None:
         elif time.monotonic() - started > 0.3:
             time.sleep(11.0)
 
+    def shed_some(replies):  # type: ignore[no-untyped-def]
+        """Every third bought book answered as a buy refused at once (503, "overloaded"), done all the same."""
+        from pygmy.replication.router import Reply
+
+        out = []
+        for reply in replies:
+            if isinstance(reply, Reply) and reply.status == 200:
+                outcomes[0] += 1
+                if outcomes[0] % 3 == 0:
+                    reply = Reply(503, {"error": {"code": 503, "message": "shed (a mutation: it was bought)",
+                                                  "overloaded": True}}, reply.replica)
+            out.append(reply)
+        return out
+
     def broken_init(self, send, *args, **kw):  # type: ignore[no-untyped-def]
         init(self, send, *args, **kw)
         if getattr(send, "__name__", "") != "send_buys":  # the frontend's buys only
+            return
+        if name == "shed-after-buy":
+            self._send = lambda items: shed_some(send(items))
             return
         call, submit = self.call, self.submit
 

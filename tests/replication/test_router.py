@@ -109,6 +109,38 @@ def test_retries_after_timeouts_stop_when_the_budget_is_spent(tier: Any, monkeyp
     assert router.write("/buy", {}, time.monotonic() + 5).body == {"by": "r1"}
 
 
+def test_a_write_shed_after_an_attempt_of_unknown_outcome_is_not_called_shed(
+        tier: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """"Overloaded" tells the client nothing was done. After an attempt that timed out (the leader
+    may have done the work) or a 503 whose outcome is not known yet, a shed answer comes back as a
+    plain 503: outcome unknown, retry with the same key."""
+    router, replicas = tier
+    monkeypatch.setattr(router_module, "READ_TIMEOUT", 0.2)
+    calls = [0]
+
+    def slow_then_shed() -> tuple[int, dict[str, Any]]:
+        calls[0] += 1
+        if calls[0] == 1:
+            time.sleep(0.5)  # times out: the first attempt's outcome is unknown
+            return 200, {}
+        return shed()
+
+    replicas["r1"].behaviour = slow_then_shed
+    replicas["r2"].behaviour = replicas["r3"].behaviour = not_leader("r1")
+    router.leader_hint = "r1"
+    reply = router.write("/buy", {}, time.monotonic() + 5)
+    assert reply.status == 503 and not overloaded(reply), reply
+    assert "outcome is unknown" in reply.body["error"]["message"]
+    assert len(replicas["r1"].calls) == 2
+
+    unknown = iter([(503, {"error": {"code": 503, "message": "outcome not known yet"}})])
+    replicas["r1"].behaviour = lambda: next(unknown, None) or shed()
+    reply = router.write("/buy", {}, time.monotonic() + 5)
+    assert reply.status == 503 and not overloaded(reply), reply
+    replicas["r1"].behaviour = shed  # shed at the first attempt: nothing was done, and it says so
+    assert overloaded(router.write("/buy", {}, time.monotonic() + 5))
+
+
 def test_a_shed_read_tries_another_replica_only_within_the_budget(tier: Any) -> None:
     router, replicas = tier
     for r in replicas.values():
