@@ -277,7 +277,7 @@ def test_shed_writes_did_nothing(make_cluster, tmp_path: Path, mutation: str | N
     every third bought book as shed, and is caught."""
     c = make_cluster("--frontend-write-limit", "4", "--frontend-write-tolerance", "1.5",
                      **({"PYGMY_MUTATION": mutation} if mutation else {}))
-    v = run_and_check(urls(c), c.admin_token(), 10, tmp_path / "history.json", **SURGE)
+    v = run_and_check(urls(c), c.admin_token(), 6, tmp_path / "history.json", **SURGE)
     assert v.shed.get("buy", 0) > 0, f"no buy was shed: this run checked nothing of the promise ({v.summary()})"
     if mutation:
         assert_caught(v, mutation)
