@@ -30,7 +30,7 @@ from prometheus_client import Counter, Histogram
 
 from pygmy.replication.batching import Combiner, CombinerTimeout
 from pygmy.replication.node import NotLeader, ProposalTimeout, ReplicaNode
-from pygmy.replication.transport import PUSH_CHANNEL, FrameClient, subscriber_address
+from pygmy.replication.transport import PUSH_CHANNEL, FrameClient, after_reply, subscriber_address
 
 log = logging.getLogger(__name__)
 
@@ -216,10 +216,18 @@ class Invalidator:
             targets = {sid: (url, exp) for sid, (url, exp) in self._subs.items() if exp > now}
         if targets and not self._stopping.is_set():
             body = {"releases": [[token, keys, index, values] if values else [token, keys, index]]}
-            for url, _ in targets.values():
-                # A worker this misses keeps the hold (safe) until its next grant: ``next_token``
-                # then tells it we are done, and the grant's index is at least ``index``.
-                self._pool.submit(self._push, url, body)
+
+            def push() -> None:
+                for url, _ in targets.values():
+                    # A worker this misses keeps the hold (safe) until its next grant: ``next_token``
+                    # then tells it we are done, and the grant's index is at least ``index``.
+                    self._pool.submit(self._push, url, body)
+
+            # Started once the write's answer has gone (when a frame asked for it: the order leader's
+            # decrements): the pool threads would otherwise take the interpreter from the thread
+            # writing that answer. A release is never waited for, and a late one only holds longer.
+            if not after_reply(push):
+                push()
 
     def _release_when_applied(self, token: int, index: int, term: int) -> None:
         """A write that timed out may still commit: release it once applied here, never earlier."""

@@ -31,7 +31,7 @@ from pygmy.replication.batching import Combiner, CombinerTimeout
 from pygmy.replication.node import NotLeader, ProposalTimeout
 from pygmy.replication.router import ChannelRouter, Reply, Sightings, TierRouter, TierUnavailable, Watchers
 from pygmy.replication.service import Periodic, ReplicaRuntime
-from pygmy.replication.transport import BUYS_CHANNEL, DECREMENTS_CHANNEL
+from pygmy.replication.transport import BUYS_CHANNEL, DECREMENTS_CHANNEL, after_reply
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +221,8 @@ class BuyProcessor:
     def _confirm(self, key: str, title: str, cost: float, at: float) -> None:
         """Record a decided outcome, soon (with the next intents, or by the confirmer thread)."""
         self._confirms.put({"op": "confirm", "key": key, "title": title, "cost": cost, "at": at})
-        self._confirm_due.set()
+        if not after_reply(self._confirm_due.set):  # the confirmer's wake-up after the buys' answer
+            self._confirm_due.set()
 
     def _waiting_confirms(self) -> list[dict[str, Any]]:
         batch: list[dict[str, Any]] = []

@@ -43,7 +43,7 @@ from pygmy.replication.node import (
 )
 from pygmy.replication.router import LEADER_HEADER
 from pygmy.replication.statemachine import StateMachine
-from pygmy.replication.transport import RAFT_PORT_OFFSET, raft_address
+from pygmy.replication.transport import RAFT_PORT_OFFSET, after_reply, raft_address
 
 log = logging.getLogger(__name__)
 
@@ -319,13 +319,20 @@ class ReplicaRuntime:
                     return {"status": 503, "body": error_body(503, f"{self.name} is stopping")}
                 self._frames_in_flight += 1
             try:
-                with request_id_scope(valid_request_id(frame.get("request_id"))):
+                rid = valid_request_id(frame.get("request_id"))
+                with request_id_scope(rid):
                     status, body = self._answer(handle, frame["body"], deadline)
-                    elapsed = time.perf_counter() - started
+                elapsed = time.perf_counter() - started
+
+                def record() -> None:
                     FRAME_LATENCY.labels(self.name, path).observe(elapsed)
-                    access_log.info("%s %s %s", "FRAME", path, status, extra={
-                        "method": "FRAME", "path": path, "status": status, "peer": peer,
-                        "duration_ms": round(elapsed * 1000, 3)})
+                    with request_id_scope(rid):
+                        access_log.info("%s %s %s", "FRAME", path, status, extra={
+                            "method": "FRAME", "path": path, "status": status, "peer": peer,
+                            "duration_ms": round(elapsed * 1000, 3)})
+
+                if not after_reply(record):  # once the answer is on its way: the caller waits on it
+                    record()
             finally:
                 with self._frames:
                     self._frames_in_flight -= 1

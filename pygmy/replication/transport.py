@@ -27,6 +27,7 @@ that (Raft retransmits; a cache hold that is not acknowledged is waited out).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hmac
 import logging
 import select
@@ -52,6 +53,40 @@ HELLO_TIMEOUT = 2.0
 #: The longest a client's connect budget grows to (``FrameClient``): two round trips of the slowest
 #: link the timers follow, within the server's wait for the hello.
 MAX_CONNECT = 2.0
+
+
+class _AfterReply:
+    """What a frame handler left for after its reply, on the connection's own thread only (a
+    ``contextvars`` copy that reaches another thread must not add to it: ``after_reply`` checks)."""
+
+    __slots__ = ("owner", "fns")
+
+    def __init__(self) -> None:
+        self.owner = threading.get_ident()
+        self.fns: list[Callable[[], None]] = []
+
+    def run(self) -> None:
+        fns, self.fns = self.fns, []
+        for fn in fns:
+            try:
+                fn()
+            except Exception:
+                log.exception("work left for after a reply failed")
+
+
+_AFTER_REPLY: contextvars.ContextVar[_AfterReply | None] = contextvars.ContextVar("pygmy_after_reply", default=None)
+
+
+def after_reply(fn: Callable[[], None]) -> bool:
+    """Run ``fn`` once the reply of the frame being handled on this thread has been written (or right
+    after the handler, if it writes none): a caller's wait should not include work its answer does
+    not need, such as log lines and cache pushes nobody waits for. False outside a frame handler's
+    thread: the caller runs ``fn`` itself. An error in ``fn`` is logged; the connection goes on."""
+    pending = _AFTER_REPLY.get()
+    if pending is None or pending.owner != threading.get_ident():
+        return False
+    pending.fns.append(fn)
+    return True
 #: Channels (what a connection carries): Raft between the replicas of a tier (members only); cache
 #: lease renewals from frontend workers to the catalog leader; holds and releases from the catalog
 #: leader to each frontend worker's own listener; a frontend worker's buys to the order leader, and its
@@ -240,13 +275,18 @@ class FrameServer:
             if channel.hello is not None:
                 channel.hello(peer, hello)
             conn.settimeout(None)  # a quiet peer is not a dead one; a new connection replaces it
+            pending = _AfterReply()
+            _AFTER_REPLY.set(pending)  # this thread serves only this connection
             while True:
                 frame = read_frame(stream)
                 if frame is None:
                     return
-                reply = channel.handle(peer, frame)
-                if reply is not None:
-                    conn.sendall(encode(reply))
+                try:
+                    reply = channel.handle(peer, frame)
+                    if reply is not None:
+                        conn.sendall(encode(reply))
+                finally:
+                    pending.run()
         except (OSError, ValueError, AttributeError) as exc:
             log.debug("%s: connection ended: %s", self.name, exc)
         except Exception:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import socket
 import struct
 import threading
@@ -17,6 +18,7 @@ from pygmy.replication.transport import (
     FrameClient,
     FrameError,
     FrameServer,
+    after_reply,
     encode,
     raft_address,
     read_frame,
@@ -157,6 +159,46 @@ def test_stop_ends_every_thread_it_started() -> None:
     for c in clients:
         c.close()
     wait_for(lambda: threading.active_count() == before, "every thread gone")
+
+
+def test_work_left_for_after_a_reply_runs_once_the_reply_is_written() -> None:
+    """``after_reply`` work waits for the reply: here it waits until the client has the reply, which
+    would never come if the work ran first. An error in it is logged, and the connection goes on.
+    Outside a frame handler, and on another thread with a copy of the handler's context, it is
+    refused: the caller runs the work itself."""
+    got_reply = threading.Event()
+    ran: list[str] = []
+    elsewhere: list[bool] = []
+
+    def handle(peer: str, frame: Any) -> Any:
+        if frame == "fail":
+            assert after_reply(lambda: 1 / 0)
+            return "failed later"
+        assert after_reply(lambda: ran.append("waited" if got_reply.wait(5) else "ran before the reply"))
+        ctx = contextvars.copy_context()
+        thread = threading.Thread(target=lambda: elsewhere.append(ctx.run(after_reply, lambda: None)))
+        thread.start()
+        thread.join()
+        return "reply"
+
+    server = FrameServer("127.0.0.1", 0, SECRET, {"c": Channel(handle)}, name="after")
+    server.start()
+    client = FrameClient(server.address, SECRET, "alice", "c")
+    try:
+        assert client.call("first", 5) == "reply"
+        got_reply.set()
+        wait_for(lambda: ran == ["waited"], "the work left for after the reply")
+        assert elsewhere == [False]
+        assert client.call("fail", 5) == "failed later"
+        got_reply.clear()
+        assert client.call("again", 5) == "reply"  # the same connection: the error ended nothing
+        assert client.connects == 1
+        got_reply.set()
+        wait_for(lambda: ran == ["waited", "waited"], "the second call's work")
+    finally:
+        client.close()
+        server.stop()
+    assert after_reply(lambda: None) is False
 
 
 def test_raft_address_derives_from_the_http_url() -> None:
