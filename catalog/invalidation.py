@@ -18,6 +18,7 @@ old lease has expired: a lease less ``ReplicaNode.vote_quiet_s`` after it became
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -218,16 +219,18 @@ class Invalidator:
             body = {"releases": [[token, keys, index, values] if values else [token, keys, index]]}
 
             def push() -> None:
+                if self._stopping.is_set():
+                    return  # stopped since: workers drop the hold at their next grant, from whoever leads
                 for url, _ in targets.values():
                     # A worker this misses keeps the hold (safe) until its next grant: ``next_token``
                     # then tells it we are done, and the grant's index is at least ``index``.
-                    self._pool.submit(self._push, url, body)
+                    with contextlib.suppress(RuntimeError):  # the pool shut down meanwhile (stop)
+                        self._pool.submit(self._push, url, body)
 
             # Started once the write's answer has gone (when a frame asked for it: the order leader's
             # decrements): the pool threads would otherwise take the interpreter from the thread
             # writing that answer. A release is never waited for, and a late one only holds longer.
-            if not after_reply(push):
-                push()
+            after_reply(push)
 
     def _release_when_applied(self, token: int, index: int, term: int) -> None:
         """A write that timed out may still commit: release it once applied here, never earlier."""

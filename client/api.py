@@ -30,6 +30,12 @@ class PygmyError(Exception):
         self.retry_after: float | None = None  # seconds, from the answer's Retry-After
 
 
+def overloaded(exc: PygmyError) -> bool:
+    """A 503 whose body says ``"overloaded": true``: refused at once, nothing done (docs/api.md)."""
+    error = exc.body.get("error")
+    return exc.status == 503 and isinstance(error, dict) and error.get("overloaded") is True
+
+
 class PygmyClient:
     def __init__(self, url: str = DEFAULT_URL, timeout: float = 10.0, token: str | None = None,
                  pool: int = 16, retries: int = 0, budget: RetryBudget | None = None,
@@ -63,11 +69,18 @@ class PygmyClient:
         may_retry = method == "GET" if retry is None else retry
         self.budget.request()
         attempt = 0
+        unsure = False  # an earlier attempt may have done the work
         while True:
             try:
                 return self._once(method, path, deadline, **kw)
             except PygmyError as exc:
                 attempt += 1
+                if unsure and overloaded(exc):
+                    # "Overloaded" says nothing was done: true of this attempt, not of an earlier one.
+                    exc.body = {**exc.body, "error": {k: v for k, v in exc.body["error"].items() if k != "overloaded"}}
+                    exc.message += " (an earlier attempt's outcome is unknown: retry with the same key)"
+                    exc.args = (f"{exc.status}: {exc.message}",)
+                unsure = unsure or (exc.status in (0, 503) and not overloaded(exc))
                 if not (may_retry and exc.status in (0, 503) and attempt <= self.retries):
                     raise
                 wait = max(exc.retry_after or 0.0, backoff(attempt, base=0.1, cap=2.0))

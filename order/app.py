@@ -221,8 +221,7 @@ class BuyProcessor:
     def _confirm(self, key: str, title: str, cost: float, at: float) -> None:
         """Record a decided outcome, soon (with the next intents, or by the confirmer thread)."""
         self._confirms.put({"op": "confirm", "key": key, "title": title, "cost": cost, "at": at})
-        if not after_reply(self._confirm_due.set):  # the confirmer's wake-up after the buys' answer
-            self._confirm_due.set()
+        after_reply(self._confirm_due.set)  # the confirmer's wake-up after the buys' answer
 
     def _waiting_confirms(self) -> list[dict[str, Any]]:
         batch: list[dict[str, Any]] = []

@@ -469,7 +469,7 @@ class Faults:
                     raise LaunchError(f"{name} is not running")
                 with self._lock:
                     self._paused[name] = (pid, time.monotonic() + seconds)  # resumed even if pause() raises
-                pause(pid)  # "paused" once it is: every thread of it stopped
+                pause(pid, timeout=3.0)  # "paused" once it is: every thread stopped (within the control call's time)
                 message = f"paused {name} for {seconds:g} s"
             else:
                 message = f"started {name} (pid {spawn(self.config, name).pid})"

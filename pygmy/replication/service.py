@@ -331,8 +331,7 @@ class ReplicaRuntime:
                             "method": "FRAME", "path": path, "status": status, "peer": peer,
                             "duration_ms": round(elapsed * 1000, 3)})
 
-                if not after_reply(record):  # once the answer is on its way: the caller waits on it
-                    record()
+                after_reply(record)  # once the answer is on its way: the caller waits on it
             finally:
                 with self._frames:
                     self._frames_in_flight -= 1

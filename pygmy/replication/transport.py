@@ -80,10 +80,11 @@ _AFTER_REPLY: contextvars.ContextVar[_AfterReply | None] = contextvars.ContextVa
 def after_reply(fn: Callable[[], None]) -> bool:
     """Run ``fn`` once the reply of the frame being handled on this thread has been written (or right
     after the handler, if it writes none): a caller's wait should not include work its answer does
-    not need, such as log lines and cache pushes nobody waits for. False outside a frame handler's
-    thread: the caller runs ``fn`` itself. An error in ``fn`` is logged; the connection goes on."""
+    not need, such as log lines and cache pushes nobody waits for. Outside a frame handler's thread,
+    ``fn`` runs now. True if it was left for later. An error in it is logged; the connection goes on."""
     pending = _AFTER_REPLY.get()
     if pending is None or pending.owner != threading.get_ident():
+        fn()
         return False
     pending.fns.append(fn)
     return True
@@ -292,6 +293,7 @@ class FrameServer:
         except Exception:
             log.exception("%s: frame handler failed; closing the connection", self.name)
         finally:
+            _AFTER_REPLY.set(None)  # a later thread given this id must not add to a list nobody runs
             with self._lock:
                 self._conns.pop(conn, None)
             _close(conn)

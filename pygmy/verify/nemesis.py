@@ -617,8 +617,8 @@ class Nemesis:
                 pid = self.pid(name)
                 if pid is None:
                     raise RuntimeError(f"{name} has no pid")
+                undo.append(lambda: os.killpg(pid, signal.SIGCONT))  # first: pause() may raise once it has sent SIGSTOP
                 launcher.pause(pid)
-                undo.append(lambda: os.killpg(pid, signal.SIGCONT))
                 detail = name
             elif kind == "kill":
                 name = rng.choice(self.net.replicas())

@@ -405,13 +405,19 @@ def test_pause_returns_once_every_thread_of_the_group_has_stopped() -> None:
                             start_new_session=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "spinning\n"
-        time.sleep(0.2)  # every thread running
+
+        def tasks() -> list[str]:
+            return [f"/proc/{p.pid}/task/{tid}" for p in launcher._group(proc.pid) for tid in os.listdir(f"/proc/{p.pid}/task")]
+
+        deadline = time.monotonic() + 10
+        while len(tasks()) < 8:  # the forked worker starts its threads on its own
+            assert time.monotonic() < deadline, tasks()
+            time.sleep(0.01)
         members = [p.pid for p in launcher._group(proc.pid)]
         assert len(members) == 2
         launcher.pause(proc.pid)
         assert launcher._running_threads(members) == []
-        tasks = [f"/proc/{pid}/task/{tid}/stat" for pid in members for tid in os.listdir(f"/proc/{pid}/task")]
-        assert len(tasks) == 8
+        assert len(tasks()) == 8
         ticks = sum(p.cpu_ticks for p in launcher._group(proc.pid))
         time.sleep(0.3)
         assert sum(p.cpu_ticks for p in launcher._group(proc.pid)) == ticks, "a paused group used CPU"

@@ -50,8 +50,8 @@ def test_a_paused_then_a_dead_frontend_blocks_no_write_and_serves_nothing_stale(
     assert {cost for cost, _ in lookups(second)} == {41.0}
     assert any(hit == "hit" for _, hit in lookups(second)), "frontend-2 must have the book cached"
 
-    launcher.pause(pgid)  # its workers hold leases and cached values, and cannot answer
     try:
+        launcher.pause(pgid)  # its workers hold leases and cached values, and cannot answer
         update(c, 42.0)  # acknowledged: the leader waits out their leases instead of them
         assert {cost for cost, _ in lookups(c.url)} == {42.0}
     finally:

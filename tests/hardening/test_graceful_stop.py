@@ -103,8 +103,8 @@ def test_sigkill_to_a_frontend_holding_buys_leaves_each_key_one_order(fresh_clus
     leader = order_leader(c)
     groups = c.process_groups()
     keys = [f"kill-{n}-{time.time()}" for n in range(12)]
-    launcher.pause(groups[leader])
     try:
+        launcher.pause(groups[leader])
         socks = send_whole_buys(c.url, keys, 4)
         time.sleep(0.15)  # taken, and waiting on the stopped leader
         os.killpg(groups["frontend-1"], signal.SIGKILL)
@@ -132,8 +132,8 @@ def test_sigterm_to_a_frontend_answers_the_buys_its_event_loop_holds(fresh_clust
         before = cl.lookup(3)["stock"]
     leader = order_leader(c)
     groups = c.process_groups()
-    launcher.pause(groups[leader])
     try:
+        launcher.pause(groups[leader])
         socks = send_whole_buys(c.url, [f"term-{n}-{time.time()}" for n in range(12)], 3)
         time.sleep(0.15)  # taken, and waiting on the stopped leader (a router looks elsewhere at 0.25 s)
         os.killpg(groups["frontend-1"], signal.SIGTERM)

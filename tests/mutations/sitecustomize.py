@@ -22,8 +22,8 @@ Without the variables below it does nothing.
   after it has its 20th buy's outcome and before it answers) and ``hang-failover-buys`` (a buy that
   waited over 0.3 s for its batch, as one does across an order leader's failover, is answered
   only 11 s later, past the tests' 10 s client timeout). ``shed-after-buy`` breaks "503 with
-  ``overloaded`` means nothing was done": every third buy a frontend worker makes is answered so, for
-  the history checker to catch (tests/system/test_linearizability.py).
+  ``overloaded`` means nothing was done": every third book a frontend worker bought is answered so,
+  for the history checker to catch (tests/system/test_linearizability.py).
   ``decrements-not-held`` (the catalog applies a batch of buys' decrements without holding their
   books in the frontends' caches: a cached lookup may show the stock from before an acknowledged
   buy until the book's next update; caught by tests/frontend/test_stale_reads.py's history check,

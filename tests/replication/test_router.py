@@ -139,6 +139,11 @@ def test_a_write_shed_after_an_attempt_of_unknown_outcome_is_not_called_shed(
     assert reply.status == 503 and not overloaded(reply), reply
     replicas["r1"].behaviour = shed  # shed at the first attempt: nothing was done, and it says so
     assert overloaded(router.write("/buy", {}, time.monotonic() + 5))
+    replicas["r2"].behaviour = shed  # a refused connection first reached nobody: shed still says so
+    replicas["r1"].stop()
+    router.leader_hint = "r1"
+    reply = router.write("/buy", {}, time.monotonic() + 5)
+    assert overloaded(reply) and reply.replica == "r2", reply
 
 
 def test_a_shed_read_tries_another_replica_only_within_the_budget(tier: Any) -> None:

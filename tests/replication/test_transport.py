@@ -164,8 +164,8 @@ def test_stop_ends_every_thread_it_started() -> None:
 def test_work_left_for_after_a_reply_runs_once_the_reply_is_written() -> None:
     """``after_reply`` work waits for the reply: here it waits until the client has the reply, which
     would never come if the work ran first. An error in it is logged, and the connection goes on.
-    Outside a frame handler, and on another thread with a copy of the handler's context, it is
-    refused: the caller runs the work itself."""
+    Outside a frame handler, and on another thread with a copy of the handler's context, the work
+    runs at once."""
     got_reply = threading.Event()
     ran: list[str] = []
     elsewhere: list[bool] = []
@@ -176,7 +176,7 @@ def test_work_left_for_after_a_reply_runs_once_the_reply_is_written() -> None:
             return "failed later"
         assert after_reply(lambda: ran.append("waited" if got_reply.wait(5) else "ran before the reply"))
         ctx = contextvars.copy_context()
-        thread = threading.Thread(target=lambda: elsewhere.append(ctx.run(after_reply, lambda: None)))
+        thread = threading.Thread(target=lambda: elsewhere.append(ctx.run(after_reply, lambda: ran.append("at once"))))
         thread.start()
         thread.join()
         return "reply"
@@ -187,18 +187,19 @@ def test_work_left_for_after_a_reply_runs_once_the_reply_is_written() -> None:
     try:
         assert client.call("first", 5) == "reply"
         got_reply.set()
-        wait_for(lambda: ran == ["waited"], "the work left for after the reply")
+        wait_for(lambda: ran == ["at once", "waited"], "the work left for after the reply")
         assert elsewhere == [False]
         assert client.call("fail", 5) == "failed later"
         got_reply.clear()
         assert client.call("again", 5) == "reply"  # the same connection: the error ended nothing
         assert client.connects == 1
         got_reply.set()
-        wait_for(lambda: ran == ["waited", "waited"], "the second call's work")
+        wait_for(lambda: ran == ["at once", "waited", "at once", "waited"], "the second call's work")
     finally:
         client.close()
         server.stop()
-    assert after_reply(lambda: None) is False
+    now: list[int] = []
+    assert after_reply(lambda: now.append(1)) is False and now == [1]  # outside a handler: run at once
 
 
 def test_raft_address_derives_from_the_http_url() -> None:

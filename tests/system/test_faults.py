@@ -343,8 +343,8 @@ def test_paused_leader_and_whole_cluster_crash(cluster3: Cluster) -> None:
         for tier in ("catalog", "order"):
             victim = leader(c, tier)
             with load.fault(f"{tier} leader {victim} paused"):
-                launcher.pause(group(c, victim))  # a leader that stops answering for 2 s
                 try:
+                    launcher.pause(group(c, victim))  # a leader that stops answering for 2 s
                     time.sleep(2.0)
                 finally:
                     os.killpg(group(c, victim), signal.SIGCONT)
@@ -375,9 +375,9 @@ def test_minority_leader_acknowledges_nothing(cluster3: Cluster) -> None:
     followers = [f"catalog-{k}" for k in (1, 2, 3) if f"catalog-{k}" != lead]
     secret = {"Authorization": f"Bearer {c.secret()}"}
     before = requests.get(c.replica_url(lead) + "/books/5", headers=secret, timeout=5).json()["stock"]
-    for f in followers:
-        launcher.pause(group(c, f))  # stopped for certain before the writes are sent
     try:
+        for f in followers:
+            launcher.pause(group(c, f))  # stopped for certain before the writes are sent
         r = requests.post(c.replica_url(lead) + "/books/5/update", json={"stock_delta": 3}, headers=secret,
                           timeout=15)
         assert r.status_code in (421, 503), f"acknowledged without a majority: {r.status_code} {r.text}"

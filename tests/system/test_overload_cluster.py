@@ -173,8 +173,8 @@ def test_the_cap_is_the_frontends_and_a_killed_worker_gives_its_places_back(held
     socks = []
     flag.touch()
     try:
-        launcher.pause(second, group=False)
         try:
+            launcher.pause(second, group=False)
             socks += send_whole_buys(c.url, keys[:LIMIT], 6)  # all accepted by the first worker
             wait_for(lambda: in_flight_writes(c) >= LIMIT)
             launcher.pause(first, group=False)
