@@ -109,13 +109,11 @@ class Harness:
         raise AssertionError("no leader")
 
     def until(self, predicate, timeout: float = 10.0) -> None:
-        """Until ``predicate()``; fails with every node's status after ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if predicate():
-                return
-            time.sleep(0.02)
-        raise AssertionError(f"not within {timeout}s: {[n.status() for n in self.nodes.values()]}")
+        """``wait_for(predicate)``, failing with every node's status."""
+        try:
+            wait_for(predicate, timeout, "the condition")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {[n.status() for n in self.nodes.values()]}") from None
 
     def converge(self, timeout: float = 5.0) -> None:
         deadline = time.monotonic() + timeout
