@@ -65,7 +65,9 @@ Without the variables below it does nothing.
   (just after its messages left: a follower's acknowledgement, a leader's appends; they are sent on
   the spot, under the lock, so they have surely left before the kill) and ``applied`` (just after
   they are applied, before the turn's next step: a follower's end of the turn, a leader's news of
-  the commit not yet sent when the Ready had no new entries).
+  the commit not yet sent when the Ready had no new entries). And, for a leader, ``answered``: just
+  after it wrote a frame's reply that left work for after it (``transport.after_reply``: the
+  catalog's release pushes for the decrements it answered, the order confirmer's wake-up).
 - ``PYGMY_MUTATION=ack-before-persist``: a follower sends its acknowledgement of appended entries
   before writing them (``Ready.steps`` gives send, persist, apply for its Ready): a follower killed
   right after acknowledging loses entries its leader counted towards a commit.
@@ -472,6 +474,24 @@ def _crash_at(flag: str) -> None:
 
     RaftCore.ready = readying
     ReplicaNode._persist, ReplicaNode._send, ReplicaNode._apply = persisting, sending, applying
+
+    from pygmy.replication import transport
+
+    nodes: list = []  # this worker's replica node (the point ``answered`` is not in a turn)
+    init, after = ReplicaNode.__init__, transport._AfterReply.run
+
+    def initing(self, *args, **kw):  # type: ignore[no-untyped-def]
+        init(self, *args, **kw)
+        nodes.append(self)
+
+    def after_reply(self):  # type: ignore[no-untyped-def]
+        # Besides the frame's log line, work was left for after the reply just written: the
+        # catalog's release pushes, the order confirmer's wake-up.
+        if len(self.fns) >= 2 and nodes and claimed(nodes[-1], "answered"):
+            die()
+        after(self)
+
+    ReplicaNode.__init__, transport._AfterReply.run = initing, after_reply
 
 
 def _crash_mid_batch(flag: str) -> None:
