@@ -16,7 +16,7 @@ from urllib.parse import quote
 import requests
 from requests.adapters import HTTPAdapter
 
-from pygmy.kit.retry import DEADLINE_HEADER, RetryBudget, backoff, retry_after
+from pygmy.kit.retry import DEADLINE_HEADER, RetryBudget, backoff, retry_after, says_overloaded
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -31,9 +31,8 @@ class PygmyError(Exception):
 
 
 def overloaded(exc: PygmyError) -> bool:
-    """A 503 whose body says ``"overloaded": true``: refused at once, nothing done (docs/api.md)."""
-    error = exc.body.get("error")
-    return exc.status == 503 and isinstance(error, dict) and error.get("overloaded") is True
+    """Refused at once, nothing done (``pygmy.kit.retry.says_overloaded``)."""
+    return says_overloaded(exc.status, exc.body)
 
 
 class PygmyClient:

@@ -61,10 +61,11 @@ class Proc:
     rss_pages: int = 0  # resident memory, in pages
 
 
-def _proc(pid: int) -> Proc | None:
-    """One process as ``/proc/<pid>/stat`` shows it, or None once it is gone."""
+def _proc(pid: int, stat: Path | None = None) -> Proc | None:
+    """One process as ``/proc/<pid>/stat`` shows it (or one of its threads, ``stat`` being that
+    thread's file), or None once it is gone."""
     try:
-        raw = (PROC / str(pid) / "stat").read_text()
+        raw = (stat or PROC / str(pid) / "stat").read_text()
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
     # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
@@ -127,12 +128,9 @@ def _running_threads(pids: Iterable[int]) -> list[int]:
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
         for tid in tids:
-            try:
-                raw = (PROC / str(pid) / "task" / tid / "stat").read_text()
-            except (FileNotFoundError, ProcessLookupError, PermissionError):
-                continue
-            if raw[raw.rfind(")") + 2] not in ("T", "t", *ZOMBIE):
-                out.append(int(tid))
+            thread = _proc(int(tid), PROC / str(pid) / "task" / tid / "stat")
+            if thread is not None and thread.state not in ("T", "t", *ZOMBIE):
+                out.append(thread.pid)
     return out
 
 

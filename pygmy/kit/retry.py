@@ -12,6 +12,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 #: What is left of a request's time, in whole milliseconds; services read it (pygmy/kit/admission.py)
 #: and pass it on to every tier they call. Here, not in ``pygmy.client.api``, so that services import
@@ -79,3 +80,10 @@ def retry_after(value: str | None) -> float | None:
     except ValueError:
         return None
     return seconds if 0 <= seconds <= 3600 else None
+
+
+def says_overloaded(status: int, body: Any) -> bool:
+    """An answer that sheds: 503 whose body says ``"overloaded": true`` (what ``Admission`` refuses
+    with, and what the routers pass on). It promises nothing was done (docs/api.md)."""
+    error = body.get("error") if isinstance(body, dict) else None
+    return status == 503 and isinstance(error, dict) and error.get("overloaded") is True

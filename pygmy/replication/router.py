@@ -28,7 +28,7 @@ from pygmy.kit import codec, tls
 from pygmy.kit.admission import timeout_header
 from pygmy.kit.logs import HEADER as REQUEST_ID_HEADER
 from pygmy.kit.logs import current_request_id
-from pygmy.kit.retry import RetryBudget, backoff
+from pygmy.kit.retry import RetryBudget, backoff, says_overloaded
 from pygmy.replication.transport import Abandoned, FrameClient, FrameError, raft_address
 
 log = logging.getLogger(__name__)
@@ -411,8 +411,8 @@ class _LeaderSeeker:
 
 
 def overloaded(reply: Reply) -> bool:
-    """A replica shed this request (pygmy/kit/admission.py): 503 with ``overloaded``."""
-    return reply.status == 503 and reply.body.get("error", {}).get("overloaded") is True
+    """A replica shed this request (``pygmy.kit.retry.says_overloaded``)."""
+    return says_overloaded(reply.status, reply.body)
 
 
 def _may_have_arrived(exc: OSError) -> bool:

@@ -28,6 +28,7 @@ from typing import Any
 import requests
 
 from pygmy import ROOT
+from pygmy.kit.retry import says_overloaded
 from pygmy.verify import lincheck
 from pygmy.verify.lincheck import History
 
@@ -47,10 +48,9 @@ def shed(r: requests.Response) -> bool:
     if r.status_code != 503:
         return False
     try:
-        error = r.json().get("error")
+        return says_overloaded(r.status_code, r.json())
     except ValueError:
         return False
-    return isinstance(error, dict) and error.get("overloaded") is True
 
 
 @dataclass
