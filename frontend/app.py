@@ -157,7 +157,7 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
     admin = require_secret(config.admin_token(), ADMIN)
     if config.read_from not in ("leader", "any"):
         raise ValueError(f"read_from must be 'leader' or 'any', not {config.read_from!r}")
-    leader_first = config.read_from == "leader"
+    reads_at_leader = config.read_from == "leader"
     probe = ThreadPoolExecutor(max_workers=2, thread_name_prefix="health")
     events = {e: metrics.CACHE_EVENTS.labels(name, e) for e in ("hit", "miss", "invalidation", "eviction", "flush")}
     entries_gauge = metrics.CACHE_ENTRIES.labels(name)
@@ -216,7 +216,7 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
         ``floor`` while our lease holds, otherwise only the leader."""
         extra = {"min_index": floor} if subscription.valid() else {"leader": 1}
         reply = call(catalog.read, path, request_deadline(READ_DEADLINE), params={**(params or {}), **extra},
-                     prefer_leader=leader_first)
+                     prefer_leader=reads_at_leader)
         if reply.status != 200:
             passthrough(reply)  # raises: errors go to every waiting caller and are never cached
         return reply
@@ -375,7 +375,7 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
     def order(number: str) -> Response:
         n = parse_item(number, "order number")
         return passthrough(call(orders.read, f"/orders/{n}", request_deadline(READ_DEADLINE),
-                                prefer_leader=leader_first))
+                                prefer_leader=reads_at_leader))
 
     @app.post("/update/<item>")
     @admin

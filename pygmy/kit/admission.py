@@ -206,7 +206,11 @@ class LatencyLimit:
 
     @property
     def limit(self) -> int:
-        return max(self.floor, int(self.value))
+        return self.limit_of(self.value)
+
+    def limit_of(self, value: float) -> int:
+        """The cap a value of this rule stands for (this one's, or another worker's on a board)."""
+        return max(self.floor, min(self.ceiling, int(value)))
 
     def reached(self) -> None:
         """The cap was reached in this window (a request refused, or one admitted into the last place)."""
@@ -272,7 +276,7 @@ class Gate:
             return self.ceiling
         if shared is None:
             return adaptive.limit
-        return max(adaptive.floor, min(adaptive.ceiling, int(shared[0].cap(shared[1]))))
+        return adaptive.limit_of(shared[0].cap(shared[1]))
 
     def total(self) -> int:
         """Requests in flight that the limit applies to: this process's, or all its workers'."""
@@ -488,15 +492,20 @@ class Admission:
                                                        ("Retry-After", str(RETRY_AFTER)),
                                                        (REQUEST_ID_HEADER, valid_request_id(environ.get(_ID_ENVIRON)))])
             return [body]
-        entered, status = time.monotonic(), [""]
-        if gate.adaptive is not None:  # its latency counts if it succeeded
-            given = start_response
+        if gate.adaptive is None:  # a fixed cap: nothing to time
+            try:
+                return ClosingIterator(self.app(environ, start_response), gate.leave)
+            except BaseException:
+                gate.leave()
+                raise
+        entered, status, given = time.monotonic(), [""], start_response
 
-            def start_response(code: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
-                status[0] = code
-                return given(code, headers, exc_info) if exc_info is not None else given(code, headers)
+        def timed_start_response(code: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+            status[0] = code  # its latency counts if it succeeded
+            return given(code, headers, exc_info) if exc_info is not None else given(code, headers)
+
         try:
-            result = self.app(environ, start_response)
+            result = self.app(environ, timed_start_response)
         except BaseException:
             gate.leave()
             raise
