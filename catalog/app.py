@@ -217,19 +217,36 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
             command["at"] = time.time()
         return write(number, command)
 
+    @app.get("/keys")
+    @rt.guard
+    def keys() -> Response:
+        """``?after=N[&limit=L]``: the decrements' keys first used at log indexes above N, in log
+        order (``CatalogState.keys_after``); ``more`` says whether another page follows. The order
+        leader reads them to record buys whose decrement outlived their intent."""
+        after = query_int("after", 0, 2**62, 0)
+        limit = query_int("limit", 1, MAX_PAGE, MAX_PAGE)
+        rt.ensure_readable()
+        applied, found, more = state.keys_after(after, limit)
+        return jsonify({"keys": found, "more": more, "applied_index": applied})
+
     @app.post("/keys/expire")
     @rt.guard
     def expire_keys() -> Response:
         """Forget the idempotency keys used before ``before`` (Unix seconds). The order leader asks,
-        since it knows which buys are unfinished: it never names a time after the oldest of them."""
+        since it knows which buys are unfinished: it never names a time after the oldest of them.
+        ``scanned``: the log index up to which it has read the decrements' keys back; later ones
+        are kept (``CatalogState._expire``)."""
         body = json_body(required=True)
         before = body.get("before")
         if isinstance(before, bool) or not isinstance(before, int | float) or not 0 <= before <= time.time():
             fail(400, "before must be a time (Unix seconds) in the past")
+        command: dict[str, Any] = {"op": "expire", "before": float(before)}
+        if "scanned" in body:
+            command["scanned"] = int_field(body, "scanned", 0, 2**62)
         rt.leader_only()
         check_deadline(request_deadline(WRITE_DEADLINE), "the expiry was proposed")
         # Books are unchanged: no hold, no release.
-        return jsonify(rt.propose({"op": "expire", "before": float(before)}))
+        return jsonify(rt.propose(command))
 
     rt.start()
     if config.restock_every > 0 and config.restock_amount > 0:

@@ -46,8 +46,13 @@ class CatalogState(SQLiteStateMachine):
         "CREATE INDEX IF NOT EXISTS books_topic ON books(topic_key, item_number)",
         # ``at``: the key's time (Unix seconds, in the command, so the same on every replica): for a
         # decrement, when the order leader sent it (the first time: a repeat returns the first row);
-        # for an update, when the catalog leader proposed it; 0: kept for good.
-        "CREATE TABLE IF NOT EXISTS idempotency (key TEXT PRIMARY KEY, result TEXT NOT NULL, at REAL NOT NULL DEFAULT 0)",
+        # for an update, when the catalog leader proposed it; 0: kept for good. ``idx``: the log
+        # index of the entry that first used the key (0: from before it was kept), the order in which
+        # the order leader reads a buy's keys back (``keys_after``). ``item``, ``quantity``: a
+        # decrement's (NULL: an update's key), so that the order tier can record a buy whose
+        # decrement is all that survived (``pygmy.order.app.OrphanScan``).
+        """CREATE TABLE IF NOT EXISTS idempotency (key TEXT PRIMARY KEY, result TEXT NOT NULL,
+               at REAL NOT NULL DEFAULT 0, idx INTEGER NOT NULL DEFAULT 0, item INTEGER, quantity INTEGER)""",
     )
     digest_tables = ("books", "idempotency")
 
@@ -60,9 +65,17 @@ class CatalogState(SQLiteStateMachine):
             conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('stock_ledger', 0)")
         else:
             conn.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('stock_ledger', 1)")
-        if "at" not in {r[1] for r in conn.execute("PRAGMA table_info(idempotency)")}:
+        columns = {r[1] for r in conn.execute("PRAGMA table_info(idempotency)")}
+        if "at" not in columns:
             conn.execute("ALTER TABLE idempotency ADD COLUMN at REAL NOT NULL DEFAULT 0")
+        # Keys from before ``idx`` are all of buys whose intent was committed before their
+        # decrement was sent: 0, as if the order leader had read them back already.
+        if "idx" not in columns:
+            conn.execute("ALTER TABLE idempotency ADD COLUMN idx INTEGER NOT NULL DEFAULT 0")
+            conn.execute("ALTER TABLE idempotency ADD COLUMN item INTEGER")
+            conn.execute("ALTER TABLE idempotency ADD COLUMN quantity INTEGER")
         conn.execute("CREATE INDEX IF NOT EXISTS idempotency_at ON idempotency(at)")
+        conn.execute("CREATE INDEX IF NOT EXISTS idempotency_idx ON idempotency(idx)")
 
     def is_new(self) -> bool:
         """Nothing applied and no books: a replica that never started, or whose data was deleted."""
@@ -115,10 +128,31 @@ class CatalogState(SQLiteStateMachine):
     def key_count(self) -> int:
         return int(self.read("SELECT COUNT(*) FROM idempotency")[0][0])
 
+    def keys_after(self, after: int, limit: int) -> tuple[int, list[dict[str, Any]], bool]:
+        """The decrements' keys first used at log indexes above ``after``, in log order, at most
+        ``limit`` of them; the applied index they were read at, and whether more follow. What the
+        order leader reads to find buys whose decrement outlived their intent."""
+        applied, rows = self.read_at(
+            "SELECT key, result, at, idx, item, quantity FROM idempotency WHERE idx > ? AND quantity IS NOT NULL "
+            "ORDER BY idx LIMIT ?", (after, limit + 1))
+        out = []
+        for r in rows[:limit]:
+            result = json.loads(r["result"])
+            book = result.get("book") if result.get("ok") else None
+            out.append({"key": r["key"], "idx": r["idx"], "at": r["at"], "item": r["item"],
+                        "quantity": r["quantity"], "ok": book is not None,
+                        "title": book["title"] if book else None, "cost": book["cost"] if book else None})
+        return applied, out, len(rows) > limit
+
     # -- a backup's copy (``pygmy.cluster.backup``) --------------------------------------------------
     def remembered(self) -> dict[str, tuple[dict[str, Any], float]]:
         """Every remembered key: its first result and its time."""
         return {r["key"]: (json.loads(r["result"]), r["at"]) for r in self.read("SELECT * FROM idempotency")}
+
+    def decrements(self) -> dict[str, tuple[int, int]]:
+        """The book and quantity of each remembered decrement's key (not of keys from before they
+        were kept with it)."""
+        return {r[0]: (r[1], r[2]) for r in self.read("SELECT key, item, quantity FROM idempotency WHERE quantity IS NOT NULL")}
 
     def ledger(self) -> dict[int, tuple[int, int]]:
         """Each book's stock and the copies updates and restocks added to it: ``{item: (stock, added)}``."""
@@ -158,16 +192,30 @@ class CatalogState(SQLiteStateMachine):
             return self._expire(conn, command)
         raise ValueError(f"unknown catalog command {op!r}")
 
-    def _remember(self, conn: sqlite3.Connection, cmd: dict[str, Any], result: dict[str, Any]) -> None:
-        conn.execute("INSERT INTO idempotency(key, result, at) VALUES (?, ?, ?)",
-                     (cmd["key"], json.dumps(result), float(cmd.get("at", 0))))
+    def _remember(self, conn: sqlite3.Connection, index: int, cmd: dict[str, Any], result: dict[str, Any],
+                  decrement: bool = False) -> None:
+        conn.execute("INSERT INTO idempotency(key, result, at, idx, item, quantity) VALUES (?, ?, ?, ?, ?, ?)",
+                     (cmd["key"], json.dumps(result), float(cmd.get("at", 0)), index,
+                      cmd["item"] if decrement else None, cmd["quantity"] if decrement else None))
 
     def _expire(self, conn: sqlite3.Connection, cmd: dict[str, Any]) -> dict[str, Any]:
         """Forget the keys whose time is before ``before`` (Unix seconds, chosen by the order leader:
         never after its oldest unfinished buy). Keys without a time (``at`` 0: from before key
-        windows, or a caller that gave none) are kept."""
-        forgotten = conn.execute("DELETE FROM idempotency WHERE at > 0 AND at < ?", (float(cmd["before"]),)).rowcount
-        return {"ok": True, "forgotten": forgotten}
+        windows, or a caller that gave none) are kept. With ``scanned`` (the log index up to which the
+        order tier has read the decrements' keys back, ``keys_after``), keys of later decrements are
+        kept too, whatever their time: a buy's decrement the order tier has not seen yet may be all
+        that is left of it. ``kept_before``: the oldest time among the keys kept so (None: none),
+        below which the order tier must not forget keys either."""
+        before = float(cmd["before"])
+        scanned = cmd.get("scanned")
+        if scanned is None:  # an entry from before the order tier read keys back
+            forgotten = conn.execute("DELETE FROM idempotency WHERE at > 0 AND at < ?", (before,)).rowcount
+            return {"ok": True, "forgotten": forgotten}
+        forgotten = conn.execute("DELETE FROM idempotency WHERE at > 0 AND at < ? AND (idx <= ? OR quantity IS NULL)",
+                                 (before, int(scanned))).rowcount
+        kept = conn.execute("SELECT MIN(at) FROM idempotency WHERE at > 0 AND at < ? AND idx > ? "
+                            "AND quantity IS NOT NULL", (before, int(scanned))).fetchone()[0]
+        return {"ok": True, "forgotten": forgotten, "kept_before": kept}
 
     def _row(self, conn: sqlite3.Connection, item: int) -> sqlite3.Row | None:
         return conn.execute("SELECT * FROM books WHERE item_number=?", (item,)).fetchone()
@@ -190,7 +238,7 @@ class CatalogState(SQLiteStateMachine):
             result = error(404, f"no book with item number {item}")
         else:
             result = error(409, f"out of stock: {row['stock']} left of item {item}, {quantity} wanted")
-        self._remember(conn, cmd, result)
+        self._remember(conn, index, cmd, result, decrement=True)
         return result
 
     def _update(self, conn: sqlite3.Connection, index: int, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -218,7 +266,7 @@ class CatalogState(SQLiteStateMachine):
             result = {"ok": True, "book": {**book_dict(row), "stock": row["stock"] + delta, "cost": cost / 100,
                                            "version": index}}
         if key:
-            self._remember(conn, cmd, result)
+            self._remember(conn, index, cmd, result)
         return result
 
     def _restock(self, conn: sqlite3.Connection, index: int, cmd: dict[str, Any]) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
@@ -45,6 +46,12 @@ PROPOSE_TIMEOUT = 5.0
 CONFIRM_LINGER = 0.02
 #: A pending intent older than this with no buy in flight here is finished by the background sweep.
 STALE_INTENT = 2.0
+#: A decrement key with no order younger than this (by its time) may still see its intent commit:
+#: the orphan scan leaves it for its next round. Longer than a buy's budget (5 s) is not needed: an
+#: intent adopted early is found by the adoption, and the other way round.
+ORPHAN_AGE = 2.0
+#: Keys the orphan scan reads per request, and adopts per log entry at most.
+SCAN_PAGE = 1000
 #: What a buy hears when its time ran out before its decrement was sent.
 EXPIRED = Reply(504, {"error": {"code": 504, "message": "the buy's time budget was spent"}}, "order")
 
@@ -53,8 +60,6 @@ EXPIRED = Reply(504, {"error": {"code": 504, "message": "the buy's time budget w
 MAX_BUYS = 256
 
 
-class DeadlineSpent(Exception):
-    """A buy's time budget ran out; the message says how far it got."""
 
 
 class Buy(NamedTuple):
@@ -64,11 +69,55 @@ class Buy(NamedTuple):
     deadline: float  # monotonic
 
 
+class DeadlineSpent(Exception):
+    """A buy's time budget ran out; the message says how far it got."""
+
+
+#: A buy whose time ran out before anything of it was sent.
+NOTHING_DONE = DeadlineSpent("before its intent was proposed: nothing was done")
+
+
+def _intent(buy: Buy, created: str) -> dict[str, Any]:
+    return {"op": "intent", "key": buy.key, "item": buy.item, "quantity": buy.quantity, "created_at": created}
+
+
+def _not_sent(reply: Reply | BaseException) -> bool:
+    """A decrement that surely never reached the catalog: withdrawn from the queue, or left out of
+    its batch because its time had run out (the catalog proposes none once it has, either)."""
+    return (isinstance(reply, CombinerTimeout) and not reply.sent) or (isinstance(reply, Reply) and reply.status == 504)
+
+
+class _Outcomes:
+    """The outcomes of items submitted to a ``Combiner``, waited for together."""
+
+    def __init__(self, n: int) -> None:
+        self._results: list[Any] = [None] * n
+        self._left = n
+        self._done = threading.Condition()
+
+    def callback(self, n: int) -> Callable[[Any], None]:
+        def told(result: Any) -> None:
+            with self._done:
+                self._results[n] = result
+                self._left -= 1
+                self._done.notify_all()
+        return told
+
+    def wait(self, timeout: float) -> list[Any]:
+        """Every outcome, within ``timeout``: the combiner tells each item's, at the latest when the
+        batch in flight ends (a stopped one may not). One still untold is taken as unknown."""
+        with self._done:
+            self._done.wait_for(lambda: self._left == 0, timeout)
+            return [CombinerTimeout("no outcome told in time", sent=True) if r is None else r for r in self._results]
+
+
 class BuyProcessor:
     """Runs buys on the order leader and finishes any intent left pending."""
 
-    def __init__(self, rt: ReplicaRuntime, state: OrderState, catalog: ChannelRouter) -> None:
-        self.rt, self.state, self.catalog = rt, state, catalog
+    def __init__(self, rt: ReplicaRuntime, state: OrderState, catalog: ChannelRouter,
+                 keys: TierRouter | None = None) -> None:
+        """``catalog``: where decrements go; ``keys``: where the orphan scan reads the catalog's keys."""
+        self.rt, self.state, self.catalog, self.keys = rt, state, catalog, keys
         self._in_flight: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -102,6 +151,7 @@ class BuyProcessor:
         self._thread.join(timeout=5)
         self._confirm_due.set()
         self._confirmer.join(timeout=5)
+        self._intents.stop()  # its helper thread, which commits the intents sent with their decrements
 
     def buy(self, item: int, quantity: int, key: str, deadline: float) -> dict[str, Any]:
         """One buy (``buy_many`` of one); raises what it would hold as its outcome."""
@@ -114,28 +164,56 @@ class BuyProcessor:
         """Run buys, each by its own deadline (monotonic), their intents together in one log entry
         (with any other buys in flight here), their decrements in one catalog request. Each gets its
         order or the exception that ended it. No intent is proposed once its deadline has passed;
-        an intent proposed in time is finished whatever happens after (here, by a read, or by the sweep)."""
+        an intent proposed in time is finished whatever happens after (here, by a read, or by the sweep).
+
+        A buy whose key has no order here yet sends its decrement while its intent is being
+        committed, not after it: one majority commit's time off its path. Its decrement may then be
+        committed while its intent is lost (this leader dies or is deposed first); the orphan scan
+        (``scan_orphans``) records such a buy from the catalog's key. A key with an order here
+        already (a retry) goes intent first: that order may be finished and its catalog key
+        forgotten (the catalog forgets first), so a decrement sent blind could take stock twice.
+        Only a leader whose state holds every committed entry can tell a new key from an old one."""
         now = time.monotonic()
-        out: list[dict[str, Any] | BaseException] = [
-            DeadlineSpent("before its intent was proposed: nothing was done")] * len(buys)
+        out: list[dict[str, Any] | BaseException] = [NOTHING_DONE] * len(buys)
         todo = [i for i, b in enumerate(buys) if b.deadline > now]
         created = datetime.now(UTC).isoformat(timespec="milliseconds")
-        intents = self._intents.call_many(
-            [{"op": "intent", "key": buys[i].key, "item": buys[i].item, "quantity": buys[i].quantity,
-              "created_at": created} for i in todo],
-            [min(2 * PROPOSE_TIMEOUT + 1, buys[i].deadline - now) for i in todo])
-        recorded: list[int] = []
-        for i, r in zip(todo, intents, strict=True):
-            if isinstance(r, CombinerTimeout):
-                out[i] = (ProposalTimeout("the intent was not proposed in time; outcome unknown") if r.sent else
-                          DeadlineSpent("before its intent was proposed: nothing was done"))
-            else:
+        waits = [min(2 * PROPOSE_TIMEOUT + 1, b.deadline - now) for b in buys]
+        known = ({buys[i].key for i in todo} if not self.rt.node.can_serve_reads()
+                 else self.state.has_keys([buys[i].key for i in todo]))
+        together = [i for i in todo if buys[i].key not in known]
+        intents = _Outcomes(len(together))
+        for n, i in enumerate(together):  # committed by the combiner's helper thread meanwhile
+            self._intents.submit(_intent(buys[i], created), waits[i], intents.callback(n))
+        if together:
+            orders = [{"item_number": buys[i].item, "quantity": buys[i].quantity, "key": buys[i].key,
+                       "status": PENDING} for i in together]
+            sent, replies = self._decrement_all(orders, [buys[i].deadline for i in together])
+            ready: list[tuple[int, dict[str, Any], Reply | BaseException]] = []
+            for i, intent, reply in zip(together, intents.wait(max(waits) + PROPOSE_TIMEOUT + 1), replies, strict=True):
+                if isinstance(intent, CombinerTimeout) and not intent.sent:
+                    out[i] = NOTHING_DONE if _not_sent(reply) else ProposalTimeout(
+                        "the intent was not proposed in time, its decrement was sent: outcome unknown")
+                elif isinstance(intent, CombinerTimeout):
+                    out[i] = ProposalTimeout("the intent was not committed in time; outcome unknown")
+                elif isinstance(intent, BaseException) or intent["status"] != PENDING:
+                    out[i] = intent  # (an error: the orphan scan records the buy if its decrement was committed)
+                else:
+                    ready.append((i, intent, reply))
+            self._outcomes(out, ready, sent)
+        first = [i for i in todo if buys[i].key in known]
+        if first:  # intent first, then the decrement
+            recorded = self._intents.call_many([_intent(buys[i], created) for i in first], [waits[i] for i in first])
+            pending: list[int] = []
+            for i, r in zip(first, recorded, strict=True):
+                if isinstance(r, CombinerTimeout):
+                    out[i] = ProposalTimeout("the intent was not proposed in time; outcome unknown") if r.sent else NOTHING_DONE
+                else:
+                    out[i] = r
+                    if not isinstance(r, BaseException):
+                        pending.append(i)
+            finished = self.finish_many([out[i] for i in pending], [buys[i].deadline for i in pending])  # type: ignore[misc]
+            for i, r in zip(pending, finished, strict=True):
                 out[i] = r
-                if not isinstance(r, BaseException):
-                    recorded.append(i)
-        finished = self.finish_many([out[i] for i in recorded], [buys[i].deadline for i in recorded])  # type: ignore[misc]
-        for i, r in zip(recorded, finished, strict=True):
-            out[i] = r
         return out
 
     def _propose_all(self, commands: list[dict[str, Any]], what: str, count: int | None = None) -> list[Any]:
@@ -158,57 +236,66 @@ class BuyProcessor:
         sweep (or a read of the order) finishes it later, off the overloaded path."""
         out: list[dict[str, Any] | BaseException] = list(orders)
         pending = [i for i, o in enumerate(orders) if o["status"] == PENDING]
-        if not pending:
-            return out
+        if pending:
+            sent, replies = self._decrement_all([orders[i] for i in pending], [deadlines[i] for i in pending])
+            self._outcomes(out, [(i, orders[i], r) for i, r in zip(pending, replies, strict=True)], sent)
+        return out
+
+    def _decrement_all(self, orders: list[dict[str, Any]], deadlines: list[float | None]
+                       ) -> tuple[float, list[Reply | BaseException]]:
+        """The catalog's answers to the orders' decrements (sent together, each by its deadline),
+        and the keys' time: when they were sent. The catalog keeps the first time it got; the
+        outcome records this one, never earlier, so the order forgets the key no sooner (KeyExpirer)."""
         now = time.monotonic()
         ends = [d if d is not None else now + 2 * CATALOG_DEADLINE + 1 for d in deadlines]
-        keys = [orders[i]["key"] for i in pending]
-        # The keys' time: when this decrement is sent. The catalog keeps the first one it got; the
-        # outcome records this one, never earlier, so the order forgets the key no sooner (KeyExpirer).
+        keys = [o["key"] for o in orders]
         sent = time.time()
         with self._lock:
             self._in_flight.update(keys)
         try:
-            replies = self._decrements.call_many(
-                [({"item": orders[i]["item_number"], "quantity": orders[i]["quantity"], "key": orders[i]["key"],
-                   "at": sent}, ends[i]) for i in pending],
-                [min(2 * CATALOG_DEADLINE + 1, max(0.0, ends[i] - now)) for i in pending])
-            refused: list[tuple[int, dict[str, Any]]] = []
-            for i, reply in zip(pending, replies, strict=True):
-                key = orders[i]["key"]
-                if isinstance(reply, CombinerTimeout):
-                    out[i] = TierUnavailable("catalog", "the decrement was not sent in time")
-                elif isinstance(reply, BaseException):
-                    out[i] = reply
-                elif reply.status == 200:
-                    # Decided: the catalog's decrement under this key is committed. Answer now.
-                    title, cost = reply.body["title"], reply.body["cost"]
-                    self._confirm(key, title, cost, sent)
-                    out[i] = confirmed(orders[i], title, cost)
-                elif reply.status in (404, 409):
-                    err = reply.body["error"]
-                    refused.append((i, {"op": "fail", "key": key, "code": reply.status, "message": err["message"],
-                                        "at": sent}))
-                elif reply.status == 504:
-                    out[i] = DeadlineSpent("after its intent was recorded, before the stock was taken")
-                else:
-                    message = reply.body.get("error", {}).get("message", "")
-                    out[i] = ApiError(502, f"catalog answered {reply.status}: {message}")
-            if refused:  # the stock said no: recorded together, as the intents were
-                try:
-                    failed = self._propose_all([c for _, c in refused], "fails")
-                    for (i, _), order in zip(refused, failed, strict=True):
-                        # None: finished meanwhile and its key already forgotten (a buy older than
-                        # the key window); its outcome is whatever finished it.
-                        out[i] = order if order is not None else ApiError(
-                            503, "the buy was finished elsewhere and its key has expired")
-                except Exception as exc:  # left pending: a read or the sweep records it later
-                    for i, _ in refused:
-                        out[i] = exc
+            return sent, self._decrements.call_many(
+                [({"item": o["item_number"], "quantity": o["quantity"], "key": o["key"], "at": sent}, end)
+                 for o, end in zip(orders, ends, strict=True)],
+                [min(2 * CATALOG_DEADLINE + 1, max(0.0, end - now)) for end in ends])
         finally:
             with self._lock:
                 self._in_flight.difference_update(keys)
-        return out
+
+    def _outcomes(self, out: list[dict[str, Any] | BaseException],
+                  replies: list[tuple[int, dict[str, Any], Reply | BaseException]], sent: float) -> None:
+        """Each pending order's outcome from its decrement's reply, into ``out`` at its place."""
+        refused: list[tuple[int, dict[str, Any]]] = []
+        for i, order, reply in replies:
+            key = order["key"]
+            if isinstance(reply, CombinerTimeout):
+                out[i] = TierUnavailable("catalog", "the decrement was not sent in time")
+            elif isinstance(reply, BaseException):
+                out[i] = reply
+            elif reply.status == 200:
+                # Decided: the catalog's decrement under this key is committed. Answer now.
+                title, cost = reply.body["title"], reply.body["cost"]
+                self._confirm(key, title, cost, sent)
+                out[i] = confirmed(order, title, cost)
+            elif reply.status in (404, 409):
+                err = reply.body["error"]
+                refused.append((i, {"op": "fail", "key": key, "code": reply.status, "message": err["message"],
+                                    "at": sent}))
+            elif reply.status == 504:
+                out[i] = DeadlineSpent("after its intent was recorded, before the stock was taken")
+            else:
+                message = reply.body.get("error", {}).get("message", "")
+                out[i] = ApiError(502, f"catalog answered {reply.status}: {message}")
+        if refused:  # the stock said no: recorded together, as the intents were
+            try:
+                failed = self._propose_all([c for _, c in refused], "fails")
+                for (i, _), order in zip(refused, failed, strict=True):
+                    # None: finished meanwhile and its key already forgotten (a buy older than
+                    # the key window); its outcome is whatever finished it.
+                    out[i] = order if order is not None else ApiError(
+                        503, "the buy was finished elsewhere and its key has expired")
+            except Exception as exc:  # left pending: a read or the sweep records it later
+                for i, _ in refused:
+                    out[i] = exc
 
     def _send_decrements(self, items: list[tuple[dict[str, Any], float]]) -> list[Reply]:
         """One catalog request for the decrements of every buy waiting (``Combiner``): the catalog
@@ -273,6 +360,8 @@ class BuyProcessor:
                 continue
             try:
                 self._sweep()
+                if self.keys is not None and self.rt.node.can_serve_reads():
+                    self.scan_orphans()
             except Exception:
                 log.exception("intent sweep failed; retrying on the next one")
 
@@ -289,6 +378,49 @@ class BuyProcessor:
                 self.finish(order)
             except Exception as exc:  # retried on the next sweep
                 log.warning("could not finish order %s yet: %s", order["order_number"], exc)
+
+
+    def scan_orphans(self) -> int:
+        """Record every buy whose decrement the catalog committed while its intent was lost; how many.
+
+        Reads the catalog's decrement keys in log order from where the last scan stopped (the
+        replicated ``scanned`` index). A key with an order here, or whose decrement took no stock,
+        is settled. One with neither is an orphan, unless it is younger than ORPHAN_AGE (its
+        intent may still be on its way): the scan stops before it and takes it up next time. The
+        orphans are adopted, confirmed from their decrement's answer, in one entry with the new
+        ``scanned`` index. Adopting a key whose intent commits after all is harmless: whichever
+        comes first makes the order, the other finds it. Called on a leader whose state holds every
+        committed entry, so "no order here" is true of the whole log."""
+        assert self.keys is not None
+        after = self.state.scanned()
+        adopt: list[dict[str, Any]] = []
+        upto = after
+        young = time.time() - ORPHAN_AGE
+        while len(adopt) < SCAN_PAGE:
+            reply = self.keys.read("/keys", time.monotonic() + CATALOG_DEADLINE, {"after": upto, "limit": SCAN_PAGE})
+            if reply.status != 200:
+                raise RuntimeError(f"the catalog did not list its keys: {reply.status} {reply.body}")
+            found = reply.body["keys"]
+            ordered = self.state.has_keys([k["key"] for k in found])
+            stopped = False
+            for k in found:
+                if k["ok"] and k["key"] not in ordered:
+                    if k["at"] > young:
+                        stopped = True
+                        break
+                    adopt.append({"op": "adopt", "key": k["key"], "item": k["item"], "quantity": k["quantity"],
+                                  "title": k["title"], "cost": k["cost"], "at": k["at"],
+                                  "created_at": datetime.fromtimestamp(k["at"], UTC).isoformat(timespec="milliseconds")})
+                upto = k["idx"]
+            if stopped or not reply.body["more"]:
+                break
+        if upto == after:
+            return 0
+        if adopt:
+            log.warning("recording %d buys whose decrement outlived their intent: %s", len(adopt),
+                        ", ".join(a["key"] for a in adopt[:5]))
+        self._propose_all([*adopt, {"op": "scanned", "upto": upto}], "adopts", len(adopt))
+        return len(adopt)
 
 
 def unix(created_at: str) -> float:
@@ -333,9 +465,15 @@ class KeyExpirer(Periodic):
         oldest = self.state.oldest_pending()
         if oldest is not None:
             cutoff = min(cutoff, unix(oldest))
-        reply = self.catalog.write("/keys/expire", {"before": cutoff}, time.monotonic() + PROPOSE_TIMEOUT)
+        # Keys of decrements the orphan scan has not read yet stay (a buy may have nothing else
+        # left); the catalog tells the oldest time it kept so, and this tier keeps its own from it.
+        reply = self.catalog.write("/keys/expire", {"before": cutoff, "scanned": self.state.scanned()},
+                                   time.monotonic() + PROPOSE_TIMEOUT)
         if reply.status != 200:
             raise RuntimeError(f"the catalog did not forget its keys: {reply.status} {reply.body}")
+        kept = reply.body.get("kept_before")
+        if kept is not None:
+            cutoff = min(cutoff, float(kept))
         mine = self.rt.propose({"op": "expire", "before": cutoff}, PROPOSE_TIMEOUT)
         return {"catalog": int(reply.body["forgotten"]), "order": int(mine["forgotten"])}
 
@@ -392,7 +530,7 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
     # The decrements as frames on the catalog's peer transport (``/books/decrements``'s work).
     decrements = ChannelRouter("catalog", config.peers_for(rt.name, "catalog"), rt.secret, rt.name, DECREMENTS_CHANNEL,
                                sightings=seen)
-    buys = BuyProcessor(rt, state, decrements)
+    buys = BuyProcessor(rt, state, decrements, catalog)
     app = rt.create_app()
     app.extensions["pygmy_runtime"] = rt
     app.extensions["pygmy_sightings"] = Watchers(seen)  # stopped with the worker (pygmy/cluster/serve.py)

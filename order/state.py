@@ -82,11 +82,42 @@ class OrderState(SQLiteStateMachine):
     def all_orders(self) -> list[dict[str, Any]]:
         return [order_dict(r) for r in self.read("SELECT * FROM orders ORDER BY order_number")]
 
+    def scanned(self) -> int:
+        """The catalog's log index up to which the decrements' keys were read back and every buy
+        among them has its order here (``pygmy.order.app.OrphanScan``)."""
+        rows = self.read("SELECT value FROM meta WHERE key='catalog_scanned'")
+        return int(rows[0][0]) if rows else 0
+
+    def has_keys(self, keys: list[str]) -> set[str]:
+        """Which of ``keys`` an order here still holds."""
+        if not keys:
+            return set()
+        rows = self.read(f"SELECT key FROM orders WHERE key IN ({','.join('?' * len(keys))})", tuple(keys))
+        return {r[0] for r in rows}
+
     def by_key(self, key: str) -> dict[str, Any] | None:
         rows = self.read("SELECT * FROM orders WHERE key=?", (key,))
         return order_dict(rows[0]) if rows else None
 
     # -- commands ---------------------------------------------------------------------------------
+    def _intent(self, conn: sqlite3.Connection, command: dict[str, Any]) -> None:
+        """A pending order under the command's key, numbered next, unless the key has one already."""
+        if conn.execute("SELECT 1 FROM orders WHERE key=?", (command["key"],)).fetchone() is None:
+            conn.execute(
+                "INSERT INTO orders(order_number, key, item_number, quantity, status, created_at) "
+                "VALUES ((SELECT COALESCE(MAX(order_number), 0) + 1 FROM orders), ?, ?, ?, ?, ?)",
+                (command["key"], command["item"], command["quantity"], PENDING, command["created_at"]),
+            )
+
+    def _confirm(self, conn: sqlite3.Connection, command: dict[str, Any]) -> None:
+        """The pending order under the command's key confirmed with its title, cost and key time."""
+        key = command["key"]
+        row = conn.execute("SELECT * FROM orders WHERE key=? AND status=?", (key, PENDING)).fetchone()
+        if row is not None:
+            done = confirmed(order_dict(row), command["title"], command["cost"])
+            conn.execute("UPDATE orders SET status=?, title=?, cost_cents=?, key_time=? WHERE key=? AND status=?",
+                         (CONFIRMED, done["title"], int(round(done["cost"] * 100)), command.get("at"), key, PENDING))
+
     def execute(self, conn: sqlite3.Connection, index: int, command: dict[str, Any]) -> Any:
         op = command["op"]
         if op == "expire":
@@ -95,21 +126,22 @@ class OrderState(SQLiteStateMachine):
                 "UPDATE orders SET key = NULL WHERE key IS NOT NULL AND key_time < ? AND status != ?",
                 (float(command["before"]), PENDING)).rowcount
             return {"forgotten": forgotten}
+        if op == "scanned":
+            # Never backwards: two leaders' scans may commit out of order.
+            conn.execute("INSERT INTO meta(key, value) VALUES ('catalog_scanned', ?) ON CONFLICT(key) "
+                         "DO UPDATE SET value = MAX(value, excluded.value)", (int(command["upto"]),))
+            return {"scanned": conn.execute("SELECT value FROM meta WHERE key='catalog_scanned'").fetchone()[0]}
         key = command["key"]
         if op == "intent":
-            if conn.execute("SELECT 1 FROM orders WHERE key=?", (key,)).fetchone() is None:
-                conn.execute(
-                    "INSERT INTO orders(order_number, key, item_number, quantity, status, created_at) "
-                    "VALUES ((SELECT COALESCE(MAX(order_number), 0) + 1 FROM orders), ?, ?, ?, ?, ?)",
-                    (key, command["item"], command["quantity"], PENDING, command["created_at"]),
-                )
+            self._intent(conn, command)
+        elif op == "adopt":
+            # A buy whose decrement was committed while its intent was lost (its leader died first):
+            # recorded from the decrement, as its intent and confirm would have recorded it. A key
+            # here already (its intent arrived after all, or a retry made one) is only confirmed.
+            self._intent(conn, command)
+            self._confirm(conn, command)
         elif op == "confirm":
-            row = conn.execute("SELECT * FROM orders WHERE key=? AND status=?", (key, PENDING)).fetchone()
-            if row is not None:
-                done = confirmed(order_dict(row), command["title"], command["cost"])
-                conn.execute("UPDATE orders SET status=?, title=?, cost_cents=?, key_time=? WHERE key=? AND status=?",
-                             (CONFIRMED, done["title"], int(round(done["cost"] * 100)), command.get("at"), key,
-                              PENDING))
+            self._confirm(conn, command)
         elif op == "fail":
             conn.execute(
                 "UPDATE orders SET status=?, error_code=?, error_message=?, key_time=? WHERE key=? AND status=?",

@@ -10,8 +10,10 @@ have seen (docs/replication.md, "Backups: one cut across two tiers", says why):
   failed by that result;
 - one with no decrement in the catalog copy failed: no client saw it succeed before the cut;
 - a decrement in the catalog copy whose key has no order in the order copy (a buy that began after
-  the order cut; the second order copy names its book and quantity) is undone: its copies go back
-  to stock and its key is forgotten.
+  the order cut, or one whose intent was lost with its leader and not yet recorded from the
+  decrement; the catalog keeps each decrement's book and quantity beside its key, and for keys
+  from before that the second order copy names them) is undone: its copies go back to stock and
+  its key is forgotten.
 
 Then, book by book, stock = initial (the seed) + what updates and restocks added (``stock_added``)
 - the copies of confirmed orders. ``check`` proves that on every archive, before it is written,
@@ -168,12 +170,17 @@ def settle(order_db: Path, catalog_db: Path, order_after_db: Path, cut: float, k
                     orders.execute(conn, 0, {"op": "fail", "key": o["key"], "code": err.get("code", 409),
                                              "message": err.get("message", ""), "at": at or None})
                     counts["failed"] += 1
+        decrements = catalog.decrements()
         with catalog.amend() as conn:
             for key in sorted(set(remembered) - order_keys):
-                later = after.by_key(key)
-                if later is None:
-                    continue  # not a buy's: an update's key
-                catalog.undo_decrement(conn, key, later["item_number"], later["quantity"])
+                if key in decrements:
+                    item, quantity = decrements[key]
+                else:  # a key from before the catalog kept a decrement's book and quantity with it
+                    later = after.by_key(key)
+                    if later is None:
+                        continue  # not a buy's: an update's key
+                    item, quantity = later["item_number"], later["quantity"]
+                catalog.undo_decrement(conn, key, item, quantity)
                 counts["undone" if remembered[key][0].get("ok") else "forgotten_refusals"] += 1
         return dict(counts)
     finally:

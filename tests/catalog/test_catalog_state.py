@@ -443,3 +443,53 @@ def test_build_seed_reports_progress_makes_its_directory_and_leaves_only_the_see
     built = CatalogState(dest)
     assert [built.book(n) for n in (1, 2, 3)] == [book(1, 10), book(2, 0), None]
     built.close()
+
+
+def test_keys_after_lists_the_decrements_keys_in_log_order_with_their_buy(state: CatalogState, log: Log) -> None:
+    """What the order leader's orphan scan reads: each decrement's key at the index that first
+    used it, with its book, quantity and answer; an update's key is not a buy's and is left out."""
+    log({**decrement(1, 2, "a"), "at": 100.0})  # index 1
+    log({**update(3, stock_delta=1), "key": "u", "at": 100.0})  # index 2
+    log({"op": "decrements", "items": [{**decrement(2, 1, "b"), "at": 101.0},  # index 3: refused, none left
+                                       {**decrement(3, 1, "c"), "at": 101.0}]})
+    log({**decrement(1, 2, "a"), "at": 200.0})  # a repeat: still at index 1, its first time
+    applied, keys, more = state.keys_after(0, 10)
+    assert applied == 4 and not more
+    assert [(k["key"], k["idx"], k["item"], k["quantity"], k["ok"], k["at"]) for k in keys] == [
+        ("a", 1, 1, 2, True, 100.0), ("b", 3, 2, 1, False, 101.0), ("c", 3, 3, 1, True, 101.0)]
+    assert (keys[0]["title"], keys[0]["cost"]) == (BOOKS[0]["title"], BOOKS[0]["cost"])
+    assert keys[1]["title"] is None
+    assert [k["key"] for k in state.keys_after(1, 1)[1]] == ["b"] and state.keys_after(1, 1)[2]
+    assert state.keys_after(3, 10)[1] == []
+    assert state.decrements() == {"a": (1, 2), "b": (2, 1), "c": (3, 1)}
+
+
+def test_expire_keeps_the_keys_the_order_tier_has_not_read_back(state: CatalogState, log: Log) -> None:
+    """With ``scanned``, a decrement's key used after that index is kept whatever its time (it may be
+    all that is left of a buy), and the oldest time kept so is reported; an update's key is not a buy's."""
+    log({**decrement(1, 1, "read"), "at": 100.0})  # index 1
+    log({**decrement(1, 1, "unread"), "at": 120.0})  # index 2
+    log({**update(3, stock_delta=1), "key": "u", "at": 110.0})  # index 3
+    log({**decrement(1, 1, "young"), "at": 500.0})  # index 4
+    assert log({"op": "expire", "before": 200.0, "scanned": 1}) == {"ok": True, "forgotten": 2, "kept_before": 120.0}
+    assert sorted(state.remembered()) == ["unread", "young"]
+    assert log({"op": "expire", "before": 200.0, "scanned": 4}) == {"ok": True, "forgotten": 1, "kept_before": None}
+    assert sorted(state.remembered()) == ["young"]
+    applied, kept, recomputed = state.full_digest()
+    assert kept == recomputed
+
+
+def test_a_database_from_before_the_keys_were_indexed_counts_them_as_read_back(tmp_path: Path) -> None:
+    """Keys from before ``idx`` are of buys whose intent came first: index 0, never orphans."""
+    path = tmp_path / "old.db"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE idempotency (key TEXT PRIMARY KEY, result TEXT NOT NULL, at REAL NOT NULL DEFAULT 0)")
+    conn.execute("INSERT INTO idempotency VALUES ('k1', '{\"ok\": true, \"book\": {}}', 100.0)")
+    conn.commit()
+    conn.close()
+    s = CatalogState(path)
+    assert s.keys_after(0, 10)[1] == [] and s.decrements() == {}
+    assert s.apply(1, {"op": "expire", "before": 200.0, "scanned": 0}) == {"ok": True, "forgotten": 1, "kept_before": None}
+    applied, kept, recomputed = s.full_digest()
+    assert kept == recomputed
+    s.close()

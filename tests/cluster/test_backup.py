@@ -41,6 +41,8 @@ def cut(tmp_path: Path) -> dict[str, Path]:
     d: intent before the order copy, no decrement by the catalog copy -> failed (not in the backup)
     e: intent after the order copy, decrement before the catalog copy -> decrement undone
     f: the same as e, refused by the catalog                    -> its key forgotten, no stock moved
+    g: a decrement whose intent was lost with its leader (in neither order copy: the orphan scan
+       had not recorded it yet)                                 -> undone from the catalog's own record
     u: an admin update (+5 copies of book 3) under its own key  -> kept, in the ledger
     """
     build_seed(load_books(None), tmp_path / "seed.db")
@@ -60,8 +62,9 @@ def cut(tmp_path: Path) -> dict[str, Path]:
     catalog.apply(4, decrement("e", item=4, quantity=3))
     catalog.apply(5, decrement("f", item=4, quantity=999_999))
     catalog.apply(6, {"op": "update", "item": 3, "stock_delta": 5, "key": "u"})
+    catalog.apply(7, decrement("g", item=1, quantity=2))
     copy_of(catalog, folder / "catalog.db")  # the catalog cut
-    catalog.apply(7, decrement("d"))  # too late for the catalog copy
+    catalog.apply(8, decrement("d"))  # too late for the catalog copy
     copy_of(orders, tmp_path / "order-after.db")
     shutil.copyfile(tmp_path / "seed.db", folder / "seed.db")
     orders.close_all()
@@ -83,17 +86,18 @@ def rows(db: Path, sql: str) -> list[tuple]:
 
 
 def test_each_split_buy_is_settled_to_what_its_client_may_have_seen(cut: dict[str, Path]) -> None:
-    assert settle(cut) == {"confirmed": 1, "failed": 1, "failed_not_in_catalog": 1, "undone": 1,
+    assert settle(cut) == {"confirmed": 1, "failed": 1, "failed_not_in_catalog": 1, "undone": 2,
                            "forgotten_refusals": 1}
     f = cut["folder"]
     status = dict(rows(f / "order.db", "SELECT key, status FROM orders"))
     assert status == {"a": "confirmed", "b": "confirmed", "c": "failed", "d": "failed"}
     assert rows(f / "order.db", "SELECT error_code FROM orders WHERE key='d'") == [(409,)]
     keys = {k for (k,) in rows(f / "catalog.db", "SELECT key FROM idempotency")}
-    assert keys == {"a", "b", "c", "u"}  # e's and f's decrements are forgotten, the update's key kept
+    assert keys == {"a", "b", "c", "u"}  # e's, f's and g's decrements are forgotten, the update's key kept
     stock = dict(rows(f / "catalog.db", "SELECT item_number, stock FROM books"))
     initial = dict(rows(f / "seed.db", "SELECT item_number, stock FROM books"))
     assert stock[2] == initial[2] - 2 and stock[4] == initial[4] and stock[3] == initial[3] + 5
+    assert stock[1] == initial[1]
     problems, facts = backup.check(f)
     assert problems == [] and facts["confirmed"] == 2 and facts["copies_sold"] == 2 and facts["stock_ledger"]
 

@@ -67,7 +67,10 @@ Without the variables below it does nothing.
   they are applied, before the turn's next step: a follower's end of the turn, a leader's news of
   the commit not yet sent when the Ready had no new entries). And, for a leader, ``answered``: just
   after it wrote a frame's reply that left work for after it (``transport.after_reply``: the
-  catalog's release pushes for the decrements it answered, the order confirmer's wake-up).
+  catalog's release pushes for the decrements it answered, the order confirmer's wake-up). And, for
+  an order leader, ``decremented``: just after the catalog answered a batch of decrements sent
+  together with their buys' intents, which wait meanwhile (while the file names the point) so that
+  they are never proposed: the decrements outlive their intents, and the orphan scan must record them.
 - ``PYGMY_MUTATION=ack-before-persist``: a follower sends its acknowledgement of appended entries
   before writing them (``Ready.steps`` gives send, persist, apply for its Ready): a follower killed
   right after acknowledging loses entries its leader counted towards a commit.
@@ -492,6 +495,36 @@ def _crash_at(flag: str) -> None:
         after(self)
 
     ReplicaNode.__init__, transport._AfterReply.run = initing, after_reply
+
+    from pygmy.replication.batching import Combiner
+
+    combiner_init = Combiner.__init__
+
+    def wanted(point):  # type: ignore[no-untyped-def]
+        try:
+            return open(flag).read().split()[1:] == ["leader", point]  # noqa: SIM115
+        except (OSError, IndexError):
+            return False
+
+    def combining(self, send, *args, **kw):  # type: ignore[no-untyped-def]
+        # ``decremented``: an order leader whose buys' decrements the catalog has just answered, their
+        # intents not yet proposed (held back while the point is wanted): the decrements outlive them.
+        name, real = getattr(send, "__name__", ""), send
+        if name == "_send_decrements":
+            def send(items):  # type: ignore[no-untyped-def]
+                replies = real(items)
+                if any(getattr(r, "status", None) == 200 for r in replies) and nodes and claimed(nodes[-1], "decremented"):
+                    die()
+                return replies
+        elif name == "_propose_intents":
+            def send(items):  # type: ignore[no-untyped-def]
+                until = time.monotonic() + 3
+                while wanted("decremented") and time.monotonic() < until:
+                    time.sleep(0.002)
+                return real(items)
+        combiner_init(self, send, *args, **kw)
+
+    Combiner.__init__ = combining
 
 
 def _crash_mid_batch(flag: str) -> None:

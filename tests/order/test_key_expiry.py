@@ -41,12 +41,13 @@ class FakeRuntime:
 class FakeCatalog:
     def __init__(self, status: int = 200) -> None:
         self.status, self.asked = status, []
+        self.kept: float | None = None  # the oldest time of a key it kept for the orphan scan
 
     def write(self, path: str, body: dict[str, Any], deadline: float) -> Reply:
         self.asked.append((path, body))
         if self.status != 200:
             return Reply(self.status, {"error": {"code": self.status, "message": "no leader"}}, "catalog-1")
-        return Reply(200, {"ok": True, "forgotten": 4}, "catalog-1")
+        return Reply(200, {"ok": True, "forgotten": 4, "kept_before": self.kept}, "catalog-1")
 
 
 @pytest.fixture
@@ -134,3 +135,18 @@ def test_a_key_is_forgotten_after_its_window_on_every_replica(tmp_path: Path) ->
         assert verify["ok"], verify
     finally:
         c.stop()
+
+
+def test_keys_the_catalog_kept_for_the_orphan_scan_hold_this_tiers_time_back(rt: FakeRuntime) -> None:
+    """The catalog keeps the keys of decrements the orphan scan has not read (``scanned`` in the
+    request) and says the oldest time it kept: this tier forgets nothing from that time on."""
+    now = time.time()
+    order(rt, "older", now - 3 * WINDOW)
+    order(rt, "unread", now - 2 * WINDOW)  # its decrement was sent at now - 2 * WINDOW + 1
+    rt.propose({"op": "scanned", "upto": 17})
+    catalog = FakeCatalog()
+    catalog.kept = now - 2 * WINDOW + 1
+    KeyExpirer(rt, rt.state, catalog, WINDOW).expire()  # type: ignore[arg-type]
+    assert catalog.asked[0][1]["scanned"] == 17
+    assert rt.proposed[-1] == {"op": "expire", "before": now - 2 * WINDOW + 1}
+    assert rt.state.order(1)["key"] is None and rt.state.order(2)["key"] == "unread"

@@ -297,3 +297,40 @@ def test_a_database_from_before_key_windows_is_migrated_with_its_orders(tmp_path
     s.snapshot_to(tmp_path / "snap.db")
     fresh.restore(3, tmp_path / "snap.db")
     assert fresh.applied_and_digest() == s.applied_and_digest()
+
+
+def adopt(key: str, item: int = 3, quantity: int = 1, title: str = "RPCs for Dummies", cost: float = 15.0
+          ) -> dict[str, Any]:
+    return {"op": "adopt", "key": key, "item": item, "quantity": quantity, "title": title, "cost": cost,
+            "at": 100.0, "created_at": AT}
+
+
+def test_adopt_records_a_buy_from_its_decrement_alone(state: OrderState, log: Log) -> None:
+    """A decrement that outlived its intent: the order is made confirmed, numbered next."""
+    log(intent("first"))
+    got = log(adopt("orphan", item=2, quantity=3))
+    assert got == {**confirmed(pending_order(2, "orphan", item=2, quantity=3), "RPCs for Dummies", 15.0),
+                   "created_at": AT}
+    assert state.by_key("orphan")["status"] == CONFIRMED
+    # Its intent arriving after all (or a retry's) finds the order: one order per key.
+    assert log(intent("orphan", item=2, quantity=3)) == got
+    assert log(adopt("orphan", item=2, quantity=3)) == got
+
+
+def test_adopt_confirms_a_pending_order_and_leaves_a_finished_one(state: OrderState, log: Log) -> None:
+    log(intent("pending"))
+    log(intent("failed"))
+    log(fail("failed"))
+    assert log(adopt("pending"))["status"] == CONFIRMED
+    assert log(adopt("failed"))["status"] == FAILED
+    assert [o["order_number"] for o in state.all_orders()] == [1, 2]
+
+
+def test_scanned_only_moves_forward(state: OrderState, log: Log) -> None:
+    assert state.scanned() == 0
+    assert log({"op": "scanned", "upto": 7}) == {"scanned": 7}
+    assert log({"op": "scanned", "upto": 3}) == {"scanned": 7}, "an older scan's entry committed late"
+    assert state.scanned() == 7
+    assert state.has_keys(["a", "b"]) == set()
+    log(intent("a"))
+    assert state.has_keys(["a", "b"]) == {"a"} and state.has_keys([]) == set()

@@ -81,6 +81,47 @@ def test_leaders_killed_between_an_answer_and_the_work_left_for_after_it(crash_c
     kills_under_load(crash_cluster, tmp_path, "leader", [("catalog", "answered"), ("order", "answered")])
 
 
+def test_order_leaders_killed_between_a_decrement_and_its_intent(crash_cluster, tmp_path: Path) -> None:
+    """An order leader sends a buy's decrement while its intent is being committed. SIGKILL it
+    right after the catalog answered decrements whose intents were never proposed (the point
+    ``decremented``), twice, under load: the buys' retries and the orphan scan leave every
+    guarantee standing."""
+    kills_under_load(crash_cluster, tmp_path, "leader", [("order", "decremented"), ("order", "decremented")])
+
+
+def test_a_decrement_that_outlived_its_intent_is_recorded_from_the_catalog(crash_cluster, tmp_path: Path) -> None:
+    """The same instant, with nobody to retry: a buy sent straight to the order leader, which dies
+    of the hook once the catalog took the stock, before the intent was proposed. The next order
+    leader finds the decrement's key with no order (the orphan scan) and records the buy from it,
+    confirmed; a retry with the key later gets that order, and the stock falls once."""
+    flag = tmp_path / "crash-at"
+    c = crash_cluster(PYGMY_TEST_CRASH_AT=str(flag))
+    first = buy(c, 5, "warm-up")
+    lead = leader(c, "order")
+    before = stock(c, leader(c, "catalog"), 3)
+    flag.write_text("order leader decremented")
+    with pytest.raises(requests.RequestException):  # it dies before it answers
+        requests.post(f"{c.replica_url(lead)}/buy", json={"item": 3, "quantity": 1, "key": "k:orphan"},
+                      headers={"Authorization": f"Bearer {c.secret()}"}, timeout=10)
+    assert not flag.exists(), "the hook did not fire"
+    wait_for(f"{lead} dead", lambda: not alive(c, lead))
+    assert stock(c, leader(c, "catalog"), 3) == before - 1  # taken, and no order has it yet
+    number = first["order_number"] + 1  # the intent never took a number
+
+    def recorded() -> dict | None:
+        r = requests.get(f"{c.url}/orders/{number}", timeout=5)
+        return r.json() if r.status_code == 200 else None
+
+    order = wait_for("the orphan scan to record the buy", recorded, timeout=30)
+    assert (order["item_number"], order["quantity"]) == (3, 1), order
+    c.restart(lead)
+    again = buy(c, 3, "orphan")
+    assert again["order_number"] == number, (again, order)
+    assert stock(c, leader(c, "catalog"), 3) == before - 1
+    wait_converged(c, "order")
+    wait_converged(c, "catalog")
+
+
 def kills_under_load(crash_cluster, tmp_path: Path, role: str, points: list[tuple[str, str]]) -> None:
     """A SIGKILL of a replica in ``role`` at each ``(tier, point)`` in turn, under load, each victim
     restarted at once; then every guarantee is checked from outside (``chaos_check``)."""
