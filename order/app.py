@@ -119,6 +119,7 @@ class BuyProcessor:
         """``catalog``: where decrements go; ``keys``: where the orphan scan reads the catalog's keys."""
         self.rt, self.state, self.catalog, self.keys = rt, state, catalog, keys
         self._in_flight: set[str] = set()
+        self._buying = 0  # calls of buy_many under way
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -172,13 +173,28 @@ class BuyProcessor:
         (``scan_orphans``) records such a buy from the catalog's key. A key with an order here
         already (a retry) goes intent first: that order may be finished and its catalog key
         forgotten (the catalog forgets first), so a decrement sent blind could take stock twice.
-        Only a leader whose state holds every committed entry can tell a new key from an old one."""
+        Only a leader whose state holds every committed entry can tell a new key from an old one.
+
+        And only buys that arrive with no other buy in flight here go together. Under load the
+        intents' commit is what gathers the buys of several requests into one catalog request
+        (one hold round, one catalog entry): sent at once they went in more, smaller batches, and
+        32 closed-loop buyers got 0.945x the throughput at 1.095x the CPU per buy."""
+        with self._lock:
+            alone = self._buying == 0
+            self._buying += 1
+        try:
+            return self._buy_many(buys, alone)
+        finally:
+            with self._lock:
+                self._buying -= 1
+
+    def _buy_many(self, buys: list[Buy], together_ok: bool) -> list[dict[str, Any] | BaseException]:
         now = time.monotonic()
         out: list[dict[str, Any] | BaseException] = [NOTHING_DONE] * len(buys)
         todo = [i for i, b in enumerate(buys) if b.deadline > now]
         created = datetime.now(UTC).isoformat(timespec="milliseconds")
         waits = [min(2 * PROPOSE_TIMEOUT + 1, b.deadline - now) for b in buys]
-        known = ({buys[i].key for i in todo} if not self.rt.node.can_serve_reads()
+        known = ({buys[i].key for i in todo} if not (together_ok and self.rt.node.can_serve_reads())
                  else self.state.has_keys([buys[i].key for i in todo]))
         together = [i for i in todo if buys[i].key not in known]
         intents = _Outcomes(len(together))
