@@ -52,6 +52,8 @@ STALE_INTENT = 2.0
 ORPHAN_AGE = 2.0
 #: Keys the orphan scan reads per request, and adopts per log entry at most.
 SCAN_PAGE = 1000
+#: Seconds between two orphan scans of a leader (a new leader scans at once).
+SCAN_EVERY = 5.0
 #: What a buy hears when its time ran out before its decrement was sent.
 EXPIRED = Reply(504, {"error": {"code": 504, "message": "the buy's time budget was spent"}}, "order")
 
@@ -67,6 +69,10 @@ class Buy(NamedTuple):
     quantity: int
     key: str
     deadline: float  # monotonic
+
+
+class ScanRefused(Exception):
+    """The catalog did not list its keys (no leader, not ready): the orphan scan waits for the next sweep."""
 
 
 class DeadlineSpent(Exception):
@@ -120,6 +126,9 @@ class BuyProcessor:
         self.rt, self.state, self.catalog, self.keys = rt, state, catalog, keys
         self._in_flight: set[str] = set()
         self._buying = 0  # calls of buy_many under way
+        self._scan_due = 0.0  # monotonic: when the next orphan scan is due
+        #: The last orphan scan stopped before a key too young to call an orphan: the next comes soon.
+        self.young_orphan = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -144,6 +153,7 @@ class BuyProcessor:
         if is_leader:
             # Intents older than our leadership cannot be in flight here: finish them at once.
             self._leader_since = time.time()
+            self._scan_due = 0.0
             self._wake.set()
 
     def stop(self) -> None:
@@ -376,8 +386,17 @@ class BuyProcessor:
                 continue
             try:
                 self._sweep()
-                if self.keys is not None and self.rt.node.can_serve_reads():
-                    self.scan_orphans()
+                if self.keys is not None and self.rt.node.can_serve_reads() and time.monotonic() >= self._scan_due:
+                    # Orphans come only from a leader's death or deposition: a new leader scans
+                    # at once, then every SCAN_EVERY (every sweep while a young key is waited for).
+                    self._scan_due = time.monotonic() + SCAN_EVERY
+                    try:
+                        self.scan_orphans()
+                    except (TierUnavailable, NotLeader, ProposalTimeout, ScanRefused) as exc:
+                        log.warning("orphan scan not done yet (%s); retrying on the next sweep", exc)
+                        self.young_orphan = True
+                    if self.young_orphan:
+                        self._scan_due = 0.0
             except Exception:
                 log.exception("intent sweep failed; retrying on the next one")
 
@@ -412,13 +431,13 @@ class BuyProcessor:
         adopt: list[dict[str, Any]] = []
         upto = after
         young = time.time() - ORPHAN_AGE
+        stopped = False  # before a key too young to call an orphan yet
         while len(adopt) < SCAN_PAGE:
             reply = self.keys.read("/keys", time.monotonic() + CATALOG_DEADLINE, {"after": upto, "limit": SCAN_PAGE})
             if reply.status != 200:
-                raise RuntimeError(f"the catalog did not list its keys: {reply.status} {reply.body}")
+                raise ScanRefused(f"the catalog did not list its keys: {reply.status} {reply.body}")
             found = reply.body["keys"]
             ordered = self.state.has_keys([k["key"] for k in found])
-            stopped = False
             for k in found:
                 if k["ok"] and k["key"] not in ordered:
                     if k["at"] > young:
@@ -430,12 +449,12 @@ class BuyProcessor:
                 upto = k["idx"]
             if stopped or not reply.body["more"]:
                 break
-        if upto == after:
-            return 0
-        if adopt:
-            log.warning("recording %d buys whose decrement outlived their intent: %s", len(adopt),
-                        ", ".join(a["key"] for a in adopt[:5]))
-        self._propose_all([*adopt, {"op": "scanned", "upto": upto}], "adopts", len(adopt))
+        if upto != after:
+            if adopt:
+                log.warning("recording %d buys whose decrement outlived their intent: %s", len(adopt),
+                            ", ".join(a["key"] for a in adopt[:5]))
+            self._propose_all([*adopt, {"op": "scanned", "upto": upto}], "adopts", len(adopt))
+        self.young_orphan = stopped
         return len(adopt)
 
 

@@ -85,7 +85,9 @@ def test_a_young_key_with_no_order_is_left_for_the_next_scan(tiers: Any) -> None
     processor = order_app.BuyProcessor(rt, orders, None, Keys(catalog, page=10))  # type: ignore[arg-type]
     assert processor.scan_orphans() == 1
     assert orders.scanned() == 1 and orders.by_key("in-flight") is None and orders.by_key("later-orphan") is None
+    assert processor.young_orphan, "the next scan comes soon"
     rt.propose({"op": "intent", "key": "in-flight", "item": 1, "quantity": 1, "created_at": "2026-01-01T00:00:00.000+00:00"})
     assert processor.scan_orphans() == 1, "its intent came: settled; the later orphan is recorded"
     assert orders.scanned() == 3 and orders.by_key("later-orphan")["status"] == CONFIRMED
+    assert not processor.young_orphan
     assert orders.by_key("in-flight")["status"] == "pending", "the scan leaves an order's own outcome to it"
