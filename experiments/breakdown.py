@@ -51,17 +51,15 @@ def read_events(folder: Path) -> list[tuple[int, int, str]]:
 
 #: The buy's path as checkpoints, each the first event matching after the one before it ({O}: the
 #: order leader, {C}: the catalog leader, {F}: either follower of that tier), with what the step
-#: between a checkpoint and the one before it is.
+#: between a checkpoint and the one before it is. A sequential buy arrives with no other in flight,
+#: so the order leader sends its decrement while its intent is being committed: the intent's commit
+#: runs beside the path (``BESIDE``), and the path waits for it only if it is not done by the
+#: time the catalog answers.
 PATH: list[tuple[str, str]] = [
     (r"fe\.submit \.", "client -> frontend worker's event loop takes the buy (HTTP, the client's own cost)"),
     (r"call\.buys \+", "hand-off: the combiner's helper thread picks the batch up"),
     (r"{O}\.frame/buys \+", "frame to the order leader, read by its reader thread"),
-    (r"{O}\.propose \+", "order: parse, intents combiner"),
-    (r"{O}\.in\[append_resp\] \.", "order intents: append sent, follower write + fsync, ack back (the leader's own write in parallel)"),
-    (r"{O}\.apply \+", "order: the leader's own write ends, ack stepped, commit"),
-    (r"{O}\.apply -", "order: apply (one SQLite transaction)"),
-    (r"{O}\.propose -", "order: proposer thread woken with its result"),
-    (r"call\.decrements \+", "order: intents combiner returns, decrements combiner"),
+    (r"call\.decrements \+", "order: parse, intents handed to their combiner's helper, decrements combiner"),
     (r"{C}\.frame/books/decrements \+", "frame to the catalog leader, read by its reader thread"),
     (r"catalog\.hold \+", "catalog: parse, check"),
     (r"catalog\.hold -", "catalog: hold round (push to both frontend workers, in pool threads, acks)"),
@@ -72,17 +70,22 @@ PATH: list[tuple[str, str]] = [
     (r"{C}\.propose -", "catalog: proposer woken"),
     (r"{C}\.frame/books/decrements -", "catalog: release (pushed in the background), answer built"),
     (r"call\.decrements -", "answer frame back to the order leader"),
-    (r"{O}\.frame/buys -", "order: outcome, confirm queued, answer built"),
+    (r"{O}\.frame/buys -", "order: the intents' commit awaited if not done, outcome, confirm queued, answer built"),
     (r"call\.buys -", "answer frame back to the frontend worker"),
     (r"fe\.answer \.", "frontend: results to the callback"),
     (r"$END", "frontend answers; the client reads it"),
 ]
 #: Steps beside the path (from, to), each the first match after the path's checkpoint ``after``.
 BESIDE: list[tuple[str, str, str, str]] = [
-    ("order leader's own write (persist)", r"{O}\.persist \+", r"{O}\.persist -", r"{O}\.propose \+"),
-    ("order append frame: leader sends -> a follower's reader has it", r"{O}\.send\[append\] \.", r"{F}\.in\[append\] \.", r"{O}\.propose \+"),
-    ("order follower: append in -> ack out", r"{F}\.in\[append\] \.", r"{F}\.send\[append_resp\] \.", r"{O}\.propose \+"),
-    ("order follower's write (persist)", r"{F}\.persist \+", r"{F}\.persist -", r"{O}\.propose \+"),
+    ("order intents: proposed -> committed and applied (beside the decrement)", r"{O}\.propose \+",
+     r"{O}\.propose -", r"{O}\.frame/buys \+"),
+    ("order intents: append sent -> a follower's ack back", r"{O}\.send\[append\] \.", r"{O}\.in\[append_resp\] \.",
+     r"{O}\.frame/buys \+"),
+    ("order intents: apply (one SQLite transaction)", r"{O}\.apply \+", r"{O}\.apply -", r"{O}\.frame/buys \+"),
+    ("order leader's own write (persist)", r"{O}\.persist \+", r"{O}\.persist -", r"{O}\.frame/buys \+"),
+    ("order append frame: leader sends -> a follower's reader has it", r"{O}\.send\[append\] \.", r"{F}\.in\[append\] \.", r"{O}\.frame/buys \+"),
+    ("order follower: append in -> ack out", r"{F}\.in\[append\] \.", r"{F}\.send\[append_resp\] \.", r"{O}\.frame/buys \+"),
+    ("order follower's write (persist)", r"{F}\.persist \+", r"{F}\.persist -", r"{O}\.frame/buys \+"),
     ("catalog leader's own write (persist)", r"{C}\.persist \+", r"{C}\.persist -", r"{C}\.propose \+"),
     ("catalog append frame: leader sends -> a follower's reader has it", r"{C}\.send\[append\] \.", r"{G}\.in\[append\] \.", r"{C}\.propose \+"),
     ("catalog follower: append in -> ack out", r"{G}\.in\[append\] \.", r"{G}\.send\[append_resp\] \.", r"{C}\.propose \+"),
