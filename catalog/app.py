@@ -167,7 +167,7 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         if not isinstance(key, str) or not 0 < len(key) <= 256:
             fail(400, "key must be a non-empty string")
         return write(number, {"op": "decrement", "item": number, "quantity": quantity, "key": key,
-                              "at": key_time(body)})
+                              "at": key_time(body), "keyed": 1})
 
     def run_decrements(body: dict[str, Any], deadline: float) -> dict[str, Any]:
         """The decrements of the buys an order leader has in flight, as one write: one hold round,
@@ -188,11 +188,12 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         rt.leader_only()
         check_deadline(deadline, "the decrements were proposed")
         with invalidator.holding(sorted({book_key(d["item"]) for d in items})) as held:
-            result = rt.propose({"op": "decrements", "items": items})
+            result = rt.propose({"op": "decrements", "items": items, "keyed": 1})
             held.index = result["index"]  # a floor for every key in it; unchanged books lose nothing
             held.values = fresh(sorted({d["item"] for d, r in zip(items, result["results"], strict=True) if r["ok"]}))
         return {"results": [{"status": 200, "body": r["book"]} if r["ok"] else
-                            {"status": r["error"]["code"], "body": {"error": r["error"]}}
+                            {"status": r["error"]["code"], "body": {"error": r["error"]} | (
+                                {"buy": r["buy"]} if "buy" in r else {})}
                             for r in result["results"]]}
 
     @app.post("/books/decrements")
@@ -220,13 +221,15 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
     @app.get("/keys")
     @rt.guard
     def keys() -> Response:
-        """``?after=N[&limit=L]``: the decrements' keys first used at log indexes above N, in log
-        order (``CatalogState.keys_after``); ``more`` says whether another page follows. The order
+        """``?after=N[&after_key=K][&limit=L]``: the decrements' keys first used at log indexes above
+        N (or at N with a key above K), in log order (``CatalogState.keys_after``); ``more`` says
+        whether another page follows. The order
         leader reads them to record buys whose decrement outlived their intent."""
         after = query_int("after", 0, 2**62, 0)
         limit = query_int("limit", 1, MAX_PAGE, MAX_PAGE)
+        after_key = request.args.get("after_key")
         rt.ensure_readable()
-        applied, found, more = state.keys_after(after, limit)
+        applied, found, more = state.keys_after(after, limit, after_key)
         return jsonify({"keys": found, "more": more, "applied_index": applied})
 
     @app.post("/keys/expire")

@@ -50,7 +50,9 @@ class CatalogState(SQLiteStateMachine):
         # index of the entry that first used the key (0: from before it was kept), the order in which
         # the order leader reads a buy's keys back (``keys_after``). ``item``, ``quantity``: a
         # decrement's (NULL: an update's key), so that the order tier can record a buy whose
-        # decrement is all that survived (``pygmy.order.app.OrphanScan``).
+        # decrement is all that survived (``BuyProcessor.scan_orphans`` in pygmy/order/app.py). Set
+        # only by commands that say so (``keyed``): an entry from before is replayed as it was first
+        # applied, with 0 and NULLs, on every replica.
         """CREATE TABLE IF NOT EXISTS idempotency (key TEXT PRIMARY KEY, result TEXT NOT NULL,
                at REAL NOT NULL DEFAULT 0, idx INTEGER NOT NULL DEFAULT 0, item INTEGER, quantity INTEGER)""",
     )
@@ -75,7 +77,7 @@ class CatalogState(SQLiteStateMachine):
             conn.execute("ALTER TABLE idempotency ADD COLUMN item INTEGER")
             conn.execute("ALTER TABLE idempotency ADD COLUMN quantity INTEGER")
         conn.execute("CREATE INDEX IF NOT EXISTS idempotency_at ON idempotency(at)")
-        conn.execute("CREATE INDEX IF NOT EXISTS idempotency_idx ON idempotency(idx)")
+        conn.execute("CREATE INDEX IF NOT EXISTS idempotency_idx ON idempotency(idx, key)")
 
     def is_new(self) -> bool:
         """Nothing applied and no books: a replica that never started, or whose data was deleted."""
@@ -128,13 +130,16 @@ class CatalogState(SQLiteStateMachine):
     def key_count(self) -> int:
         return int(self.read("SELECT COUNT(*) FROM idempotency")[0][0])
 
-    def keys_after(self, after: int, limit: int) -> tuple[int, list[dict[str, Any]], bool]:
-        """The decrements' keys first used at log indexes above ``after``, in log order, at most
-        ``limit`` of them; the applied index they were read at, and whether more follow. What the
-        order leader reads to find buys whose decrement outlived their intent."""
+    def keys_after(self, after: int, limit: int, after_key: str | None = None) -> tuple[int, list[dict[str, Any]], bool]:
+        """The decrements' keys first used at log indexes above ``after`` (or at ``after`` itself with
+        a key above ``after_key``: one entry may hold many), in (index, key) order, at most ``limit``
+        of them; the applied index they were read at, and whether more follow. What the order leader
+        reads to find buys whose decrement outlived their intent."""
+        where, params = ("idx > ?", (after,)) if after_key is None else (
+            "(idx > ? OR (idx = ? AND key > ?))", (after, after, after_key))
         applied, rows = self.read_at(
-            "SELECT key, result, at, idx, item, quantity FROM idempotency WHERE idx > ? AND quantity IS NOT NULL "
-            "ORDER BY idx LIMIT ?", (after, limit + 1))
+            f"SELECT key, result, at, idx, item, quantity FROM idempotency WHERE {where} AND quantity IS NOT NULL "
+            "ORDER BY idx, key LIMIT ?", (*params, limit + 1))
         out = []
         for r in rows[:limit]:
             result = json.loads(r["result"])
@@ -182,8 +187,9 @@ class CatalogState(SQLiteStateMachine):
         if op == "decrements":
             # Concurrent buys in one log entry: each decrement exactly as alone, in order, each
             # under its own key (a repeated key returns its first result, in or out of a batch).
+            keyed = {"keyed": 1} if command.get("keyed") else {}
             return {"ok": True, "index": index,
-                    "results": [self._decrement(conn, index, item) for item in command["items"]]}
+                    "results": [self._decrement(conn, index, {**item, **keyed}) for item in command["items"]]}
         if op == "update":
             return self._update(conn, index, command)
         if op == "restock":
@@ -194,9 +200,10 @@ class CatalogState(SQLiteStateMachine):
 
     def _remember(self, conn: sqlite3.Connection, index: int, cmd: dict[str, Any], result: dict[str, Any],
                   decrement: bool = False) -> None:
+        keyed = bool(cmd.get("keyed"))  # written by this version: the key's index and buy are kept
         conn.execute("INSERT INTO idempotency(key, result, at, idx, item, quantity) VALUES (?, ?, ?, ?, ?, ?)",
-                     (cmd["key"], json.dumps(result), float(cmd.get("at", 0)), index,
-                      cmd["item"] if decrement else None, cmd["quantity"] if decrement else None))
+                     (cmd["key"], json.dumps(result), float(cmd.get("at", 0)), index if keyed else 0,
+                      cmd["item"] if decrement and keyed else None, cmd["quantity"] if decrement and keyed else None))
 
     def _expire(self, conn: sqlite3.Connection, cmd: dict[str, Any]) -> dict[str, Any]:
         """Forget the keys whose time is before ``before`` (Unix seconds, chosen by the order leader:
@@ -222,10 +229,16 @@ class CatalogState(SQLiteStateMachine):
 
     def _decrement(self, conn: sqlite3.Connection, index: int, cmd: dict[str, Any]) -> dict[str, Any]:
         key = cmd["key"]
-        seen = conn.execute("SELECT result FROM idempotency WHERE key=?", (key,)).fetchone()
-        if seen:
-            return json.loads(seen[0])
         item, quantity = cmd["item"], cmd["quantity"]
+        seen = conn.execute("SELECT result, item, quantity, at FROM idempotency WHERE key=?", (key,)).fetchone()
+        if seen:
+            first = json.loads(seen[0])
+            if seen[2] is not None and (seen[1], seen[2]) != (item, quantity):
+                # The key's first decrement was another buy's (one whose intent was lost, or a
+                # concurrent request reusing the key): the order tier records that buy under it.
+                return {**error(422, "this idempotency key was already used for a different buy"),
+                        "buy": {"item": seen[1], "quantity": seen[2], "at": seen[3], "result": first}}
+            return first
         # One conditional statement decides: concurrent buyers can never take stock below zero.
         cur = conn.execute(
             "UPDATE books SET stock = stock - ?, version = ? WHERE item_number = ? AND stock >= ?",

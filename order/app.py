@@ -51,7 +51,7 @@ STALE_INTENT = 2.0
 #: intent adopted early is found by the adoption, and the other way round.
 ORPHAN_AGE = 2.0
 #: Keys the orphan scan reads per request, and adopts per log entry at most.
-SCAN_PAGE = 1000
+SCAN_PAGE = 500
 #: Seconds between two orphan scans of a leader (a new leader scans at once).
 SCAN_EVERY = 5.0
 #: What a buy hears when its time ran out before its decrement was sent.
@@ -60,8 +60,6 @@ EXPIRED = Reply(504, {"error": {"code": 504, "message": "the buy's time budget w
 
 #: Most buys one request may carry (a frontend worker sends the buys it has in flight).
 MAX_BUYS = 256
-
-
 
 
 class Buy(NamedTuple):
@@ -79,18 +77,23 @@ class DeadlineSpent(Exception):
     """A buy's time budget ran out; the message says how far it got."""
 
 
-#: A buy whose time ran out before anything of it was sent.
-NOTHING_DONE = DeadlineSpent("before its intent was proposed: nothing was done")
+def nothing_done() -> DeadlineSpent:
+    """What a buy whose time ran out before anything of it was sent ends with (a new exception each
+    time: one raised from many threads would gather their tracebacks)."""
+    return DeadlineSpent("before its intent was proposed: nothing was done")
 
 
 def _intent(buy: Buy, created: str) -> dict[str, Any]:
     return {"op": "intent", "key": buy.key, "item": buy.item, "quantity": buy.quantity, "created_at": created}
 
 
-def _not_sent(reply: Reply | BaseException) -> bool:
-    """A decrement that surely never reached the catalog: withdrawn from the queue, or left out of
-    its batch because its time had run out (the catalog proposes none once it has, either)."""
-    return (isinstance(reply, CombinerTimeout) and not reply.sent) or (isinstance(reply, Reply) and reply.status == 504)
+def _withdrawn(outcome: Any) -> bool:
+    """An intent or a decrement that surely never left this process: withdrawn from its combiner's
+    queue, left out of its batch once its time had run out (``EXPIRED``), or refused by the node
+    before it was written (NotLeader). A 504 from the catalog is not that: the router may have had
+    an earlier attempt of unknown outcome."""
+    return (outcome is EXPIRED or isinstance(outcome, NotLeader)
+            or (isinstance(outcome, CombinerTimeout) and not outcome.sent))
 
 
 class _Outcomes:
@@ -127,6 +130,7 @@ class BuyProcessor:
         self._in_flight: set[str] = set()
         self._buying = 0  # calls of buy_many under way
         self._scan_due = 0.0  # monotonic: when the next orphan scan is due
+        self._scanned_in_term = False  # an orphan scan finished since this replica last became leader
         #: The last orphan scan stopped before a key too young to call an orphan: the next comes soon.
         self.young_orphan = False
         self._lock = threading.Lock()
@@ -155,6 +159,7 @@ class BuyProcessor:
             self._leader_since = time.time()
             self._scan_due = 0.0
             self._wake.set()
+        self._scanned_in_term = False
 
     def stop(self) -> None:
         self._stop.set()
@@ -200,47 +205,70 @@ class BuyProcessor:
 
     def _buy_many(self, buys: list[Buy], together_ok: bool) -> list[dict[str, Any] | BaseException]:
         now = time.monotonic()
-        out: list[dict[str, Any] | BaseException] = [NOTHING_DONE] * len(buys)
+        out: list[dict[str, Any] | BaseException] = [nothing_done() for _ in buys]
         todo = [i for i, b in enumerate(buys) if b.deadline > now]
         created = datetime.now(UTC).isoformat(timespec="milliseconds")
-        waits = [min(2 * PROPOSE_TIMEOUT + 1, b.deadline - now) for b in buys]
-        known = ({buys[i].key for i in todo} if not (together_ok and self.rt.node.can_serve_reads())
+        known = ({buys[i].key for i in todo} if not (together_ok and self.together_ok())
                  else self.state.has_keys([buys[i].key for i in todo]))
         together = [i for i in todo if buys[i].key not in known]
-        intents = _Outcomes(len(together))
-        for n, i in enumerate(together):  # committed by the combiner's helper thread meanwhile
-            self._intents.submit(_intent(buys[i], created), waits[i], intents.callback(n))
         if together:
-            orders = [{"item_number": buys[i].item, "quantity": buys[i].quantity, "key": buys[i].key,
-                       "status": PENDING} for i in together]
-            sent, replies = self._decrement_all(orders, [buys[i].deadline for i in together])
-            ready: list[tuple[int, dict[str, Any], Reply | BaseException]] = []
-            for i, intent, reply in zip(together, intents.wait(max(waits) + PROPOSE_TIMEOUT + 1), replies, strict=True):
-                if isinstance(intent, CombinerTimeout) and not intent.sent:
-                    out[i] = NOTHING_DONE if _not_sent(reply) else ProposalTimeout(
-                        "the intent was not proposed in time, its decrement was sent: outcome unknown")
-                elif isinstance(intent, CombinerTimeout):
-                    out[i] = ProposalTimeout("the intent was not committed in time; outcome unknown")
-                elif isinstance(intent, BaseException) or intent["status"] != PENDING:
-                    out[i] = intent  # (an error: the orphan scan records the buy if its decrement was committed)
-                else:
-                    ready.append((i, intent, reply))
-            self._outcomes(out, ready, sent)
+            self._together(buys, together, created, out)
         first = [i for i in todo if buys[i].key in known]
-        if first:  # intent first, then the decrement
-            recorded = self._intents.call_many([_intent(buys[i], created) for i in first], [waits[i] for i in first])
-            pending: list[int] = []
-            for i, r in zip(first, recorded, strict=True):
-                if isinstance(r, CombinerTimeout):
-                    out[i] = ProposalTimeout("the intent was not proposed in time; outcome unknown") if r.sent else NOTHING_DONE
-                else:
-                    out[i] = r
-                    if not isinstance(r, BaseException):
-                        pending.append(i)
-            finished = self.finish_many([out[i] for i in pending], [buys[i].deadline for i in pending])  # type: ignore[misc]
-            for i, r in zip(pending, finished, strict=True):
-                out[i] = r
+        if first:
+            self._intent_first(buys, first, created, out)
         return out
+
+    def together_ok(self) -> bool:
+        """Whether this leader may send a new key's decrement with its intent: its state holds every
+        committed entry (so "no order for this key" is true of the whole log), and it has finished
+        an orphan scan in its term (so the catalog keeps and lists the keys the scan needs)."""
+        return self._scanned_in_term and self.rt.node.can_serve_reads()
+
+    def _together(self, buys: list[Buy], todo: list[int], created: str,
+                  out: list[dict[str, Any] | BaseException]) -> None:
+        """The intents of ``todo`` committed on the intents combiner's helper thread while their
+        decrements go out on this one; each buy's outcome into ``out``."""
+        now = time.monotonic()
+        waits = [min(2 * PROPOSE_TIMEOUT + 1, buys[i].deadline - now) for i in todo]
+        intents = _Outcomes(len(todo))
+        for n, (i, wait) in enumerate(zip(todo, waits, strict=True)):
+            self._intents.submit(_intent(buys[i], created), wait, intents.callback(n))
+        orders = [{"item_number": buys[i].item, "quantity": buys[i].quantity, "key": buys[i].key,
+                   "status": PENDING} for i in todo]
+        sent, replies = self._decrement_all(orders, [buys[i].deadline for i in todo])
+        ready: list[tuple[int, dict[str, Any], Reply | BaseException]] = []
+        for i, intent, reply in zip(todo, intents.wait(max(waits) + PROPOSE_TIMEOUT + 1), replies, strict=True):
+            if not isinstance(intent, BaseException):
+                if intent["status"] == PENDING:
+                    ready.append((i, intent, reply))
+                else:
+                    out[i] = intent  # finished meanwhile (another request's intent came first)
+            elif _withdrawn(intent) and _withdrawn(reply):
+                out[i] = nothing_done()  # neither half left this process
+            else:
+                # The decrement may be committed without its intent: the orphan scan records the
+                # buy. Never "nothing done", nor NotLeader (routers take a 421 for that).
+                out[i] = ProposalTimeout(f"the intent was not committed ({type(intent).__name__}) and its "
+                                         "decrement was sent: outcome unknown")
+        self._outcomes(out, ready, sent)
+
+    def _intent_first(self, buys: list[Buy], todo: list[int], created: str,
+                      out: list[dict[str, Any] | BaseException]) -> None:
+        """The intents of ``todo`` committed, then the decrements of those still pending; into ``out``."""
+        now = time.monotonic()
+        waits = [min(2 * PROPOSE_TIMEOUT + 1, buys[i].deadline - now) for i in todo]
+        recorded = self._intents.call_many([_intent(buys[i], created) for i in todo], waits)
+        pending: list[int] = []
+        for i, r in zip(todo, recorded, strict=True):
+            if isinstance(r, CombinerTimeout):
+                out[i] = ProposalTimeout("the intent was not proposed in time; outcome unknown") if r.sent else nothing_done()
+            else:
+                out[i] = r
+                if not isinstance(r, BaseException):
+                    pending.append(i)
+        finished = self.finish_many([out[i] for i in pending], [buys[i].deadline for i in pending])  # type: ignore[misc]
+        for i, r in zip(pending, finished, strict=True):
+            out[i] = r
 
     def _propose_all(self, commands: list[dict[str, Any]], what: str, count: int | None = None) -> list[Any]:
         """Commands of concurrent requests as one log entry, each applied as alone, in order
@@ -302,16 +330,22 @@ class BuyProcessor:
                 title, cost = reply.body["title"], reply.body["cost"]
                 self._confirm(key, title, cost, sent)
                 out[i] = confirmed(order, title, cost)
-            elif reply.status in (404, 409):
-                err = reply.body["error"]
-                refused.append((i, {"op": "fail", "key": key, "code": reply.status, "message": err["message"],
-                                    "at": sent}))
+            elif reply.status in (404, 409) or (reply.status == 422 and "buy" in reply.body):
+                err, other = reply.body["error"], reply.body.get("buy")
+                if other is not None and other["result"].get("ok"):
+                    # The catalog took stock under this key for another buy (one whose intent was
+                    # lost, or a concurrent request reusing the key): that buy is the key's order.
+                    refused.append((i, adoption(key, other["item"], other["quantity"], other["result"]["book"],
+                                                other["at"])))
+                else:
+                    refused.append((i, {"op": "fail", "key": key, "code": reply.status, "message": err["message"],
+                                        "at": sent}))
             elif reply.status == 504:
-                out[i] = DeadlineSpent("after its intent was recorded, before the stock was taken")
+                out[i] = DeadlineSpent("after its intent was recorded; its decrement is sent later")
             else:
                 message = reply.body.get("error", {}).get("message", "")
                 out[i] = ApiError(502, f"catalog answered {reply.status}: {message}")
-        if refused:  # the stock said no: recorded together, as the intents were
+        if refused:  # the stock said no (or was another buy's): recorded together, as the intents were
             try:
                 failed = self._propose_all([c for _, c in refused], "fails")
                 for (i, _), order in zip(refused, failed, strict=True):
@@ -418,44 +452,62 @@ class BuyProcessor:
     def scan_orphans(self) -> int:
         """Record every buy whose decrement the catalog committed while its intent was lost; how many.
 
-        Reads the catalog's decrement keys in log order from where the last scan stopped (the
-        replicated ``scanned`` index). A key with an order here, or whose decrement took no stock,
-        is settled. One with neither is an orphan, unless it is younger than ORPHAN_AGE (its
-        intent may still be on its way): the scan stops before it and takes it up next time. The
-        orphans are adopted, confirmed from their decrement's answer, in one entry with the new
-        ``scanned`` index. Adopting a key whose intent commits after all is harmless: whichever
-        comes first makes the order, the other finds it. Called on a leader whose state holds every
-        committed entry, so "no order here" is true of the whole log."""
+        Reads the catalog's decrement keys in (log index, key) order from where the last scan
+        stopped (the replicated ``scanned`` index: every key at or below it is settled). A key with
+        an order here, or whose decrement took no stock, is settled. One with neither is an
+        orphan, unless it is younger than ORPHAN_AGE (its intent may still be on its way): the
+        scan stops before it, and ``scanned`` stays below its index, so nothing at or after it is
+        skipped. The orphans are adopted, confirmed from their decrement's answer, in one entry
+        with the new ``scanned``. Adopting a key whose intent commits after all is harmless:
+        whichever comes first makes the order, the other finds it. Called on a leader whose state
+        holds every committed entry, so "no order here" is true of the whole log."""
         assert self.keys is not None
-        after = self.state.scanned()
+        after, after_key = self.state.scanned(), None
+        done = after  # every key at an index up to this one is settled
         adopt: list[dict[str, Any]] = []
-        upto = after
         young = time.time() - ORPHAN_AGE
         stopped = False  # before a key too young to call an orphan yet
-        while len(adopt) < SCAN_PAGE:
-            reply = self.keys.read("/keys", time.monotonic() + CATALOG_DEADLINE, {"after": upto, "limit": SCAN_PAGE})
+        while not self._stop.is_set():
+            reply = self.keys.read("/keys", time.monotonic() + CATALOG_DEADLINE,
+                                   {"after": after, "limit": SCAN_PAGE} | ({"after_key": after_key} if after_key else {}))
             if reply.status != 200:
                 raise ScanRefused(f"the catalog did not list its keys: {reply.status} {reply.body}")
             found = reply.body["keys"]
             ordered = self.state.has_keys([k["key"] for k in found])
+            full = False
             for k in found:
+                done = max(done, k["idx"] - 1)  # keys come in (index, key) order: the earlier are seen
                 if k["ok"] and k["key"] not in ordered:
-                    if k["at"] > young:
-                        stopped = True
+                    # (a time far ahead is a skewed clock's, not a buy in flight: not waited for)
+                    stopped = young < k["at"] <= young + 2 * ORPHAN_AGE
+                    full = len(adopt) >= SCAN_PAGE
+                    if stopped or full:
                         break
-                    adopt.append({"op": "adopt", "key": k["key"], "item": k["item"], "quantity": k["quantity"],
-                                  "title": k["title"], "cost": k["cost"], "at": k["at"],
-                                  "created_at": datetime.fromtimestamp(k["at"], UTC).isoformat(timespec="milliseconds")})
-                upto = k["idx"]
-            if stopped or not reply.body["more"]:
-                break
-        if upto != after:
+                    adopt.append(adoption(k["key"], k["item"], k["quantity"], k, k["at"]))
+                after, after_key = k["idx"], k["key"]
+            else:
+                if not reply.body["more"]:
+                    done = max(done, after)  # every key listed was seen
+                    break
+                continue
+            break
+        if done > self.state.scanned() or adopt:
             if adopt:
                 log.warning("recording %d buys whose decrement outlived their intent: %s", len(adopt),
                             ", ".join(a["key"] for a in adopt[:5]))
-            self._propose_all([*adopt, {"op": "scanned", "upto": upto}], "adopts", len(adopt))
+            self._propose_all([*adopt, {"op": "scanned", "upto": done}], "adopts", len(adopt))
         self.young_orphan = stopped
+        self._scanned_in_term = not self._stop.is_set()
         return len(adopt)
+
+
+def adoption(key: str, item: int, quantity: int, book: dict[str, Any], at: float) -> dict[str, Any]:
+    """The ``adopt`` command that records a buy from its decrement: the key's order becomes this
+    buy, confirmed with the decrement's title and cost (what its confirm would have recorded). A
+    key's time of 0 (a decrement sent without one) is kept for good on both tiers."""
+    return {"op": "adopt", "key": key, "item": item, "quantity": quantity, "title": book["title"],
+            "cost": book["cost"], "at": at or None,
+            "created_at": datetime.fromtimestamp(at or time.time(), UTC).isoformat(timespec="milliseconds")}
 
 
 def unix(created_at: str) -> float:

@@ -84,7 +84,7 @@ class OrderState(SQLiteStateMachine):
 
     def scanned(self) -> int:
         """The catalog's log index up to which the decrements' keys were read back and every buy
-        among them has its order here (``pygmy.order.app.OrphanScan``)."""
+        among them has its order here (``BuyProcessor.scan_orphans`` in pygmy/order/app.py)."""
         rows = self.read("SELECT value FROM meta WHERE key='catalog_scanned'")
         return int(rows[0][0]) if rows else 0
 
@@ -137,8 +137,11 @@ class OrderState(SQLiteStateMachine):
         elif op == "adopt":
             # A buy whose decrement was committed while its intent was lost (its leader died first):
             # recorded from the decrement, as its intent and confirm would have recorded it. A key
-            # here already (its intent arrived after all, or a retry made one) is only confirmed.
+            # pending here already (its intent arrived after all, or a request reusing the key for
+            # another buy made one) becomes the decrement's buy, confirmed; a finished one stays.
             self._intent(conn, command)
+            conn.execute("UPDATE orders SET item_number=?, quantity=? WHERE key=? AND status=?",
+                         (command["item"], command["quantity"], key, PENDING))
             self._confirm(conn, command)
         elif op == "confirm":
             self._confirm(conn, command)

@@ -445,32 +445,60 @@ def test_build_seed_reports_progress_makes_its_directory_and_leaves_only_the_see
     built.close()
 
 
+def keyed(command: dict[str, Any]) -> dict[str, Any]:
+    """As this version's catalog leader proposes it: the key's index and buy are kept."""
+    return {**command, "keyed": 1}
+
+
 def test_keys_after_lists_the_decrements_keys_in_log_order_with_their_buy(state: CatalogState, log: Log) -> None:
     """What the order leader's orphan scan reads: each decrement's key at the index that first
     used it, with its book, quantity and answer; an update's key is not a buy's and is left out."""
-    log({**decrement(1, 2, "a"), "at": 100.0})  # index 1
-    log({**update(3, stock_delta=1), "key": "u", "at": 100.0})  # index 2
-    log({"op": "decrements", "items": [{**decrement(2, 1, "b"), "at": 101.0},  # index 3: refused, none left
-                                       {**decrement(3, 1, "c"), "at": 101.0}]})
-    log({**decrement(1, 2, "a"), "at": 200.0})  # a repeat: still at index 1, its first time
+    log(keyed({**decrement(1, 2, "a"), "at": 100.0}))  # index 1
+    log(keyed({**update(3, stock_delta=1), "key": "u", "at": 100.0}))  # index 2
+    log(keyed({"op": "decrements", "items": [{**decrement(2, 1, "c"), "at": 101.0},  # index 3: refused
+                                             {**decrement(3, 1, "b"), "at": 101.0}]}))
+    log(keyed({**decrement(1, 2, "a"), "at": 200.0}))  # a repeat: still at index 1, its first time
     applied, keys, more = state.keys_after(0, 10)
     assert applied == 4 and not more
     assert [(k["key"], k["idx"], k["item"], k["quantity"], k["ok"], k["at"]) for k in keys] == [
-        ("a", 1, 1, 2, True, 100.0), ("b", 3, 2, 1, False, 101.0), ("c", 3, 3, 1, True, 101.0)]
+        ("a", 1, 1, 2, True, 100.0), ("b", 3, 3, 1, True, 101.0), ("c", 3, 2, 1, False, 101.0)]
     assert (keys[0]["title"], keys[0]["cost"]) == (BOOKS[0]["title"], BOOKS[0]["cost"])
-    assert keys[1]["title"] is None
-    assert [k["key"] for k in state.keys_after(1, 1)[1]] == ["b"] and state.keys_after(1, 1)[2]
+    assert keys[2]["title"] is None
+    # Pages end anywhere, inside an entry too: the next begins after the last (index, key) seen.
+    assert [k["key"] for k in state.keys_after(0, 2)[1]] == ["a", "b"] and state.keys_after(0, 2)[2]
+    assert [k["key"] for k in state.keys_after(3, 10, "b")[1]] == ["c"]
     assert state.keys_after(3, 10)[1] == []
-    assert state.decrements() == {"a": (1, 2), "b": (2, 1), "c": (3, 1)}
+    assert state.decrements() == {"a": (1, 2), "b": (3, 1), "c": (2, 1)}
+
+
+def test_a_key_reused_for_another_buy_is_refused_with_the_buy_it_holds(state: CatalogState, log: Log) -> None:
+    """422, with the first buy under the key (its book, quantity, time and answer), and nothing changed."""
+    first = log(keyed({**decrement(1, 2, "k"), "at": 100.0}))
+    before = stocks(state)
+    got = log(keyed({**decrement(3, 1, "k"), "at": 200.0}))
+    assert got == {**error(422, "this idempotency key was already used for a different buy"),
+                   "buy": {"item": 1, "quantity": 2, "at": 100.0, "result": first}}
+    assert stocks(state) == before and log(keyed({**decrement(1, 2, "k"), "at": 300.0})) == first
+
+
+def test_an_entry_from_before_keys_were_indexed_is_replayed_as_it_was_first_applied(tmp_path: Path) -> None:
+    """A command without ``keyed`` (written before) keeps index 0 and no buy, on a replica that
+    applies it now as on one that applied it then and migrated: the same rows, the same digest."""
+    s = CatalogState(tmp_path / "c.db")
+    s.seed(BOOKS)
+    s.apply(1, {**decrement(1, 1, "old"), "at": 100.0})
+    assert s.keys_after(0, 10)[1] == [] and s.decrements() == {}
+    assert s.read("SELECT idx, item, quantity FROM idempotency")[0][:] == (0, None, None)
+    s.close()
 
 
 def test_expire_keeps_the_keys_the_order_tier_has_not_read_back(state: CatalogState, log: Log) -> None:
     """With ``scanned``, a decrement's key used after that index is kept whatever its time (it may be
     all that is left of a buy), and the oldest time kept so is reported; an update's key is not a buy's."""
-    log({**decrement(1, 1, "read"), "at": 100.0})  # index 1
-    log({**decrement(1, 1, "unread"), "at": 120.0})  # index 2
-    log({**update(3, stock_delta=1), "key": "u", "at": 110.0})  # index 3
-    log({**decrement(1, 1, "young"), "at": 500.0})  # index 4
+    log(keyed({**decrement(1, 1, "read"), "at": 100.0}))  # index 1
+    log(keyed({**decrement(1, 1, "unread"), "at": 120.0}))  # index 2
+    log(keyed({**update(3, stock_delta=1), "key": "u", "at": 110.0}))  # index 3
+    log(keyed({**decrement(1, 1, "young"), "at": 500.0}))  # index 4
     assert log({"op": "expire", "before": 200.0, "scanned": 1}) == {"ok": True, "forgotten": 2, "kept_before": 120.0}
     assert sorted(state.remembered()) == ["unread", "young"]
     assert log({"op": "expire", "before": 200.0, "scanned": 4}) == {"ok": True, "forgotten": 1, "kept_before": None}

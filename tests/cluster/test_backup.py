@@ -22,7 +22,7 @@ def intent(key: str, item: int = 2, quantity: int = 1, created_at: str = NOW) ->
 
 
 def decrement(key: str, item: int = 2, quantity: int = 1) -> dict:
-    return {"op": "decrement", "key": key, "item": item, "quantity": quantity, "at": time.time()}
+    return {"op": "decrement", "key": key, "item": item, "quantity": quantity, "at": time.time(), "keyed": 1}
 
 
 def copy_of(state: CatalogState | OrderState, path: Path) -> Path:

@@ -317,11 +317,15 @@ def test_adopt_records_a_buy_from_its_decrement_alone(state: OrderState, log: Lo
     assert log(adopt("orphan", item=2, quantity=3)) == got
 
 
-def test_adopt_confirms_a_pending_order_and_leaves_a_finished_one(state: OrderState, log: Log) -> None:
-    log(intent("pending"))
+def test_adopt_confirms_a_pending_order_as_the_decrements_buy_and_leaves_a_finished_one(
+        state: OrderState, log: Log) -> None:
+    """A pending order under the key becomes the buy the catalog took stock for (a request reusing
+    the key for another book made the intent): stock and orders agree book by book."""
+    log(intent("pending", item=3, quantity=1))
     log(intent("failed"))
     log(fail("failed"))
-    assert log(adopt("pending"))["status"] == CONFIRMED
+    got = log(adopt("pending", item=5, quantity=2))
+    assert (got["status"], got["item_number"], got["quantity"]) == (CONFIRMED, 5, 2)
     assert log(adopt("failed"))["status"] == FAILED
     assert [o["order_number"] for o in state.all_orders()] == [1, 2]
 

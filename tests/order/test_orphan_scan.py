@@ -41,7 +41,8 @@ class Keys:
     def read(self, path: str, deadline: float, params: dict[str, Any]) -> Reply:
         assert path == "/keys"
         self.reads += 1
-        applied, found, more = self.catalog.keys_after(params["after"], min(params["limit"], self.page))
+        applied, found, more = self.catalog.keys_after(params["after"], min(params["limit"], self.page),
+                                                       params.get("after_key"))
         return Reply(200, {"keys": found, "more": more, "applied_index": applied}, "catalog-1")
 
 
@@ -59,10 +60,10 @@ def test_a_decrement_with_no_order_is_recorded_and_the_scan_moves_past_what_is_s
     catalog, orders, rt = tiers
     old = time.time() - 10 * order_app.ORPHAN_AGE
     rt.propose({"op": "intent", "key": "has-order", "item": 1, "quantity": 1, "created_at": "2026-01-01T00:00:00.000+00:00"})
-    catalog.apply(1, {"op": "decrement", "item": 1, "quantity": 1, "key": "has-order", "at": old})
-    catalog.apply(2, {"op": "decrement", "item": 2, "quantity": 2, "key": "orphan", "at": old})
-    catalog.apply(3, {"op": "decrement", "item": 3, "quantity": 99, "key": "refused", "at": old})  # took nothing
-    catalog.apply(4, {"op": "update", "item": 3, "stock_delta": 1, "key": "u:admin", "at": old})  # not a buy's
+    catalog.apply(1, {"op": "decrement", "item": 1, "quantity": 1, "key": "has-order", "at": old, "keyed": 1})
+    catalog.apply(2, {"op": "decrement", "item": 2, "quantity": 2, "key": "orphan", "at": old, "keyed": 1})
+    catalog.apply(3, {"op": "decrement", "item": 3, "quantity": 99, "key": "refused", "at": old, "keyed": 1})  # took nothing
+    catalog.apply(4, {"op": "update", "item": 3, "stock_delta": 1, "key": "u:admin", "at": old, "keyed": 1})
     keys = Keys(catalog, page=2)
     processor = order_app.BuyProcessor(rt, orders, None, keys)  # type: ignore[arg-type]
     assert processor.scan_orphans() == 1
@@ -79,9 +80,9 @@ def test_a_young_key_with_no_order_is_left_for_the_next_scan(tiers: Any) -> None
     """Its intent may still be on its way; the scan stops before it, so nothing after it is skipped."""
     catalog, orders, rt = tiers
     now = time.time()
-    catalog.apply(1, {"op": "decrement", "item": 1, "quantity": 1, "key": "old-orphan", "at": now - 60})
-    catalog.apply(2, {"op": "decrement", "item": 1, "quantity": 1, "key": "in-flight", "at": now})
-    catalog.apply(3, {"op": "decrement", "item": 2, "quantity": 1, "key": "later-orphan", "at": now - 60})
+    catalog.apply(1, {"op": "decrement", "item": 1, "quantity": 1, "key": "old-orphan", "at": now - 60, "keyed": 1})
+    catalog.apply(2, {"op": "decrement", "item": 1, "quantity": 1, "key": "in-flight", "at": now, "keyed": 1})
+    catalog.apply(3, {"op": "decrement", "item": 2, "quantity": 1, "key": "later-orphan", "at": now - 60, "keyed": 1})
     processor = order_app.BuyProcessor(rt, orders, None, Keys(catalog, page=10))  # type: ignore[arg-type]
     assert processor.scan_orphans() == 1
     assert orders.scanned() == 1 and orders.by_key("in-flight") is None and orders.by_key("later-orphan") is None
@@ -91,3 +92,61 @@ def test_a_young_key_with_no_order_is_left_for_the_next_scan(tiers: Any) -> None
     assert orders.scanned() == 3 and orders.by_key("later-orphan")["status"] == CONFIRMED
     assert not processor.young_orphan
     assert orders.by_key("in-flight")["status"] == "pending", "the scan leaves an order's own outcome to it"
+
+
+def decrements(*items: tuple[str, int, float]) -> dict[str, Any]:
+    """One catalog entry of several buys' decrements, as the order leader sends them."""
+    return {"op": "decrements", "keyed": 1,
+            "items": [{"item": item, "quantity": 1, "key": key, "at": at} for key, item, at in items]}
+
+
+def test_keys_of_one_entry_are_each_read_across_pages(tiers: Any) -> None:
+    """An entry carries many keys under one index: a page may end inside it, and the next begins
+    after the last key seen, not after the entry."""
+    catalog, orders, rt = tiers
+    old = time.time() - 60
+    catalog.apply(1, decrements(("a", 1, old), ("b", 1, old), ("c", 2, old)))
+    catalog.apply(2, decrements(("d", 3, old)))
+    keys = Keys(catalog, page=2)
+    processor = order_app.BuyProcessor(rt, orders, None, keys)  # type: ignore[arg-type]
+    assert processor.scan_orphans() == 4
+    assert [orders.by_key(k)["item_number"] for k in "abcd"] == [1, 1, 2, 3]
+    assert orders.scanned() == 2 and keys.reads == 2
+
+
+def test_a_young_key_inside_an_entry_holds_the_scan_below_that_entry(tiers: Any) -> None:
+    """Had ``scanned`` moved to the entry's index, its young key would never be read again."""
+    catalog, orders, rt = tiers
+    now = time.time()
+    catalog.apply(1, decrements(("a", 1, now - 60)))
+    catalog.apply(2, decrements(("b", 1, now - 60), ("c", 2, now), ("d", 2, now - 60)))
+    processor = order_app.BuyProcessor(rt, orders, None, Keys(catalog, page=10))  # type: ignore[arg-type]
+    assert processor.scan_orphans() == 2  # a and b; c stops it
+    assert orders.scanned() == 1 and processor.young_orphan
+    assert orders.by_key("c") is None and orders.by_key("d") is None
+    catalog_keys_later = time.time() + 10 * order_app.ORPHAN_AGE
+    order_app_time = order_app.time.time
+    try:
+        order_app.time.time = lambda: catalog_keys_later  # type: ignore[assignment]
+        assert processor.scan_orphans() == 2  # c and d; b found recorded
+    finally:
+        order_app.time.time = order_app_time  # type: ignore[assignment]
+    assert orders.scanned() == 2 and not processor.young_orphan
+    assert orders.by_key("c")["status"] == CONFIRMED
+
+
+def test_a_decrement_refused_as_another_buys_key_records_that_buy(tiers: Any) -> None:
+    """The catalog holds the key for another buy (its intent was lost, and a request reusing the key
+    for another book came first): the pending order becomes that buy, confirmed, and the buyer of
+    the other book hears 422 (``answer``)."""
+    catalog, orders, rt = tiers
+    catalog.apply(1, decrements(("k", 2, 100.0)))
+    rt.propose({"op": "intent", "key": "k", "item": 1, "quantity": 1, "created_at": "2026-01-01T00:00:00.000+00:00"})
+    refused = catalog.apply(2, decrements(("k", 1, 200.0)))["results"][0]
+    reply = Reply(422, {"error": refused["error"], "buy": refused["buy"]}, "catalog-1")
+    processor = order_app.BuyProcessor(rt, orders, None)  # type: ignore[arg-type]
+    out: list[Any] = [None]
+    processor._outcomes(out, [(0, orders.by_key("k"), reply)], 200.0)
+    assert (out[0]["status"], out[0]["item_number"], out[0]["title"]) == (CONFIRMED, 2, "book 2")
+    buy = order_app.Buy(1, 1, "k", time.monotonic() + 5)
+    assert order_app.answer(buy, out[0])[0] == 422
