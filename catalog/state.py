@@ -136,7 +136,7 @@ class CatalogState(SQLiteStateMachine):
         of them; the applied index they were read at, and whether more follow. What the order leader
         reads to find buys whose decrement outlived their intent."""
         where, params = ("idx > ?", (after,)) if after_key is None else (
-            "(idx > ? OR (idx = ? AND key > ?))", (after, after, after_key))
+            "(idx, key) > (?, ?)", (after, after_key))  # a row value: SQLite seeks the (idx, key) index
         applied, rows = self.read_at(
             f"SELECT key, result, at, idx, item, quantity FROM idempotency WHERE {where} AND quantity IS NOT NULL "
             "ORDER BY idx, key LIMIT ?", (*params, limit + 1))

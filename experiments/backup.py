@@ -93,7 +93,7 @@ def build_store(books_path: Path, books: list[dict[str, Any]], orders: int, dest
                     {"op": "intent", "key": k, "item": i, "quantity": q, "created_at": _iso(at)} for k, i, q, at in g]})
                     for j, g in enumerate(groups)]
                 oi += len(groups)
-                decrements = [(ci + 1 + j, {"op": "decrements", "items": [
+                decrements = [(ci + 1 + j, {"op": "decrements", "keyed": 1, "items": [
                     {"key": k, "item": i, "quantity": q, "at": at} for k, i, q, at in g]}) for j, g in enumerate(groups)]
                 ci += len(groups)
                 taken = catalog.apply_many(decrements)

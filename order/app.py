@@ -27,7 +27,7 @@ from flask import Flask, Response, jsonify
 from pygmy.kit import metrics
 from pygmy.kit.config import ClusterConfig
 from pygmy.kit.web import ApiError, fail, int_field, json_body, parse_item, request_deadline
-from pygmy.order.state import CONFIRMED, FAILED, PENDING, OrderState, confirmed
+from pygmy.order.state import CONFIRMED, FAILED, PENDING, OrderState, adoption, confirmed
 from pygmy.replication.batching import Combiner, CombinerTimeout
 from pygmy.replication.node import NotLeader, ProposalTimeout
 from pygmy.replication.router import ChannelRouter, Reply, Sightings, TierRouter, TierUnavailable, Watchers
@@ -131,8 +131,9 @@ class BuyProcessor:
         self._buying = 0  # calls of buy_many under way
         self._scan_due = 0.0  # monotonic: when the next orphan scan is due
         self._scanned_in_term = False  # an orphan scan finished since this replica last became leader
-        #: The last orphan scan stopped before a key too young to call an orphan: the next comes soon.
-        self.young_orphan = False
+        #: The last orphan scan stopped early (before a key too young to call an orphan, with a full
+        #: entry of adoptions, or refused): the next comes at the next sweep, not SCAN_EVERY later.
+        self.scan_soon = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -240,7 +241,8 @@ class BuyProcessor:
         for i, intent, reply in zip(todo, intents.wait(max(waits) + PROPOSE_TIMEOUT + 1), replies, strict=True):
             if not isinstance(intent, BaseException):
                 if intent["status"] == PENDING:
-                    ready.append((i, intent, reply))
+                    # The decrement went out as this buy (its intent may have found another's order)
+                    ready.append((i, {**intent, "sent_as": (buys[i].item, buys[i].quantity)}, reply))
                 else:
                     out[i] = intent  # finished meanwhile (another request's intent came first)
             elif _withdrawn(intent) and _withdrawn(reply):
@@ -325,11 +327,18 @@ class BuyProcessor:
                 out[i] = TierUnavailable("catalog", "the decrement was not sent in time")
             elif isinstance(reply, BaseException):
                 out[i] = reply
+            elif reply.status == 200 and order.get("sent_as", (order["item_number"], order["quantity"])) != (
+                    order["item_number"], order["quantity"]):
+                # The decrement took stock for this buy while the key's pending order is another
+                # request's (it reused the key, and its intent came first): the key's order becomes
+                # the buy whose stock was taken.
+                item, quantity = order["sent_as"]
+                refused.append((i, adoption(key, item, quantity, reply.body, sent)))
             elif reply.status == 200:
                 # Decided: the catalog's decrement under this key is committed. Answer now.
                 title, cost = reply.body["title"], reply.body["cost"]
                 self._confirm(key, title, cost, sent)
-                out[i] = confirmed(order, title, cost)
+                out[i] = confirmed({k: v for k, v in order.items() if k != "sent_as"}, title, cost)
             elif reply.status in (404, 409) or (reply.status == 422 and "buy" in reply.body):
                 err, other = reply.body["error"], reply.body.get("buy")
                 if other is not None and other["result"].get("ok"):
@@ -345,7 +354,7 @@ class BuyProcessor:
             else:
                 message = reply.body.get("error", {}).get("message", "")
                 out[i] = ApiError(502, f"catalog answered {reply.status}: {message}")
-        if refused:  # the stock said no (or was another buy's): recorded together, as the intents were
+        if refused:  # the stock said no (or the key is another buy's): recorded together, as the intents were
             try:
                 failed = self._propose_all([c for _, c in refused], "fails")
                 for (i, _), order in zip(refused, failed, strict=True):
@@ -428,8 +437,8 @@ class BuyProcessor:
                         self.scan_orphans()
                     except (TierUnavailable, NotLeader, ProposalTimeout, ScanRefused) as exc:
                         log.warning("orphan scan not done yet (%s); retrying on the next sweep", exc)
-                        self.young_orphan = True
-                    if self.young_orphan:
+                        self.scan_soon = True
+                    if self.scan_soon:
                         self._scan_due = 0.0
             except Exception:
                 log.exception("intent sweep failed; retrying on the next one")
@@ -462,11 +471,12 @@ class BuyProcessor:
         whichever comes first makes the order, the other finds it. Called on a leader whose state
         holds every committed entry, so "no order here" is true of the whole log."""
         assert self.keys is not None
+        term = self.rt.node.term()
         after, after_key = self.state.scanned(), None
         done = after  # every key at an index up to this one is settled
         adopt: list[dict[str, Any]] = []
         young = time.time() - ORPHAN_AGE
-        stopped = False  # before a key too young to call an orphan yet
+        stopped = full = False  # before a key too young to call an orphan yet; with a full entry of adoptions
         while not self._stop.is_set():
             reply = self.keys.read("/keys", time.monotonic() + CATALOG_DEADLINE,
                                    {"after": after, "limit": SCAN_PAGE} | ({"after_key": after_key} if after_key else {}))
@@ -474,7 +484,6 @@ class BuyProcessor:
                 raise ScanRefused(f"the catalog did not list its keys: {reply.status} {reply.body}")
             found = reply.body["keys"]
             ordered = self.state.has_keys([k["key"] for k in found])
-            full = False
             for k in found:
                 done = max(done, k["idx"] - 1)  # keys come in (index, key) order: the earlier are seen
                 if k["ok"] and k["key"] not in ordered:
@@ -496,18 +505,9 @@ class BuyProcessor:
                 log.warning("recording %d buys whose decrement outlived their intent: %s", len(adopt),
                             ", ".join(a["key"] for a in adopt[:5]))
             self._propose_all([*adopt, {"op": "scanned", "upto": done}], "adopts", len(adopt))
-        self.young_orphan = stopped
-        self._scanned_in_term = not self._stop.is_set()
+        self.scan_soon = stopped or full
+        self._scanned_in_term = not self._stop.is_set() and self.rt.node.term() == term
         return len(adopt)
-
-
-def adoption(key: str, item: int, quantity: int, book: dict[str, Any], at: float) -> dict[str, Any]:
-    """The ``adopt`` command that records a buy from its decrement: the key's order becomes this
-    buy, confirmed with the decrement's title and cost (what its confirm would have recorded). A
-    key's time of 0 (a decrement sent without one) is kept for good on both tiers."""
-    return {"op": "adopt", "key": key, "item": item, "quantity": quantity, "title": book["title"],
-            "cost": book["cost"], "at": at or None,
-            "created_at": datetime.fromtimestamp(at or time.time(), UTC).isoformat(timespec="milliseconds")}
 
 
 def unix(created_at: str) -> float:

@@ -8,6 +8,8 @@ order, so every replica numbers the same buys the same way.
 from __future__ import annotations
 
 import sqlite3
+import time
+from datetime import UTC, datetime
 from typing import Any
 
 from pygmy.replication.statemachine import SQLiteStateMachine
@@ -25,6 +27,16 @@ def order_dict(row: sqlite3.Row) -> dict[str, Any]:
     if row["status"] == FAILED:
         out["error"] = {"code": row["error_code"], "message": row["error_message"]}
     return out
+
+
+def adoption(key: str, item: int, quantity: int, book: dict[str, Any], at: float, created_at: str | None = None
+             ) -> dict[str, Any]:
+    """The ``adopt`` command that records a buy from its decrement: the key's order becomes this
+    buy, confirmed with the decrement's title and cost (what its confirm would have recorded). A
+    key's time of 0 (a decrement sent without one) is kept for good on both tiers."""
+    return {"op": "adopt", "key": key, "item": item, "quantity": quantity, "title": book["title"],
+            "cost": book["cost"], "at": at or None,
+            "created_at": created_at or datetime.fromtimestamp(at or time.time(), UTC).isoformat(timespec="milliseconds")}
 
 
 def confirmed(order: dict[str, Any], title: str, cost: float) -> dict[str, Any]:

@@ -47,7 +47,7 @@ from pygmy.catalog.books import load as load_books
 from pygmy.catalog.state import CatalogState, build_seed
 from pygmy.cluster import launcher
 from pygmy.kit.config import ClusterConfig
-from pygmy.order.state import CONFIRMED, FAILED, PENDING, OrderState
+from pygmy.order.state import CONFIRMED, FAILED, PENDING, OrderState, adoption
 from pygmy.replication.core import HardState, Membership
 from pygmy.replication.log_store import LogStore
 from pygmy.replication.service import Periodic
@@ -145,6 +145,7 @@ def settle(order_db: Path, catalog_db: Path, order_after_db: Path, cut: float, k
     orders, catalog, after = OrderState(order_db), CatalogState(catalog_db), OrderState(order_after_db)
     try:
         remembered = catalog.remembered()
+        decrements = catalog.decrements()
         pending = orders.pending()
         order_keys = {o["key"] for o in orders.all_orders() if o["key"] is not None}
         counts = Counter[str]()
@@ -162,15 +163,16 @@ def settle(order_db: Path, catalog_db: Path, order_after_db: Path, cut: float, k
                     continue
                 result, at = seen
                 if result.get("ok"):
-                    orders.execute(conn, 0, {"op": "confirm", "key": o["key"], "title": result["book"]["title"],
-                                             "cost": result["book"]["cost"], "at": at or None})
+                    # The buy the catalog took stock for under the key (a request reusing the key
+                    # for another book may have made the pending order): it becomes the key's order.
+                    item, quantity = decrements.get(o["key"], (o["item_number"], o["quantity"]))
+                    orders.execute(conn, 0, adoption(o["key"], item, quantity, result["book"], at, o["created_at"]))
                     counts["confirmed"] += 1
                 else:
                     err = result.get("error", {})
                     orders.execute(conn, 0, {"op": "fail", "key": o["key"], "code": err.get("code", 409),
                                              "message": err.get("message", ""), "at": at or None})
                     counts["failed"] += 1
-        decrements = catalog.decrements()
         with catalog.amend() as conn:
             for key in sorted(set(remembered) - order_keys):
                 if key in decrements:

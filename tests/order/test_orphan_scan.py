@@ -19,13 +19,18 @@ from pygmy.replication.router import Reply
 BOOKS = [{"item_number": n, "title": f"book {n}", "topic": "t", "stock": 10, "cost": 2.5 * n} for n in (1, 2, 3)]
 
 
+class FakeNode:
+    def term(self) -> int:
+        return 1
+
+
 class FakeRuntime:
     """Proposals applied at once, in order, to one real OrderState."""
 
     name = "order-test"
 
     def __init__(self, state: OrderState) -> None:
-        self.state, self.index = state, 0
+        self.state, self.index, self.node = state, 0, FakeNode()
 
     def propose(self, command: dict[str, Any], timeout: float = 5.0) -> Any:
         self.index += 1
@@ -86,11 +91,11 @@ def test_a_young_key_with_no_order_is_left_for_the_next_scan(tiers: Any) -> None
     processor = order_app.BuyProcessor(rt, orders, None, Keys(catalog, page=10))  # type: ignore[arg-type]
     assert processor.scan_orphans() == 1
     assert orders.scanned() == 1 and orders.by_key("in-flight") is None and orders.by_key("later-orphan") is None
-    assert processor.young_orphan, "the next scan comes soon"
+    assert processor.scan_soon, "the next scan comes soon"
     rt.propose({"op": "intent", "key": "in-flight", "item": 1, "quantity": 1, "created_at": "2026-01-01T00:00:00.000+00:00"})
     assert processor.scan_orphans() == 1, "its intent came: settled; the later orphan is recorded"
     assert orders.scanned() == 3 and orders.by_key("later-orphan")["status"] == CONFIRMED
-    assert not processor.young_orphan
+    assert not processor.scan_soon
     assert orders.by_key("in-flight")["status"] == "pending", "the scan leaves an order's own outcome to it"
 
 
@@ -122,7 +127,7 @@ def test_a_young_key_inside_an_entry_holds_the_scan_below_that_entry(tiers: Any)
     catalog.apply(2, decrements(("b", 1, now - 60), ("c", 2, now), ("d", 2, now - 60)))
     processor = order_app.BuyProcessor(rt, orders, None, Keys(catalog, page=10))  # type: ignore[arg-type]
     assert processor.scan_orphans() == 2  # a and b; c stops it
-    assert orders.scanned() == 1 and processor.young_orphan
+    assert orders.scanned() == 1 and processor.scan_soon
     assert orders.by_key("c") is None and orders.by_key("d") is None
     catalog_keys_later = time.time() + 10 * order_app.ORPHAN_AGE
     order_app_time = order_app.time.time
@@ -131,7 +136,7 @@ def test_a_young_key_inside_an_entry_holds_the_scan_below_that_entry(tiers: Any)
         assert processor.scan_orphans() == 2  # c and d; b found recorded
     finally:
         order_app.time.time = order_app_time  # type: ignore[assignment]
-    assert orders.scanned() == 2 and not processor.young_orphan
+    assert orders.scanned() == 2 and not processor.scan_soon
     assert orders.by_key("c")["status"] == CONFIRMED
 
 
@@ -150,3 +155,18 @@ def test_a_decrement_refused_as_another_buys_key_records_that_buy(tiers: Any) ->
     assert (out[0]["status"], out[0]["item_number"], out[0]["title"]) == (CONFIRMED, 2, "book 2")
     buy = order_app.Buy(1, 1, "k", time.monotonic() + 5)
     assert order_app.answer(buy, out[0])[0] == 422
+
+
+def test_a_decrement_taken_for_a_buy_whose_intent_found_another_requests_order_records_this_buy(tiers: Any) -> None:
+    """A request reusing a key for another book got there first with its intent, which this buy's
+    intent found; this buy's decrement took stock for its own book: the key's order becomes this
+    buy (stock and orders agree), and its buyer hears 200."""
+    catalog, orders, rt = tiers
+    rt.propose({"op": "intent", "key": "k", "item": 2, "quantity": 3, "created_at": "2026-01-01T00:00:00.000+00:00"})
+    taken = catalog.apply(1, decrements(("k", 1, 100.0)))["results"][0]
+    processor = order_app.BuyProcessor(rt, orders, None)  # type: ignore[arg-type]
+    out: list[Any] = [None]
+    processor._outcomes(out, [(0, {**orders.by_key("k"), "sent_as": (1, 1)}, Reply(200, taken["book"], "catalog-1"))],
+                        100.0)
+    assert (out[0]["status"], out[0]["item_number"], out[0]["quantity"]) == (CONFIRMED, 1, 1)
+    assert order_app.answer(order_app.Buy(1, 1, "k", time.monotonic() + 5), out[0])[0] == 200
