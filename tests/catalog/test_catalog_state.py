@@ -392,14 +392,20 @@ def test_expire_forgets_keys_before_its_time_and_keeps_the_rest(state: CatalogSt
     assert kept == recomputed
 
 
-def test_a_database_from_before_key_windows_keeps_its_keys_and_digest(tmp_path: Path) -> None:
-    """The idempotency table without ``at``: migrated in place, its keys without a time (kept)."""
-    path = tmp_path / "old.db"
+def old_database(path: Path, table: str, row: str) -> Path:
+    """A catalog database as an older version left it: only its idempotency table, one key in it."""
     conn = sqlite3.connect(path)
-    conn.execute("CREATE TABLE idempotency (key TEXT PRIMARY KEY, result TEXT NOT NULL)")
-    conn.execute("INSERT INTO idempotency VALUES ('k1', '{\"ok\": true}')")
+    conn.execute(table)
+    conn.execute(f"INSERT INTO idempotency VALUES {row}")
     conn.commit()
     conn.close()
+    return path
+
+
+def test_a_database_from_before_key_windows_keeps_its_keys_and_digest(tmp_path: Path) -> None:
+    """The idempotency table without ``at``: migrated in place, its keys without a time (kept)."""
+    path = old_database(tmp_path / "old.db", "CREATE TABLE idempotency (key TEXT PRIMARY KEY, result TEXT NOT NULL)",
+                        "('k1', '{\"ok\": true}')")
     migrated = [CatalogState(path), CatalogState(tmp_path / "copy.db")]
     migrated[0].snapshot_to(tmp_path / "snap.db")
     migrated[1].restore(0, tmp_path / "snap.db")
@@ -509,13 +515,9 @@ def test_expire_keeps_the_keys_the_order_tier_has_not_read_back(state: CatalogSt
 
 def test_a_database_from_before_the_keys_were_indexed_counts_them_as_read_back(tmp_path: Path) -> None:
     """Keys from before ``idx`` are of buys whose intent came first: index 0, never orphans."""
-    path = tmp_path / "old.db"
-    conn = sqlite3.connect(path)
-    conn.execute("CREATE TABLE idempotency (key TEXT PRIMARY KEY, result TEXT NOT NULL, at REAL NOT NULL DEFAULT 0)")
-    conn.execute("INSERT INTO idempotency VALUES ('k1', '{\"ok\": true, \"book\": {}}', 100.0)")
-    conn.commit()
-    conn.close()
-    s = CatalogState(path)
+    s = CatalogState(old_database(
+        tmp_path / "old.db", "CREATE TABLE idempotency (key TEXT PRIMARY KEY, result TEXT NOT NULL, at REAL NOT NULL DEFAULT 0)",
+        "('k1', '{\"ok\": true, \"book\": {}}', 100.0)"))
     assert s.keys_after(0, 10)[1] == [] and s.decrements() == {}
     assert s.apply(1, {"op": "expire", "before": 200.0, "scanned": 0}) == {"ok": True, "forgotten": 1, "kept_before": None}
     applied, kept, recomputed = s.full_digest()
