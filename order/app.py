@@ -346,6 +346,12 @@ class BuyProcessor:
                     # lost, or a concurrent request reusing the key): that buy is the key's order.
                     refused.append((i, adoption(key, other["item"], other["quantity"], other["result"]["book"],
                                                 other["at"])))
+                elif other is not None:
+                    # ... and refused it: the key's order is that buy, failed with its own answer.
+                    first = other["result"]["error"]
+                    refused.append((i, {"op": "fail", "key": key, "code": first["code"], "message": first["message"],
+                                        "at": other["at"] or None, "item": other["item"],
+                                        "quantity": other["quantity"]}))
                 else:
                     refused.append((i, {"op": "fail", "key": key, "code": reply.status, "message": err["message"],
                                         "at": sent}))

@@ -158,6 +158,9 @@ class OrderState(SQLiteStateMachine):
         elif op == "confirm":
             self._confirm(conn, command)
         elif op == "fail":
+            if "item" in command:  # the buy the catalog refused under the key (another request's)
+                conn.execute("UPDATE orders SET item_number=?, quantity=? WHERE key=? AND status=?",
+                             (command["item"], command["quantity"], key, PENDING))
             conn.execute(
                 "UPDATE orders SET status=?, error_code=?, error_message=?, key_time=? WHERE key=? AND status=?",
                 (FAILED, command["code"], command["message"], command.get("at"), key, PENDING),

@@ -170,3 +170,23 @@ def test_a_decrement_taken_for_a_buy_whose_intent_found_another_requests_order_r
                         100.0)
     assert (out[0]["status"], out[0]["item_number"], out[0]["quantity"]) == (CONFIRMED, 1, 1)
     assert order_app.answer(order_app.Buy(1, 1, "k", time.monotonic() + 5), out[0])[0] == 200
+
+
+def test_a_key_whose_first_decrement_was_refused_fails_as_that_buy(tiers: Any) -> None:
+    """The catalog refused the key's first buy (out of stock), and a request reusing the key for
+    another book comes: the key's order is the first buy, failed with its own 409; the reusing
+    request hears 422 and the first buyer's retry its 409."""
+    catalog, orders, rt = tiers
+    catalog.apply(1, decrements(("k", 2, 100.0)))  # one copy: fine
+    first = catalog.apply(2, {"op": "decrements", "keyed": 1, "items": [
+        {"item": 3, "quantity": 99, "key": "k2", "at": 100.0}]})["results"][0]
+    assert first["error"]["code"] == 409
+    rt.propose({"op": "intent", "key": "k2", "item": 1, "quantity": 1, "created_at": "2026-01-01T00:00:00.000+00:00"})
+    refused = catalog.apply(3, decrements(("k2", 1, 200.0)))["results"][0]
+    processor = order_app.BuyProcessor(rt, orders, None)  # type: ignore[arg-type]
+    out: list[Any] = [None]
+    processor._outcomes(out, [(0, orders.by_key("k2"), Reply(422, {"error": refused["error"], "buy": refused["buy"]},
+                                                                   "catalog-1"))], 200.0)
+    assert (out[0]["status"], out[0]["item_number"], out[0]["quantity"]) == ("failed", 3, 99)
+    assert order_app.answer(order_app.Buy(1, 1, "k2", time.monotonic() + 5), out[0])[0] == 422
+    assert order_app.answer(order_app.Buy(3, 99, "k2", time.monotonic() + 5), out[0])[0] == 409
