@@ -3,11 +3,13 @@
 A buy is three steps, each safe to repeat: (1) record the intent in the order log (this fixes
 the order number and the idempotency key), (2) ask the catalog leader to decrement the stock under
 the same key (the catalog remembers keys, so a repeat returns the first result), (3) record the
-outcome. Whoever leads the order tier finishes intents a dead leader left half-done, so the
+outcome. (1) and (2) run at the same time for a request that arrives alone with new keys
+(``BuyProcessor.buy_many``). Whoever leads the order tier finishes intents a dead leader left
+half-done, and records buys whose decrement outlived their intent (``scan_orphans``), so the
 catalog's decrements always equal the confirmed orders.
 
-A successful buy is answered once (2) is committed: its outcome is decided then, and recoverable
-from the key by anyone, so the confirm (3) follows off the buyer's path. Until it is applied, a
+A successful buy is answered once (1) and (2) are committed: its outcome is decided then, and
+recoverable from the key by anyone, so the confirm (3) follows off the buyer's path. Until it is applied, a
 read of that order finishes it first (on the leader; a follower sends the reader there), so an
 answered order is always found (docs/replication.md, "A buy answered before its confirm").
 """

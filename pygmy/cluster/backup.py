@@ -170,8 +170,10 @@ def settle(order_db: Path, catalog_db: Path, order_after_db: Path, cut: float, k
                     counts["confirmed"] += 1
                 else:
                     err = result.get("error", {})
+                    item, quantity = decrements.get(o["key"], (o["item_number"], o["quantity"]))
                     orders.execute(conn, 0, {"op": "fail", "key": o["key"], "code": err.get("code", 409),
-                                             "message": err.get("message", ""), "at": at or None})
+                                             "message": err.get("message", ""), "at": at or None,
+                                             "item": item, "quantity": quantity})
                     counts["failed"] += 1
         with catalog.amend() as conn:
             for key in sorted(set(remembered) - order_keys):
