@@ -20,7 +20,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import Future
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
@@ -96,30 +97,6 @@ def _withdrawn(outcome: Any) -> bool:
     an earlier attempt of unknown outcome."""
     return (outcome is EXPIRED or isinstance(outcome, NotLeader)
             or (isinstance(outcome, CombinerTimeout) and not outcome.sent))
-
-
-class _Outcomes:
-    """The outcomes of items submitted to a ``Combiner``, waited for together."""
-
-    def __init__(self, n: int) -> None:
-        self._results: list[Any] = [None] * n
-        self._left = n
-        self._done = threading.Condition()
-
-    def callback(self, n: int) -> Callable[[Any], None]:
-        def told(result: Any) -> None:
-            with self._done:
-                self._results[n] = result
-                self._left -= 1
-                self._done.notify_all()
-        return told
-
-    def wait(self, timeout: float) -> list[Any]:
-        """Every outcome, within ``timeout``: the combiner tells each item's, at the latest when the
-        batch in flight ends (a stopped one may not). One still untold is taken as unknown."""
-        with self._done:
-            self._done.wait_for(lambda: self._left == 0, timeout)
-            return [CombinerTimeout("no outcome told in time", sent=True) if r is None else r for r in self._results]
 
 
 class BuyProcessor:
@@ -233,18 +210,22 @@ class BuyProcessor:
         decrements go out on this one; each buy's outcome into ``out``."""
         now = time.monotonic()
         waits = [min(2 * PROPOSE_TIMEOUT + 1, buys[i].deadline - now) for i in todo]
-        intents = _Outcomes(len(todo))
-        for n, (i, wait) in enumerate(zip(todo, waits, strict=True)):
-            self._intents.submit(_intent(buys[i], created), wait, intents.callback(n))
+        told: list[Future[Any]] = [Future() for _ in todo]
+        for i, wait, future in zip(todo, waits, told, strict=True):
+            self._intents.submit(_intent(buys[i], created), wait, future.set_result)
         orders = [{"item_number": buys[i].item, "quantity": buys[i].quantity, "key": buys[i].key,
                    "status": PENDING} for i in todo]
         sent, replies = self._decrement_all(orders, [buys[i].deadline for i in todo])
-        ready: list[tuple[int, dict[str, Any], Reply | BaseException]] = []
-        for i, intent, reply in zip(todo, intents.wait(max(waits) + PROPOSE_TIMEOUT + 1), replies, strict=True):
+        # The combiner tells each outcome, at the latest when its batch in flight ends (a stopped
+        # one may not): one still untold by then is unknown.
+        futures.wait(told, max(waits) + PROPOSE_TIMEOUT + 1)
+        intents = [f.result() if f.done() else CombinerTimeout("no outcome told in time", sent=True) for f in told]
+        ready: list[tuple[int, dict[str, Any], tuple[int, int], Reply | BaseException]] = []
+        for i, intent, reply in zip(todo, intents, replies, strict=True):
             if not isinstance(intent, BaseException):
                 if intent["status"] == PENDING:
                     # The decrement went out as this buy (its intent may have found another's order)
-                    ready.append((i, {**intent, "sent_as": (buys[i].item, buys[i].quantity)}, reply))
+                    ready.append((i, intent, (buys[i].item, buys[i].quantity), reply))
                 else:
                     out[i] = intent  # finished meanwhile (another request's intent came first)
             elif _withdrawn(intent) and _withdrawn(reply):
@@ -296,7 +277,8 @@ class BuyProcessor:
         pending = [i for i, o in enumerate(orders) if o["status"] == PENDING]
         if pending:
             sent, replies = self._decrement_all([orders[i] for i in pending], [deadlines[i] for i in pending])
-            self._outcomes(out, [(i, orders[i], r) for i, r in zip(pending, replies, strict=True)], sent)
+            self._outcomes(out, [(i, orders[i], (orders[i]["item_number"], orders[i]["quantity"]), r)
+                                 for i, r in zip(pending, replies, strict=True)], sent)
         return out
 
     def _decrement_all(self, orders: list[dict[str, Any]], deadlines: list[float | None]
@@ -320,27 +302,27 @@ class BuyProcessor:
                 self._in_flight.difference_update(keys)
 
     def _outcomes(self, out: list[dict[str, Any] | BaseException],
-                  replies: list[tuple[int, dict[str, Any], Reply | BaseException]], sent: float) -> None:
-        """Each pending order's outcome from its decrement's reply, into ``out`` at its place."""
+                  replies: list[tuple[int, dict[str, Any], tuple[int, int], Reply | BaseException]],
+                  sent: float) -> None:
+        """Each pending order's outcome from its decrement's reply, into ``out`` at its place; the
+        decrement was sent as the buy of ``(item, quantity)``."""
         refused: list[tuple[int, dict[str, Any]]] = []
-        for i, order, reply in replies:
+        for i, order, sent_as, reply in replies:
             key = order["key"]
             if isinstance(reply, CombinerTimeout):
                 out[i] = TierUnavailable("catalog", "the decrement was not sent in time")
             elif isinstance(reply, BaseException):
                 out[i] = reply
-            elif reply.status == 200 and order.get("sent_as", (order["item_number"], order["quantity"])) != (
-                    order["item_number"], order["quantity"]):
+            elif reply.status == 200 and sent_as != (order["item_number"], order["quantity"]):
                 # The decrement took stock for this buy while the key's pending order is another
                 # request's (it reused the key, and its intent came first): the key's order becomes
                 # the buy whose stock was taken.
-                item, quantity = order["sent_as"]
-                refused.append((i, adoption(key, item, quantity, reply.body, sent)))
+                refused.append((i, adoption(key, *sent_as, reply.body, sent)))
             elif reply.status == 200:
                 # Decided: the catalog's decrement under this key is committed. Answer now.
                 title, cost = reply.body["title"], reply.body["cost"]
                 self._confirm(key, title, cost, sent)
-                out[i] = confirmed({k: v for k, v in order.items() if k != "sent_as"}, title, cost)
+                out[i] = confirmed(order, title, cost)
             elif reply.status in (404, 409) or (reply.status == 422 and "buy" in reply.body):
                 err, other = reply.body["error"], reply.body.get("buy")
                 if other is not None and other["result"].get("ok"):

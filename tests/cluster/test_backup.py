@@ -151,3 +151,27 @@ def test_a_restore_takes_no_setting_that_names_the_old_machines_files_or_address
     config = restore_settings(old, {"catalog_replicas": 1}, "/new/data")
     assert config.books is None and config.members == {} and config.data_dir == "/new/data"
     assert config.catalog_replicas == 1 and config.key_window == 3600.0
+
+
+def test_a_pending_order_becomes_the_buy_the_catalog_took_stock_for_under_its_key(tmp_path: Path) -> None:
+    """A request reused a key for another book: its intent is the pending order, the catalog's
+    decrement under the key is the first buy's. Settled, the order is the first buy, so book by book
+    stock = initial + added - sold holds in the archive."""
+    build_seed(load_books(None), tmp_path / "seed.db")
+    folder = tmp_path / "archive"
+    folder.mkdir()
+    orders, catalog = OrderState(tmp_path / "order.db"), CatalogState(tmp_path / "catalog.db")
+    catalog.restore(0, tmp_path / "seed.db")
+    orders.apply(1, intent("k", item=2, quantity=1))
+    catalog.apply(1, decrement("k", item=4, quantity=2))
+    copy_of(orders, folder / "order.db")
+    copy_of(catalog, folder / "catalog.db")
+    copy_of(orders, tmp_path / "after.db")
+    shutil.copyfile(tmp_path / "seed.db", folder / "seed.db")
+    orders.close_all()
+    catalog.close_all()
+    assert backup.settle(folder / "order.db", folder / "catalog.db", tmp_path / "after.db", time.time(), 86_400) == {
+        "confirmed": 1}
+    assert rows(folder / "order.db", "SELECT item_number, quantity, status FROM orders") == [(4, 2, "confirmed")]
+    problems, facts = backup.check(folder)
+    assert problems == [] and facts["copies_sold"] == 2

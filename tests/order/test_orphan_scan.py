@@ -151,7 +151,7 @@ def test_a_decrement_refused_as_another_buys_key_records_that_buy(tiers: Any) ->
     reply = Reply(422, {"error": refused["error"], "buy": refused["buy"]}, "catalog-1")
     processor = order_app.BuyProcessor(rt, orders, None)  # type: ignore[arg-type]
     out: list[Any] = [None]
-    processor._outcomes(out, [(0, orders.by_key("k"), reply)], 200.0)
+    processor._outcomes(out, [(0, orders.by_key("k"), (1, 1), reply)], 200.0)
     assert (out[0]["status"], out[0]["item_number"], out[0]["title"]) == (CONFIRMED, 2, "book 2")
     buy = order_app.Buy(1, 1, "k", time.monotonic() + 5)
     assert order_app.answer(buy, out[0])[0] == 422
@@ -166,7 +166,7 @@ def test_a_decrement_taken_for_a_buy_whose_intent_found_another_requests_order_r
     taken = catalog.apply(1, decrements(("k", 1, 100.0)))["results"][0]
     processor = order_app.BuyProcessor(rt, orders, None)  # type: ignore[arg-type]
     out: list[Any] = [None]
-    processor._outcomes(out, [(0, {**orders.by_key("k"), "sent_as": (1, 1)}, Reply(200, taken["book"], "catalog-1"))],
+    processor._outcomes(out, [(0, orders.by_key("k"), (1, 1), Reply(200, taken["book"], "catalog-1"))],
                         100.0)
     assert (out[0]["status"], out[0]["item_number"], out[0]["quantity"]) == (CONFIRMED, 1, 1)
     assert order_app.answer(order_app.Buy(1, 1, "k", time.monotonic() + 5), out[0])[0] == 200
@@ -185,7 +185,7 @@ def test_a_key_whose_first_decrement_was_refused_fails_as_that_buy(tiers: Any) -
     refused = catalog.apply(3, decrements(("k2", 1, 200.0)))["results"][0]
     processor = order_app.BuyProcessor(rt, orders, None)  # type: ignore[arg-type]
     out: list[Any] = [None]
-    processor._outcomes(out, [(0, orders.by_key("k2"), Reply(422, {"error": refused["error"], "buy": refused["buy"]},
+    processor._outcomes(out, [(0, orders.by_key("k2"), (1, 1), Reply(422, {"error": refused["error"], "buy": refused["buy"]},
                                                                    "catalog-1"))], 200.0)
     assert (out[0]["status"], out[0]["item_number"], out[0]["quantity"]) == ("failed", 3, 99)
     assert order_app.answer(order_app.Buy(1, 1, "k2", time.monotonic() + 5), out[0])[0] == 422
