@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import requests
 
+from pygmy.cluster import launcher
 from pygmy.experiments import baseline
 from pygmy.experiments import harness as h
 
@@ -102,7 +103,7 @@ def trial(c: Any, scenario: str, clients: int, pre: float, post: float, seed: in
         ev["kill_sent"] = time.time() - start_at
         if pause:
             pgid = c.process_groups()[victim]
-            os.killpg(pgid, signal.SIGSTOP)
+            launcher.pause(pgid)  # every thread stopped, not only signalled
             ev["kill"] = ev["kill_returned"] = time.time() - start_at
             resumer.append(threading.Thread(target=resume_after, args=(pgid, pause), daemon=True))
             resumer[0].start()

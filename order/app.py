@@ -307,6 +307,7 @@ class BuyProcessor:
         """Each pending order's outcome from its decrement's reply, into ``out`` at its place; the
         decrement was sent as the buy of ``(item, quantity)``."""
         refused: list[tuple[int, dict[str, Any]]] = []
+        confirms = False
         for i, order, sent_as, reply in replies:
             key = order["key"]
             if isinstance(reply, CombinerTimeout):
@@ -321,7 +322,8 @@ class BuyProcessor:
             elif reply.status == 200:
                 # Decided: the catalog's decrement under this key is committed. Answer now.
                 title, cost = reply.body["title"], reply.body["cost"]
-                self._confirm(key, title, cost, sent)
+                self._confirm(key, title, cost, sent, wake=False)
+                confirms = True
                 out[i] = confirmed(order, title, cost)
             elif reply.status in (404, 409) or (reply.status == 422 and "buy" in reply.body):
                 err, other = reply.body["error"], reply.body.get("buy")
@@ -344,6 +346,8 @@ class BuyProcessor:
             else:
                 message = reply.body.get("error", {}).get("message", "")
                 out[i] = ApiError(502, f"catalog answered {reply.status}: {message}")
+        if confirms:  # recorded soon: with the next intents, or by the confirmer once the answer is out
+            after_reply(self._confirm_due.set)
         if refused:  # the stock said no (or the key is another buy's): recorded together, as the intents were
             try:
                 failed = self._propose_all([c for _, c in refused], "fails")
@@ -364,10 +368,12 @@ class BuyProcessor:
         metrics.BUY_BATCH.labels(self.rt.name, "decrements").observe(sum(1 for _, d in items if d > time.monotonic()))
         return self.catalog.write_batch(items, CATALOG_DEADLINE, EXPIRED)
 
-    def _confirm(self, key: str, title: str, cost: float, at: float) -> None:
-        """Record a decided outcome, soon (with the next intents, or by the confirmer thread)."""
+    def _confirm(self, key: str, title: str, cost: float, at: float, wake: bool = True) -> None:
+        """Record a decided outcome, soon (with the next intents, or by the confirmer thread, woken
+        after the buys' answer; without ``wake`` the caller wakes it once for all its confirms)."""
         self._confirms.put({"op": "confirm", "key": key, "title": title, "cost": cost, "at": at})
-        after_reply(self._confirm_due.set)  # the confirmer's wake-up after the buys' answer
+        if wake:
+            after_reply(self._confirm_due.set)
 
     def _waiting_confirms(self) -> list[dict[str, Any]]:
         batch: list[dict[str, Any]] = []

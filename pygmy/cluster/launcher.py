@@ -143,7 +143,9 @@ def pause(pid: int, group: bool = True, timeout: float = STOP_TIMEOUT) -> None:
     stuck in the kernel, say)."""
     (os.killpg if group else os.kill)(pid, signal.SIGSTOP)
     deadline = time.monotonic() + timeout
-    while running := _running_threads([p.pid for p in _group(pid)] if group else [pid]):
+    # Read once: a group with a SIGSTOP pending forks no new member.
+    pids = [p.pid for p in _group(pid)] if group else [pid]
+    while running := _running_threads(pids):
         if time.monotonic() > deadline:
             raise TimeoutError(f"threads {running[:5]} of {pid} still run {timeout:g} s after SIGSTOP")
         time.sleep(0.002)

@@ -293,7 +293,11 @@ class FrameServer:
         except Exception:
             log.exception("%s: frame handler failed; closing the connection", self.name)
         finally:
-            _AFTER_REPLY.set(None)  # a later thread given this id must not add to a list nobody runs
+            # Closed for every context copied from this thread too (they share the object): a
+            # later thread given this id must not add to a list nobody runs.
+            closing = _AFTER_REPLY.get()
+            if closing is not None:
+                closing.owner = 0
             with self._lock:
                 self._conns.pop(conn, None)
             _close(conn)
