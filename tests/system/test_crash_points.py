@@ -73,20 +73,20 @@ def test_kills_at_each_step_of_a_ready(crash_cluster, tmp_path: Path, role: str)
     kills_under_load(crash_cluster, tmp_path, role, POINTS)
 
 
-def test_leaders_killed_between_an_answer_and_the_work_left_for_after_it(crash_cluster, tmp_path: Path) -> None:
-    """A leader answers a frame before it starts what the answer does not need
+def test_leaders_killed_after_answering_and_between_a_decrement_and_its_intent(crash_cluster, tmp_path: Path) -> None:
+    """Two instants a leader's answer opens, each killed in one run under load (one cluster, one
+    check, for the suite's time).
+
+    A leader answers a frame before it starts what the answer does not need
     (``transport.after_reply``): the catalog's release pushes of the decrements it just answered
     (the books stay held in every frontend's cache), the order confirmer's wake-up (the buys it
-    just answered stay pending). SIGKILL it right there, in each tier: every guarantee holds."""
-    kills_under_load(crash_cluster, tmp_path, "leader", [("catalog", "answered"), ("order", "answered")])
+    just answered stay pending). SIGKILL it right there (``answered``), in each tier.
 
-
-def test_order_leaders_killed_between_a_decrement_and_its_intent(crash_cluster, tmp_path: Path) -> None:
-    """An order leader sends a buy's decrement while its intent is being committed. SIGKILL it
-    right after the catalog answered decrements whose intents were never proposed (the point
-    ``decremented``), twice, under load: the buys' retries and the orphan scan leave every
-    guarantee standing."""
-    kills_under_load(crash_cluster, tmp_path, "leader", [("order", "decremented"), ("order", "decremented")])
+    An order leader sends a buy's decrement while its intent is being committed. SIGKILL it
+    right after the catalog answered decrements whose intents were never proposed
+    (``decremented``), twice: the buys' retries and the orphan scan leave every guarantee standing."""
+    kills_under_load(crash_cluster, tmp_path, "leader", [("order", "decremented"), ("catalog", "answered"),
+                                                         ("order", "answered"), ("order", "decremented")])
 
 
 def test_a_decrement_that_outlived_its_intent_is_recorded_from_the_catalog(crash_cluster, tmp_path: Path) -> None:
