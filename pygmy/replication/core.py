@@ -304,6 +304,13 @@ class CoreConfig:
     lease_ticks: int | None = None
     max_entries_per_msg: int = 2048
     max_inflight: int = 32
+    #: A follower that holds every entry learns a new commit index from the next append or
+    #: heartbeat it is sent, or, if none goes to it within this many ticks, from an append that
+    #: carries only the commit (0: at once, each time the commit advances). Under load the next
+    #: entry carries it: no append, answer and turn on each side for the commit alone. A follower
+    #: about to serve a read asks for it at once (``hurry_commit``); a configuration change, a
+    #: hand-over or a peer being removed gets it at once as well (docs/replication.md).
+    commit_delay_ticks: int = 2
     max_apply_batch: int = 4096
     pre_vote: bool = True
     check_quorum: bool = True
@@ -431,6 +438,11 @@ class Progress:
     #: Tick when the leader last sent this follower anything: an idle leader heartbeats the one
     #: it has been quiet to longest.
     last_sent: int = 0
+    #: Tick since which it has held every entry but not the commit (``commit_delay_ticks``);
+    #: None while it has the commit or entries are on their way to it (they carry the commit).
+    commit_owed_since: int | None = None
+    #: It asked for the commit (``hurry_commit``): the next ``ready`` sends it, if it lacks it.
+    hurry: bool = False
 
 
 class RaftCore:
@@ -862,6 +874,9 @@ class RaftCore:
                 return 1  # a snapshot's resend timer counts every tick
             n = min(self._heartbeat_interval(self._idle()) - self._heartbeat_elapsed,
                     self._window() - self._election_elapsed)
+            for pr in self._prs.values():
+                if pr.commit_owed_since is not None:  # the append of the commit alone (``_flush``)
+                    n = min(n, pr.commit_owed_since + self.cfg.commit_delay_ticks - self.now)
         else:
             n = self._timeout - self._election_elapsed
         return max(1, n)
@@ -910,18 +925,28 @@ class RaftCore:
                 rotation = min(answered, key=lambda t: t[1].last_sent)[0] if answered else None
                 targets = [t for t in targets if t[0] == rotation or t[1].last_heard < t[1].last_sent]
             for p, pr in targets:
+                commit = min(pr.match, self.commit)
+                if commit > pr.sent_commit:
+                    pr.sent_commit = commit  # no append owed for it (``_flush``)
                 self._send(
                     Message(
                         HEARTBEAT,
                         self.id,
                         p,
                         self.term,
-                        commit=min(pr.match, self.commit),
+                        commit=commit,
                         leader_commit=self.commit,
                         ctx=self.now,
                         floor=self.floor,
                     )
                 )
+
+    def hurry_commit(self, peer: str) -> None:
+        """``peer`` is about to serve a read at our commit index: if it holds every entry but not
+        the commit, the next ``ready`` sends it the commit without waiting for ``commit_delay_ticks``."""
+        pr = self._prs.get(peer)
+        if self.role == LEADER and pr is not None:
+            pr.hurry = True
 
     def propose(self, command: dict[str, Any] | None) -> int | None:
         """Append a command to the leader's log; returns its index, or None when not leader.
@@ -1262,16 +1287,30 @@ class RaftCore:
             self.commit = q
 
     def _flush(self) -> None:
-        """Send every follower what it lacks: new entries (batched) or at least the new commit."""
+        """Send every follower what it lacks: new entries (batched), or the new commit alone once it
+        has waited ``commit_delay_ticks`` for an entry to carry it."""
         cfg = self.cfg
+        # Followers learn the commit late only in the steady state: not while a configuration
+        # change is being committed (a removed peer hears of its removal, as before) or leadership
+        # handed over, nor from a leader leaving the configuration.
+        steady = (cfg.commit_delay_ticks > 0 and self.lead_transferee is None and self.is_voter()
+                  and not self.membership_pending())
+        members = self.membership.members if steady else frozenset()
         for p, pr in self._prs.items():
             if pr.state == SNAPSHOTTING or (pr.state == PROBE and pr.paused):
                 continue
             while True:
                 if pr.state == REPLICATE and len(pr.inflight) >= cfg.max_inflight:
                     break
-                if pr.next > self.last_index and pr.sent_commit >= self.commit:
-                    break
+                if pr.next > self.last_index:
+                    if pr.sent_commit >= self.commit:
+                        pr.commit_owed_since, pr.hurry = None, False
+                        break
+                    if pr.state == REPLICATE and p in members and not pr.hurry:
+                        if pr.commit_owed_since is None:
+                            pr.commit_owed_since = self.now
+                        if self.now - pr.commit_owed_since < cfg.commit_delay_ticks:
+                            break
                 prev = pr.next - 1
                 prev_term = self.term_at(prev)
                 if prev_term is None:
@@ -1294,6 +1333,7 @@ class RaftCore:
                     )
                 )
                 pr.sent_commit = self.commit
+                pr.commit_owed_since, pr.hurry = None, False
                 if pr.state == PROBE:
                     pr.paused = True
                     break

@@ -757,9 +757,12 @@ def test_a_follower_that_needs_nothing_does_not_hold_back_the_next() -> None:
     core.ready()
     core.step(Message(APPEND_RESP, "c", "a", core.term, index=3, conflict_index=3, ctx=core.now))
     ack(core, "b", 3)
-    assert sorted(sent(core)) == ["b", "c"]  # b: the new commit alone; c: a probe
+    assert sorted(sent(core)) == ["c"]  # c: a probe; b's new commit waits for an entry to carry it
     ack(core, "c", 2)
-    assert sorted(sent(core)) == ["c"]  # b needs nothing, c needs entry 3
+    assert sorted(sent(core)) == ["c"]  # b needs nothing yet, c needs entry 3
+    core.tick(core.cfg.commit_delay_ticks)
+    told = [m.commit for m in core.ready().messages if m.dst == "b" and m.type in (APPEND, HEARTBEAT)]
+    assert told == [3]  # none came: a heartbeat or an append of the commit alone tells b
 
 
 def test_a_follower_needing_a_snapshot_does_not_hold_back_the_next() -> None:
@@ -841,10 +844,13 @@ def _heartbeats(core: RaftCore, count: int, has: int = 1, down: str = "", lease:
         for m in core.ready().messages:
             if m.type == HEARTBEAT:
                 out.append((core.now, m.dst))
-                if m.dst in down:
-                    continue
+            if m.dst in down:
+                continue
+            if m.type == HEARTBEAT:
                 core.step(Message(HEARTBEAT_RESP, m.dst, "a", core.term, index=has, conflict_index=has + 1,
                                   ctx=m.ctx))
+            elif m.type == APPEND and not m.entries:  # a commit told late (``commit_delay_ticks``)
+                core.step(Message(APPEND_RESP, m.dst, "a", core.term, index=has, success=True, ctx=m.ctx))
     return out
 
 
@@ -1000,3 +1006,91 @@ def test_a_driver_that_sleeps_until_the_next_timer_resends_a_snapshot_in_time() 
         if SNAPSHOT in {m.type for m in core.ready().messages}:
             break
     assert ticks == CFG.snapshot_timeout_ticks
+
+
+# -- a follower told of a commit late ----------------------------------------------------------------
+#: Heartbeats far apart, so that only appends tell a follower the commit.
+LATE = CoreConfig(heartbeat_ticks=20, election_ticks_min=30, election_ticks_max=60, commit_delay_ticks=3)
+
+
+def committed_one(config: CoreConfig = LATE) -> RaftCore:
+    """A leader of three whose followers both acknowledged a new entry (index 2): committed, and
+    neither follower told so yet."""
+    core = leader(config=config)
+    core.ready()
+    for p in "bc":
+        ack(core, p, 1)
+    core.ready()
+    core.propose({"x": 1})
+    assert sorted(sent(core)) == ["b", "c"]
+    for p in "bc":
+        ack(core, p, 2)
+    assert core.commit == 2
+    return core
+
+
+def test_a_new_commit_waits_for_the_next_entry_to_carry_it() -> None:
+    """Under load the next append tells a follower the commit: no append goes for the commit alone."""
+    core = committed_one()
+    assert sent(core) == {}
+    core.tick()
+    core.propose({"x": 2})
+    msgs = sent(core)
+    assert sorted(msgs) == ["b", "c"]
+    assert all(m.commit == 2 and [e.index for e in m.entries] == [3] for m in msgs.values())
+
+
+def test_a_new_commit_goes_alone_once_no_entry_came_for_commit_delay_ticks() -> None:
+    core = committed_one()
+    assert sent(core) == {}
+    assert core.ticks_until_timer() <= LATE.commit_delay_ticks  # the driver wakes for it
+    for _ in range(LATE.commit_delay_ticks - 1):
+        core.tick()
+        assert sent(core) == {}
+    core.tick()
+    msgs = sent(core)
+    assert sorted(msgs) == ["b", "c"] and all(m.commit == 2 and not m.entries for m in msgs.values())
+    core.tick(2 * LATE.commit_delay_ticks)
+    assert sent(core) == {}  # told once
+
+
+def test_a_follower_about_to_serve_a_read_is_told_the_commit_at_once() -> None:
+    core = committed_one()
+    assert sent(core) == {}
+    core.hurry_commit("b")
+    msgs = sent(core)
+    assert sorted(msgs) == ["b"] and msgs["b"].commit == 2
+    core.hurry_commit("b")  # it has it: nothing more
+    assert sent(core) == {}
+
+
+def test_a_heartbeat_that_carries_the_commit_leaves_no_append_owed() -> None:
+    """Idle, the leader heartbeats one follower every 10 ticks here: each is told the commit by
+    its heartbeat before 25 ticks (the delay) are up, and no append goes for it."""
+    core = committed_one(dataclasses.replace(LATE, heartbeat_ticks=2, commit_delay_ticks=25))
+    msgs: list[Message] = []
+    for _ in range(40):
+        core.tick()
+        msgs += core.ready().messages
+    assert {m.dst for m in msgs if m.type == HEARTBEAT and m.commit == 2} == {"b", "c"}
+    assert [m for m in msgs if m.type == APPEND] == []
+
+
+def test_with_no_delay_every_commit_goes_at_once() -> None:
+    core = committed_one(dataclasses.replace(LATE, commit_delay_ticks=0))
+    msgs = sent(core)
+    assert sorted(msgs) == ["b", "c"] and all(m.commit == 2 and not m.entries for m in msgs.values())
+
+
+def test_a_removed_follower_hears_of_its_removal_at_once() -> None:
+    """The commit of a configuration that removes a follower goes to it at once, as the leader
+    forgets it right after (``ready``): it must not wait for an entry that will never come."""
+    core = committed_one()
+    index = core.remove("c")
+    sent(core)
+    for p in "bc":
+        ack(core, p, index)
+    assert core.commit == index
+    msgs = sent(core)
+    assert msgs["c"].commit == index and not msgs["c"].entries
+    assert core.progress("c") is None

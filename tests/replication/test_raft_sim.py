@@ -255,11 +255,14 @@ def test_a_voter_that_counts_time_not_yet_passed_is_caught(monkeypatch: pytest.M
             self._election_elapsed += 5
 
     monkeypatch.setattr(RaftCore, "step", step_counting_ticks_already_due)
-    for seed in ORDER_SEEDS:
+    # Rare: one schedule in about 200 finds it (seed 226 first, with followers told of commits
+    # late: ``commit_delay_ticks``; seed 42 when every commit was sent at once).
+    seeds = range(400)
+    for seed in seeds:
         try:
             seeded_run(seed, send_before_persist=False)
         except SafetyError as e:
             print(f"seed {seed}: {e}")
             assert "lease" in str(e)
             return
-    pytest.fail(f"no lease violation in {len(ORDER_SEEDS)} schedules with ticks counted too soon")
+    pytest.fail(f"no lease violation in {len(seeds)} schedules with ticks counted too soon")
