@@ -52,10 +52,10 @@ Without the variables below it does nothing.
   three chunks of a snapshot stream deletes the file and SIGKILLs its own process group right
   there: a stream cut short at either end, a partial file left on the receiver.
 - ``PYGMY_TEST_CRASH_APPLIED_UNANNOUNCED=<file>``: when the file names a tier, the next leader of
-  that tier to apply committed entries in a turn that then tells the followers the new commit index
-  (a Ready with no new entries: apply first, then send) deletes the file and SIGKILLs its own process
-  group between the apply and the send: its proposers may have been answered, no follower knows
-  the entries are committed.
+  that tier to apply committed entries in a turn with no new entries (apply first, then send: the
+  new commit index, or nothing while it waits for the next entry to carry it) deletes the file and
+  SIGKILLs its own process group between the apply and the send: its proposers may have been
+  answered, no follower knows the entries are committed.
 - ``PYGMY_TEST_CRASH_AT=<file>``: the real node's persist, send and apply (``Ready.steps``), a kill
   at each, on followers as well as leaders. When the file says ``<tier> <role> <point>`` (role
   ``leader`` or ``follower``), the first replica of that tier in that role to reach the point deletes
@@ -393,7 +393,9 @@ def _crash_applied_unannounced(flag: str) -> None:
         self._test_applied = bool(entries) and self.core.is_leader()
 
     def sending(self, messages):  # type: ignore[no-untyped-def]
-        if getattr(self, "_test_applied", False) and messages and not any(m.entries for m in messages):
+        # Sent after the apply (a Ready with no new entries), with nothing (the commit waits for the
+        # next entry: ``commit_delay_ticks``) or only the commit and heartbeats to send.
+        if getattr(self, "_test_applied", False) and not any(m.entries for m in messages):
             _die_if_named(flag, self.name)  # applied (and answered), the commit not yet told
         self._test_applied = False
         send(self, messages)
