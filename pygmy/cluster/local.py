@@ -74,6 +74,19 @@ def free_port_base(replicas: int = 5, frontends: int = 2) -> int:
     raise RuntimeError("no free port base found")
 
 
+def free_port() -> int:
+    """One port free right now, for a server started a moment later: picked as ``free_port_base``
+    picks its bases (below the ephemeral range, in this process's slice), not by binding port 0,
+    which hands out ephemeral ports that an outgoing connection may take before the server binds
+    (seen once in a full run: ``Address already in use``)."""
+    low, high = _port_slice()
+    for _ in range(200):
+        port = random.randrange(low, high)
+        if _port_free(port):
+            return port
+    raise RuntimeError("no free port found")
+
+
 def cli_module(root: Path) -> str:
     """The command line's module in checkout ``root``: versions before the one package had it at the top."""
     return "pygmy.cluster.cli" if (root / "pygmy" / "cluster" / "cli.py").exists() else "cluster.cli"

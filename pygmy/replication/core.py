@@ -356,6 +356,8 @@ class CoreConfig:
             out.append("need election_ticks_cap >= election_ticks_min")
         if not 0 <= self.drift_percent < 50:
             out.append("need 0 <= drift_percent < 50")
+        if self.commit_delay_ticks < 0:
+            out.append("need commit_delay_ticks >= 0 (0: every commit told at once)")
         return out
 
 
@@ -410,6 +412,7 @@ class Ready:
         - send, persist, apply: a leader's appends (``send_first`` with entries): its disk write
           overlaps the followers';
         - persist, apply, send: a leader's Ready without entries (``send_first``): what goes out
+          (if anything: a new commit index may wait for the next entry, ``commit_delay_ticks``)
           tells the followers the new commit index; their applying can wait for ours, and the
           proposers waiting for ours should not wait for those sends."""
         if not self.send_first:
@@ -438,8 +441,8 @@ class Progress:
     #: Tick when the leader last sent this follower anything: an idle leader heartbeats the one
     #: it has been quiet to longest.
     last_sent: int = 0
-    #: Tick since which it has held every entry but not the commit (``commit_delay_ticks``);
-    #: None while it has the commit or entries are on their way to it (they carry the commit).
+    #: Tick since which it has been sent every entry but not the commit (``commit_delay_ticks``);
+    #: None once it was sent the commit, or while entries are on their way (they carry it).
     commit_owed_since: int | None = None
     #: It asked for the commit (``hurry_commit``): the next ``ready`` sends it, if it lacks it.
     hurry: bool = False
@@ -941,11 +944,14 @@ class RaftCore:
                     )
                 )
 
-    def hurry_commit(self, peer: str) -> None:
-        """``peer`` is about to serve a read at our commit index: if it holds every entry but not
-        the commit, the next ``ready`` sends it the commit without waiting for ``commit_delay_ticks``."""
+    def hurry_commit(self, peer: str, known: int | None = None) -> None:
+        """``peer`` is about to serve a read at our commit index, and knows the commit ``known`` (if
+        it says): if it has been sent every entry but not the commit, the next ``ready`` sends it the
+        commit without waiting for ``commit_delay_ticks``; and again if what told it was lost."""
         pr = self._prs.get(peer)
         if self.role == LEADER and pr is not None:
+            if known is not None and known < pr.sent_commit:
+                pr.sent_commit = known  # the append or heartbeat that carried it never arrived (yet)
             pr.hurry = True
 
     def propose(self, command: dict[str, Any] | None) -> int | None:

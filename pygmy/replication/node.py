@@ -905,9 +905,12 @@ class ReplicaNode:
                 index = self.wait_read_index(LEADER_READ_WAIT)
             except ReadIndexUnavailable as exc:
                 return jsonify({"error": {"code": 503, "message": str(exc)}}), 503
-            asker, known = request.args.get("from"), request.args.get("commit", "")
-            if asker in self.peers and not (known.isascii() and known.isdigit() and int(known) >= index):
-                self._submit("hurry", asker)  # it will wait to apply ``index``: tell it the commit now
+            # A follower asking says who it is and the commit it knows: it will wait to apply
+            # ``index``, so it is told the commit now (the core ignores a name it does not replicate to).
+            asker, raw = request.args.get("from", ""), request.args.get("commit", "")
+            known = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 18 else None
+            if asker and (known is None or known < index):
+                self._submit("hurry", (asker, known))
             return jsonify({"index": index, "term": self.term()}), 200
 
         return bp
@@ -1150,8 +1153,8 @@ class ReplicaNode:
             else:
                 prop.index, prop.term = index, self.core.term
                 self._proposals[index] = prop
-        elif kind == "hurry":  # a follower about to serve a read at our commit index
-            self.core.hurry_commit(value)
+        elif kind == "hurry":  # a follower about to serve a read at our commit index: (name, commit it knows)
+            self.core.hurry_commit(*value)
         elif kind == "call":  # a look at (or a change of) the core, in a turn: (function, proposal)
             fn, prop = value
             try:

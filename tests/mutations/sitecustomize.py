@@ -384,13 +384,19 @@ def _crash_unpersisted(flag: str) -> None:
 
 
 def _crash_applied_unannounced(flag: str) -> None:
+    from pygmy.replication.core import Ready
     from pygmy.replication.node import ReplicaNode
 
-    apply, send = ReplicaNode._apply, ReplicaNode._send
+    apply, send, steps = ReplicaNode._apply, ReplicaNode._send, Ready.steps
+    turn = {"entries": False}  # whether the Ready being handled has new entries (then it sends first)
+
+    def stepping(rd):  # type: ignore[no-untyped-def]
+        turn["entries"] = bool(rd.entries)
+        return steps(rd)
 
     def applying(self, entries):  # type: ignore[no-untyped-def]
         apply(self, entries)
-        self._test_applied = bool(entries) and self.core.is_leader()
+        self._test_applied = bool(entries) and self.core.is_leader() and not turn["entries"]
 
     def sending(self, messages):  # type: ignore[no-untyped-def]
         # Sent after the apply (a Ready with no new entries), with nothing (the commit waits for the
@@ -400,7 +406,7 @@ def _crash_applied_unannounced(flag: str) -> None:
         self._test_applied = False
         send(self, messages)
 
-    ReplicaNode._apply, ReplicaNode._send = applying, sending
+    ReplicaNode._apply, ReplicaNode._send, Ready.steps = applying, sending, stepping
 
 
 def _ack_before_persist() -> None:

@@ -440,6 +440,7 @@ def test_construction_checks_its_arguments() -> None:
     ({"idle_heartbeat_ticks": 31}, "need idle_heartbeat_ticks < election_ticks_min"),
     ({"election_ticks_cap": 29}, "need election_ticks_cap >= election_ticks_min"),
     ({"drift_percent": 50}, "need 0 <= drift_percent < 50"),
+    ({"commit_delay_ticks": -1}, "need commit_delay_ticks >= 0"),
 ])
 def test_unsafe_settings_are_refused_at_start(settings: dict[str, int], problem: str) -> None:
     """A lease as long as the election window would let a follower elect another leader while this
@@ -1094,3 +1095,40 @@ def test_a_removed_follower_hears_of_its_removal_at_once() -> None:
     msgs = sent(core)
     assert msgs["c"].commit == index and not msgs["c"].entries
     assert core.progress("c") is None
+
+
+def test_a_follower_that_lost_what_told_it_the_commit_is_told_again_when_it_serves_a_read() -> None:
+    """The append of the commit alone was lost; the follower's read-index question says it knows
+    an older commit, so it is sent the commit again at once, not at the next heartbeat."""
+    core = committed_one()
+    assert sent(core) == {}
+    core.tick(LATE.commit_delay_ticks)
+    assert sorted(sent(core)) == ["b", "c"]  # lost on the way
+    core.hurry_commit("b", 1)
+    msgs = sent(core)
+    assert sorted(msgs) == ["b"] and msgs["b"].commit == 2 and not msgs["b"].entries
+    core.hurry_commit("c", 2)  # c has it (the append arrived after c asked): nothing more
+    assert sent(core) == {}
+
+
+def test_during_a_configuration_change_every_commit_goes_at_once() -> None:
+    core = committed_one()
+    core.propose({"x": 2})
+    index = core.add_learner("d", "http://d")
+    assert sorted(sent(core)) == ["b", "c", "d"]  # entries 3 and the change; d: a probe
+    for p in "bc":
+        ack(core, p, index - 1)
+    assert core.commit == index - 1 and core.membership_pending()
+    msgs = sent(core)
+    assert all(msgs[p].commit == index - 1 and not msgs[p].entries for p in "bc"), msgs
+
+
+def test_during_a_hand_over_every_commit_goes_at_once() -> None:
+    core = committed_one()
+    core.propose({"x": 2})
+    sent(core)
+    core.transfer_leadership("c")  # c must first hold entry 3
+    ack(core, "b", 3)
+    assert core.commit == 3 and core.lead_transferee == "c"
+    msgs = sent(core)
+    assert msgs["b"].commit == 3 and not msgs["b"].entries

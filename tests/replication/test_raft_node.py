@@ -15,6 +15,7 @@ import pytest
 from flask import Flask
 from werkzeug.serving import make_server
 
+from pygmy.cluster.local import free_port
 from pygmy.replication.node import NotLeader, ReadIndexUnavailable, ReplicaNode, ReplicationConfig
 from pygmy.replication.statemachine import SQLiteStateMachine
 from pygmy.replication.transport import encode, read_frame
@@ -34,11 +35,6 @@ class KV(SQLiteStateMachine):
         conn.execute("INSERT OR REPLACE INTO kv(k, v) VALUES (?, ?)", (command["k"], value))
         return value
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Switch:

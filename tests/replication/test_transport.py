@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from pygmy.cluster.local import free_port_base
+from pygmy.cluster.local import free_port, free_port_base
 from pygmy.replication.transport import (
     Channel,
     FrameClient,
@@ -26,11 +26,6 @@ from pygmy.replication.transport import (
 
 SECRET = "s3cret"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
