@@ -7,13 +7,14 @@ that these crash points matter: with the order swapped, the simulator finds the 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from raft_sim import CRASH_POINTS, Cluster, SafetyError
+from raft_sim import CRASH_POINTS, SIM_CONFIG, Cluster, SafetyError
 
 from pygmy.replication.core import APPEND, CANDIDATE, HEARTBEAT, Message, RaftCore
 
@@ -39,8 +40,10 @@ def run_schedule(
     actions: list[tuple[str, int]],
     *,
     send_before_persist: bool = False,
+    commit_delay: int | None = None,
 ) -> Cluster:
-    c = Cluster(n, seed=seed, send_before_persist=send_before_persist)
+    config = SIM_CONFIG if commit_delay is None else dataclasses.replace(SIM_CONFIG, commit_delay_ticks=commit_delay)
+    c = Cluster(n, seed=seed, config=config, send_before_persist=send_before_persist)
     c.net.drop, c.net.dup, c.net.max_delay = drop, dup, delay
     names = c.names
     for kind, arg in actions:
@@ -86,9 +89,12 @@ def run_schedule(
     dup=st.sampled_from([0.0, 0.1]),
     delay=st.integers(0, 6),
     actions=st.lists(ACTIONS, min_size=20, max_size=80),
+    # Followers told of commits at once, after the default two ticks, or after seven (past the
+    # heartbeats: the commit then mostly rides a heartbeat or the next append).
+    commit_delay=st.sampled_from([0, 2, 7]),
 )
-def test_random_schedules_are_safe_and_live(n, seed, drop, dup, delay, actions):
-    run_schedule(n, seed, drop, dup, delay, actions)
+def test_random_schedules_are_safe_and_live(n, seed, drop, dup, delay, actions, commit_delay):
+    run_schedule(n, seed, drop, dup, delay, actions, commit_delay=commit_delay)
 
 
 def test_long_chaotic_run():
