@@ -82,9 +82,14 @@ def free_port() -> int:
     low, high = _port_slice()
     for _ in range(200):
         port = random.randrange(low, high)
-        if _port_free(port):
+        if port not in _handed_out and _port_free(port):
+            _handed_out.add(port)  # several taken before any is bound must differ
             return port
     raise RuntimeError("no free port found")
+
+
+#: Ports ``free_port`` gave this process: each once (a server may not have bound it yet).
+_handed_out: set[int] = set()
 
 
 def cli_module(root: Path) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import urllib3
 from flask import Flask
 from werkzeug.serving import make_server
 
@@ -627,3 +628,27 @@ def test_a_follower_told_of_commits_late_is_told_at_once_when_it_serves_a_read(t
         assert untold, "the test needs a follower that was not yet told the commit"
     finally:
         h.close()
+
+
+@pytest.mark.parametrize("params", [
+    {"from": "kv-9", "commit": "0"},  # no such follower
+    {"from": "LEADER", "commit": "0"},  # the leader itself
+    {"from": "FOLLOWER", "commit": "9" * 40},  # past 18 digits: not read
+    {"from": "FOLLOWER", "commit": "²"},
+    {"from": "FOLLOWER", "commit": "-1"},
+    {"from": "", "commit": "1"},
+    {},  # a follower of a version before the names
+])
+def test_the_read_index_question_takes_any_name_and_commit(cluster: Harness, params: dict[str, str]) -> None:
+    """Who asks and what commit it knows only decide whether the leader hurries the commit to it:
+    whatever they say, the question is answered with the read index and nothing breaks."""
+    leader = cluster.leader()
+    leader.propose({"k": "q", "add": 1}, timeout=2)
+    follower = next(n for n in cluster.nodes if n != leader.name)
+    sent = {k: v.replace("LEADER", leader.name).replace("FOLLOWER", follower) for k, v in params.items()}
+    r = urllib3.request("GET", cluster.peers[leader.name] + "/raft/read_index", fields=sent,
+                        headers={"Authorization": f"Bearer {SECRET}"}, timeout=5)
+    assert r.status == 200, r.data
+    assert r.json()["index"] >= leader.applied_index() - 1
+    assert leader.status()["loop_faults"].get("error", 0) == 0
+    assert leader.propose({"k": "q", "add": 1}, timeout=2) == 2  # the tier goes on

@@ -222,7 +222,9 @@ def test_a_channel_router_finds_the_leader_and_follows_its_name() -> None:
             return {"status": 200, "body": {"you": peer, "sent": frame}}
         return handle
 
-    ports = [free_port() for _ in range(3)]
+    # Laid out as a tier's replicas are (frames 50 above the HTTP port), from one checked port base.
+    base = free_port_base(replicas=3, frontends=0)
+    ports = [base + 101 + k for k in range(3)]
     servers = [FrameServer("127.0.0.1", p + 50, SECRET, {"sub": Channel(replica(f"t-{i}"))}, name=f"t-{i}")
                for i, p in enumerate(ports, start=1)]
     for s in servers:
