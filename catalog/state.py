@@ -183,13 +183,13 @@ class CatalogState(SQLiteStateMachine):
     def execute(self, conn: sqlite3.Connection, index: int, command: dict[str, Any]) -> Any:
         op = command["op"]
         if op == "decrement":
-            return self._decrement(conn, index, command)
+            return self._decrement(conn, index, command, bool(command.get("keyed")))
         if op == "decrements":
             # Concurrent buys in one log entry: each decrement exactly as alone, in order, each
             # under its own key (a repeated key returns its first result, in or out of a batch).
-            keyed = {"keyed": 1} if command.get("keyed") else {}
+            keyed = bool(command.get("keyed"))
             return {"ok": True, "index": index,
-                    "results": [self._decrement(conn, index, {**item, **keyed}) for item in command["items"]]}
+                    "results": [self._decrement(conn, index, item, keyed) for item in command["items"]]}
         if op == "update":
             return self._update(conn, index, command)
         if op == "restock":
@@ -199,8 +199,8 @@ class CatalogState(SQLiteStateMachine):
         raise ValueError(f"unknown catalog command {op!r}")
 
     def _remember(self, conn: sqlite3.Connection, index: int, cmd: dict[str, Any], result: dict[str, Any],
-                  decrement: bool = False) -> None:
-        keyed = bool(cmd.get("keyed"))  # written by this version: the key's index and buy are kept
+                  decrement: bool = False, keyed: bool = False) -> None:
+        """``keyed``: the command says it was written by a version that keeps a key's index and buy."""
         conn.execute("INSERT INTO idempotency(key, result, at, idx, item, quantity) VALUES (?, ?, ?, ?, ?, ?)",
                      (cmd["key"], json.dumps(result), float(cmd.get("at", 0)), index if keyed else 0,
                       cmd["item"] if decrement and keyed else None, cmd["quantity"] if decrement and keyed else None))
@@ -227,7 +227,7 @@ class CatalogState(SQLiteStateMachine):
     def _row(self, conn: sqlite3.Connection, item: int) -> sqlite3.Row | None:
         return conn.execute("SELECT * FROM books WHERE item_number=?", (item,)).fetchone()
 
-    def _decrement(self, conn: sqlite3.Connection, index: int, cmd: dict[str, Any]) -> dict[str, Any]:
+    def _decrement(self, conn: sqlite3.Connection, index: int, cmd: dict[str, Any], keyed: bool) -> dict[str, Any]:
         key = cmd["key"]
         item, quantity = cmd["item"], cmd["quantity"]
         seen = conn.execute("SELECT result, item, quantity, at FROM idempotency WHERE key=?", (key,)).fetchone()
@@ -251,7 +251,7 @@ class CatalogState(SQLiteStateMachine):
             result = error(404, f"no book with item number {item}")
         else:
             result = error(409, f"out of stock: {row['stock']} left of item {item}, {quantity} wanted")
-        self._remember(conn, index, cmd, result, decrement=True)
+        self._remember(conn, index, cmd, result, decrement=True, keyed=keyed)
         return result
 
     def _update(self, conn: sqlite3.Connection, index: int, cmd: dict[str, Any]) -> dict[str, Any]:

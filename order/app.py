@@ -30,7 +30,7 @@ from flask import Flask, Response, jsonify
 from pygmy.kit import metrics
 from pygmy.kit.config import ClusterConfig
 from pygmy.kit.web import ApiError, fail, int_field, json_body, parse_item, request_deadline
-from pygmy.order.state import CONFIRMED, FAILED, PENDING, OrderState, adoption, confirmed
+from pygmy.order.state import CONFIRMED, FAILED, PENDING, OrderState, adoption, confirmed, failure
 from pygmy.replication.batching import Combiner, CombinerTimeout
 from pygmy.replication.node import NotLeader, ProposalTimeout
 from pygmy.replication.router import ChannelRouter, Reply, Sightings, TierRouter, TierUnavailable, Watchers
@@ -109,7 +109,7 @@ class BuyProcessor:
         self._in_flight: set[str] = set()
         self._buying = 0  # calls of buy_many under way
         self._scan_due = 0.0  # monotonic: when the next orphan scan is due
-        self._scanned_in_term = False  # an orphan scan finished since this replica last became leader
+        self._scanned_term = -1  # the term of the last orphan scan that finished (together_ok)
         #: The last orphan scan stopped early (before a key too young to call an orphan, with a full
         #: entry of adoptions, or refused): the next comes at the next sweep, not SCAN_EVERY later.
         self.scan_soon = False
@@ -139,7 +139,6 @@ class BuyProcessor:
             self._leader_since = time.time()
             self._scan_due = 0.0
             self._wake.set()
-        self._scanned_in_term = False
 
     def stop(self) -> None:
         self._stop.set()
@@ -183,12 +182,12 @@ class BuyProcessor:
             with self._lock:
                 self._buying -= 1
 
-    def _buy_many(self, buys: list[Buy], together_ok: bool) -> list[dict[str, Any] | BaseException]:
+    def _buy_many(self, buys: list[Buy], alone: bool) -> list[dict[str, Any] | BaseException]:
         now = time.monotonic()
         out: list[dict[str, Any] | BaseException] = [nothing_done() for _ in buys]
         todo = [i for i, b in enumerate(buys) if b.deadline > now]
         created = datetime.now(UTC).isoformat(timespec="milliseconds")
-        known = ({buys[i].key for i in todo} if not (together_ok and self.together_ok())
+        known = ({buys[i].key for i in todo} if not (alone and self.together_ok())
                  else self.state.has_keys([buys[i].key for i in todo]))
         together = [i for i in todo if buys[i].key not in known]
         if together:
@@ -202,7 +201,7 @@ class BuyProcessor:
         """Whether this leader may send a new key's decrement with its intent: its state holds every
         committed entry (so "no order for this key" is true of the whole log), and it has finished
         an orphan scan in its term (so the catalog keeps and lists the keys the scan needs)."""
-        return self._scanned_in_term and self.rt.node.can_serve_reads()
+        return self._scanned_term == self.rt.node.term() and self.rt.node.can_serve_reads()
 
     def _together(self, buys: list[Buy], todo: list[int], created: str,
                   out: list[dict[str, Any] | BaseException]) -> None:
@@ -322,7 +321,7 @@ class BuyProcessor:
             elif reply.status == 200:
                 # Decided: the catalog's decrement under this key is committed. Answer now.
                 title, cost = reply.body["title"], reply.body["cost"]
-                self._confirm(key, title, cost, sent, wake=False)
+                self._confirm(key, title, cost, sent)
                 confirms = True
                 out[i] = confirmed(order, title, cost)
             elif reply.status in (404, 409) or (reply.status == 422 and "buy" in reply.body):
@@ -335,12 +334,10 @@ class BuyProcessor:
                 elif other is not None:
                     # ... and refused it: the key's order is that buy, failed with its own answer.
                     first = other["result"]["error"]
-                    refused.append((i, {"op": "fail", "key": key, "code": first["code"], "message": first["message"],
-                                        "at": other["at"] or None, "item": other["item"],
-                                        "quantity": other["quantity"]}))
+                    refused.append((i, failure(key, first["code"], first["message"], other["at"] or None,
+                                               other["item"], other["quantity"])))
                 else:
-                    refused.append((i, {"op": "fail", "key": key, "code": reply.status, "message": err["message"],
-                                        "at": sent}))
+                    refused.append((i, failure(key, reply.status, err["message"], sent)))
             elif reply.status == 504:
                 out[i] = DeadlineSpent("after its intent was recorded; its decrement is sent later")
             else:
@@ -368,12 +365,10 @@ class BuyProcessor:
         metrics.BUY_BATCH.labels(self.rt.name, "decrements").observe(sum(1 for _, d in items if d > time.monotonic()))
         return self.catalog.write_batch(items, CATALOG_DEADLINE, EXPIRED)
 
-    def _confirm(self, key: str, title: str, cost: float, at: float, wake: bool = True) -> None:
-        """Record a decided outcome, soon (with the next intents, or by the confirmer thread, woken
-        after the buys' answer; without ``wake`` the caller wakes it once for all its confirms)."""
+    def _confirm(self, key: str, title: str, cost: float, at: float) -> None:
+        """Record a decided outcome, soon: with the next intents, or by the confirmer thread, which
+        the caller wakes once for all its confirms (``_confirm_due``, after the buys' answer)."""
         self._confirms.put({"op": "confirm", "key": key, "title": title, "cost": cost, "at": at})
-        if wake:
-            after_reply(self._confirm_due.set)
 
     def _waiting_confirms(self) -> list[dict[str, Any]]:
         batch: list[dict[str, Any]] = []
@@ -468,7 +463,8 @@ class BuyProcessor:
         holds every committed entry, so "no order here" is true of the whole log."""
         assert self.keys is not None
         term = self.rt.node.term()
-        after, after_key = self.state.scanned(), None
+        start = after = self.state.scanned()
+        after_key = None
         done = after  # every key at an index up to this one is settled
         adopt: list[dict[str, Any]] = []
         young = time.time() - ORPHAN_AGE
@@ -496,13 +492,14 @@ class BuyProcessor:
                     break
                 continue
             break
-        if done > self.state.scanned() or adopt:
+        if done > start or adopt:
             if adopt:
                 log.warning("recording %d buys whose decrement outlived their intent: %s", len(adopt),
                             ", ".join(a["key"] for a in adopt[:5]))
             self._propose_all([*adopt, {"op": "scanned", "upto": done}], "adopts", len(adopt))
         self.scan_soon = stopped or full
-        self._scanned_in_term = not self._stop.is_set() and self.rt.node.term() == term
+        if not self._stop.is_set():
+            self._scanned_term = term  # counts only while we still lead in it (``together_ok``)
         return len(adopt)
 
 

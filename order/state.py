@@ -39,6 +39,16 @@ def adoption(key: str, item: int, quantity: int, book: dict[str, Any], at: float
             "created_at": created_at or datetime.fromtimestamp(at or time.time(), UTC).isoformat(timespec="milliseconds")}
 
 
+def failure(key: str, code: int, message: str, at: float | None, item: int | None = None,
+            quantity: int | None = None) -> dict[str, Any]:
+    """The ``fail`` command: the key's pending order fails with the catalog's answer; with ``item``
+    and ``quantity``, as that buy (the one the catalog refused under the key, another request's)."""
+    command = {"op": "fail", "key": key, "code": code, "message": message, "at": at}
+    if item is not None:
+        command.update(item=item, quantity=quantity)
+    return command
+
+
 def confirmed(order: dict[str, Any], title: str, cost: float) -> dict[str, Any]:
     """A pending order as its ``confirm`` with this title and cost makes it (same rounding)."""
     cents = int(round(cost * 100))
@@ -130,6 +140,11 @@ class OrderState(SQLiteStateMachine):
             conn.execute("UPDATE orders SET status=?, title=?, cost_cents=?, key_time=? WHERE key=? AND status=?",
                          (CONFIRMED, done["title"], int(round(done["cost"] * 100)), command.get("at"), key, PENDING))
 
+    def _rebuy(self, conn: sqlite3.Connection, command: dict[str, Any]) -> None:
+        """A pending order under the command's key becomes the command's buy (its book and quantity)."""
+        conn.execute("UPDATE orders SET item_number=?, quantity=? WHERE key=? AND status=?",
+                     (command["item"], command["quantity"], command["key"], PENDING))
+
     def execute(self, conn: sqlite3.Connection, index: int, command: dict[str, Any]) -> Any:
         op = command["op"]
         if op == "expire":
@@ -152,15 +167,13 @@ class OrderState(SQLiteStateMachine):
             # pending here already (its intent arrived after all, or a request reusing the key for
             # another buy made one) becomes the decrement's buy, confirmed; a finished one stays.
             self._intent(conn, command)
-            conn.execute("UPDATE orders SET item_number=?, quantity=? WHERE key=? AND status=?",
-                         (command["item"], command["quantity"], key, PENDING))
+            self._rebuy(conn, command)
             self._confirm(conn, command)
         elif op == "confirm":
             self._confirm(conn, command)
         elif op == "fail":
             if "item" in command:  # the buy the catalog refused under the key (another request's)
-                conn.execute("UPDATE orders SET item_number=?, quantity=? WHERE key=? AND status=?",
-                             (command["item"], command["quantity"], key, PENDING))
+                self._rebuy(conn, command)
             conn.execute(
                 "UPDATE orders SET status=?, error_code=?, error_message=?, key_time=? WHERE key=? AND status=?",
                 (FAILED, command["code"], command["message"], command.get("at"), key, PENDING),

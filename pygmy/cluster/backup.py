@@ -47,7 +47,7 @@ from pygmy.catalog.books import load as load_books
 from pygmy.catalog.state import CatalogState, build_seed
 from pygmy.cluster import launcher
 from pygmy.kit.config import ClusterConfig
-from pygmy.order.state import CONFIRMED, FAILED, PENDING, OrderState, adoption
+from pygmy.order.state import CONFIRMED, FAILED, PENDING, OrderState, adoption, failure
 from pygmy.replication.core import HardState, Membership
 from pygmy.replication.log_store import LogStore
 from pygmy.replication.service import Periodic
@@ -157,23 +157,20 @@ def settle(order_db: Path, catalog_db: Path, order_after_db: Path, cut: float, k
                         # Its key may have been forgotten by the catalog already: outcome unknown here.
                         raise BackupError(f"order {o['order_number']} has been pending for longer than the key "
                                           "window; finish it (the sweep does, once the catalog answers) and back up again")
-                    orders.execute(conn, 0, {"op": "fail", "key": o["key"], "code": 409, "message": NOT_IN_BACKUP,
-                                             "at": cut})
+                    orders.execute(conn, 0, failure(o["key"], 409, NOT_IN_BACKUP, cut))
                     counts["failed_not_in_catalog"] += 1
                     continue
                 result, at = seen
+                # The buy the catalog decided under the key (a request reusing the key for another
+                # book may have made the pending order): it becomes the key's order.
+                item, quantity = decrements.get(o["key"], (o["item_number"], o["quantity"]))
                 if result.get("ok"):
-                    # The buy the catalog took stock for under the key (a request reusing the key
-                    # for another book may have made the pending order): it becomes the key's order.
-                    item, quantity = decrements.get(o["key"], (o["item_number"], o["quantity"]))
                     orders.execute(conn, 0, adoption(o["key"], item, quantity, result["book"], at, o["created_at"]))
                     counts["confirmed"] += 1
                 else:
                     err = result.get("error", {})
-                    item, quantity = decrements.get(o["key"], (o["item_number"], o["quantity"]))
-                    orders.execute(conn, 0, {"op": "fail", "key": o["key"], "code": err.get("code", 409),
-                                             "message": err.get("message", ""), "at": at or None,
-                                             "item": item, "quantity": quantity})
+                    orders.execute(conn, 0, failure(o["key"], err.get("code", 409), err.get("message", ""),
+                                                    at or None, item, quantity))
                     counts["failed"] += 1
         with catalog.amend() as conn:
             for key in sorted(set(remembered) - order_keys):

@@ -49,9 +49,11 @@ def test_without_buys_the_confirmer_records_them_alone_and_a_failure_is_survived
     try:
         rt.fail = True
         processor._confirm("k1", "t", 1.0, 5.0)  # lost with its entry: the sweep redoes it from the key
+        processor._confirm_due.set()
         time.sleep(order_app.CONFIRM_LINGER * 5)
         rt.fail = False
         processor._confirm("k2", "t", 1.0, 5.0)
+        processor._confirm_due.set()  # as the caller does once its buys are answered
         deadline = time.monotonic() + 5
         while not rt.proposed:
             assert time.monotonic() < deadline, "the confirm was never proposed"
