@@ -398,9 +398,15 @@ def json_object(raw: bytes, required: bool = False) -> dict[str, Any]:
     return data
 
 
+def plain_int(value: str) -> int | None:
+    """A plain decimal integer that fits SQLite, or None: "²".isdigit() is true but int("²")
+    fails, and a number of thousands of digits is not worth parsing."""
+    return int(value) if value.isascii() and value.isdigit() and len(value) <= 18 else None
+
+
 def parse_item(value: str, what: str = "item number") -> int:
     """Path numbers: positive integers that fit SQLite, else a clear 400."""
-    if not value.isascii() or not value.isdigit() or len(value) > 18 or int(value) < 1:
+    if (number := plain_int(value)) is None or number < 1:
         fail(400, f"malformed {what} {value[:40]!r}: expected a positive integer")
     return int(value)
 
@@ -410,7 +416,7 @@ def query_int(name: str, lo: int, hi: int, default: int) -> int:
     raw = request.args.get(name)
     if raw is None:
         return default
-    if not raw.isascii() or not raw.isdigit() or len(raw) > 18 or not lo <= int(raw) <= hi:
+    if (number := plain_int(raw)) is None or not lo <= number <= hi:
         fail(400, f"{name} must be an integer between {lo} and {hi}, not {raw[:40]!r}")
     return int(raw)
 

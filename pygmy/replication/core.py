@@ -443,9 +443,8 @@ class Progress:
     last_sent: int = 0
     #: Tick since which it has been sent every entry but not the commit (``commit_delay_ticks``);
     #: None once it was sent the commit, or while entries are on their way (they carry it).
+    #: ``hurry_commit`` dates it back, so that the next ``ready`` sends the commit.
     commit_owed_since: int | None = None
-    #: It asked for the commit (``hurry_commit``): the next ``ready`` sends it, if it lacks it.
-    hurry: bool = False
 
 
 class RaftCore:
@@ -952,7 +951,7 @@ class RaftCore:
         if self.role == LEADER and pr is not None:
             if known is not None and known < pr.sent_commit:
                 pr.sent_commit = known  # the append or heartbeat that carried it never arrived (yet)
-            pr.hurry = True
+            pr.commit_owed_since = self.now - self.cfg.commit_delay_ticks  # due now (``_flush``)
 
     def propose(self, command: dict[str, Any] | None) -> int | None:
         """Append a command to the leader's log; returns its index, or None when not leader.
@@ -1310,9 +1309,9 @@ class RaftCore:
                     break
                 if pr.next > self.last_index:
                     if pr.sent_commit >= self.commit:
-                        pr.commit_owed_since, pr.hurry = None, False
+                        pr.commit_owed_since = None
                         break
-                    if pr.state == REPLICATE and p in members and not pr.hurry:
+                    if pr.state == REPLICATE and p in members:
                         if pr.commit_owed_since is None:
                             pr.commit_owed_since = self.now
                         if self.now - pr.commit_owed_since < cfg.commit_delay_ticks:
@@ -1339,7 +1338,7 @@ class RaftCore:
                     )
                 )
                 pr.sent_commit = self.commit
-                pr.commit_owed_since, pr.hurry = None, False
+                pr.commit_owed_since = None
                 if pr.state == PROBE:
                     pr.paused = True
                     break

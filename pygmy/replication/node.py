@@ -45,7 +45,7 @@ from flask import Blueprint, Response, jsonify, request
 from prometheus_client import Histogram
 
 from pygmy.kit import codec, tls
-from pygmy.kit.web import secret_refusal
+from pygmy.kit.web import plain_int, secret_refusal
 from pygmy.replication.core import (
     CANDIDATE,
     HEARTBEAT,
@@ -907,8 +907,7 @@ class ReplicaNode:
                 return jsonify({"error": {"code": 503, "message": str(exc)}}), 503
             # A follower asking says who it is and the commit it knows: it will wait to apply
             # ``index``, so it is told the commit now (the core ignores a name it does not replicate to).
-            asker, raw = request.args.get("from", ""), request.args.get("commit", "")
-            known = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 18 else None
+            asker, known = request.args.get("from", ""), plain_int(request.args.get("commit", ""))
             if asker and (known is None or known < index):
                 self._submit("hurry", (asker, known))
             return jsonify({"index": index, "term": self.term()}), 200

@@ -29,6 +29,7 @@ from pygmy.kit.web import (
     error_body,
     fail,
     json_body,
+    plain_int,
     request_deadline,
     require_secret,
 )
@@ -392,8 +393,7 @@ class ReplicaRuntime:
         for at least N besides (a version the caller saw); ``?leader=1`` asks for the leader itself.
         """
         raw = request.args.get("min_index", "0")
-        # isascii: "²".isdigit() is true but int("²") fails; 18 digits: an index fits SQLite.
-        min_index = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 18 else 0
+        min_index = plain_int(raw) or 0
         if request.args.get("leader"):
             self.leader_only()
         if not self.node.is_leader() and not self.node.can_serve_reads():  # a leader may wait for its lease
