@@ -78,10 +78,12 @@ class Combiner(Generic[T, R]):
             raise result
         return result
 
-    def call_many(self, items: list[T], waits: list[float]) -> list[R | BaseException]:
+    def call_many(self, items: list[T], waits: list[float], grace: float = 0.0) -> list[R | BaseException]:
         """``call`` for several items at once (a caller that itself carries a batch, such as a
         frontend worker's buys): each has its own wait and gets its own result or exception, and
-        they may ride in different batches. Returns when every item has its outcome."""
+        they may ride in different batches. Returns when every item has its outcome. ``grace``: how
+        much longer than its wait an item already sent is waited for (one still queued is
+        withdrawn at its wait's end all the same)."""
         slots: list[_Slot[T, R]] = [_Slot(item) for item in items]
         now = time.monotonic()
         deadlines = [now + w for w in waits]
@@ -95,7 +97,7 @@ class Combiner(Generic[T, R]):
                     slot = slots[i]
                     if slot.done:
                         out[i] = slot.error if slot.error is not None else slot.result
-                    elif deadlines[i] <= now:
+                    elif deadlines[i] + (grace if slot.sent else 0.0) <= now:
                         if not slot.sent:
                             self._queue.remove(slot)
                         out[i] = CombinerTimeout("sent, but no result in time" if slot.sent else
@@ -108,7 +110,7 @@ class Combiner(Generic[T, R]):
                 if not self._busy and any(not slots[i].sent for i in waiting):
                     self._send_next()
                     continue
-                self._cond.wait(min(deadlines[i] for i in waiting) - now)
+                self._cond.wait(min(deadlines[i] + (grace if slots[i].sent else 0.0) for i in waiting) - now)
 
     def submit(self, item: T, wait: float, callback: Callable[[R | BaseException], None]) -> None:
         """Carry ``item`` in a batch without waiting for it: ``callback`` is told its result, what

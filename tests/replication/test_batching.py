@@ -139,6 +139,40 @@ def test_call_many_gives_each_item_its_own_outcome_and_withdraws_only_the_expire
     assert all(len(batch) <= 2 for batch in sent)
 
 
+@pytest.mark.parametrize("grace", [0.0, 5.0])
+def test_call_many_waits_a_grace_longer_for_an_item_already_sent_but_not_for_one_queued(grace: float) -> None:
+    gates = [threading.Event(), threading.Event()]
+    first_in = threading.Event()
+    batches: list[list[int]] = []
+
+    def send(items: list[int]) -> list[int]:
+        batches.append(items)
+        if len(batches) <= 2:
+            first_in.set()
+            gates[len(batches) - 1].wait(5)
+        return [-i for i in items]
+
+    c = Combiner(send)
+    c.submit(10, 5, lambda _: None)  # the helper thread carries it, and the next batch
+    assert first_in.wait(5)
+    assert c.call_many([1], [0.05], grace=grace)[0].sent is False, "queued at its wait's end: withdrawn"
+    out: list[Any] = []
+    caller = threading.Thread(target=lambda: out.extend(c.call_many([2], [0.2], grace=grace)))
+    caller.start()
+    time.sleep(0.05)
+    c.submit(11, 5, lambda _: None)
+    gates[0].set()  # the helper sends [2, 11] next and holds it past the caller's wait
+    time.sleep(0.4)
+    gates[1].set()
+    caller.join(5)
+    c.stop()
+    assert batches[1] == [2, 11]
+    if grace:
+        assert out == [-2], "sent, so waited for past its wait"
+    else:
+        assert isinstance(out[0], CombinerTimeout) and out[0].sent is True
+
+
 def test_call_many_hands_errors_to_the_items_of_the_failed_batch_only() -> None:
     def send(items: list[int]) -> list[int]:
         if 2 in items:
