@@ -22,8 +22,8 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from typing import Any
 
@@ -224,8 +224,9 @@ class Invalidator:
                 for url, _ in targets.values():
                     # A worker this misses keeps the hold (safe) until its next grant: ``next_token``
                     # then tells it we are done, and the grant's index is at least ``index``.
-                    with contextlib.suppress(RuntimeError):  # the pool shut down meanwhile (stop)
-                        self._pool.submit(self._push, url, body)
+                    if not self._send_unanswered(url, body):  # a push in flight there: in its next frame
+                        with contextlib.suppress(RuntimeError):  # the pool shut down meanwhile (stop)
+                            self._pool.submit(self._push, url, body)
 
             # Started once the write's answer has gone (when a frame asked for it: the order leader's
             # decrements): the pool threads would otherwise take the interpreter from the thread
@@ -245,9 +246,25 @@ class Invalidator:
         return min(max(PUSH_TIMEOUT, PUSH_RTTS * self._rtts.get(url, 0.0)), PUSH_TIMEOUT_MAX)
 
     def _push_all(self, targets: dict[str, tuple[str, float]], body: dict[str, Any]) -> list[str]:
-        futures = {self._pool.submit(self._push, url, body): sid for sid, (url, _) in targets.items()}
-        done, _ = wait(futures, timeout=max(self.push_timeout(url) for url, _ in targets.values()) + 0.2)
-        return [futures[f] for f in futures if f not in done or not f.result()]
+        """Push ``body`` to every target; the targets that did not acknowledge it. This thread writes
+        to each worker, then reads each answer (``_Channel.start``): no thread per worker. A worker
+        with a push in flight gets this one in its next frame, from a pool thread."""
+        started: dict[str, Callable[[], bool]] = {}
+        futures: dict[Future[bool], str] = {}
+        try:
+            for sid, (url, _) in targets.items():
+                acknowledged = self._start(url, body)
+                if acknowledged is not None:
+                    started[sid] = acknowledged
+                else:
+                    futures[self._pool.submit(self._push, url, body)] = sid
+        finally:
+            acks = {sid: acknowledged() for sid, acknowledged in started.items()}  # each connection given back
+        failed = [sid for sid, ok in acks.items() if not ok]
+        if futures:
+            done, _ = wait(futures, timeout=max(self.push_timeout(url) for url, _ in targets.values()) + 0.2)
+            failed += [futures[f] for f in futures if f not in done or not f.result()]
+        return failed
 
     def _revoke(self, failed: list[str], targets: dict[str, tuple[str, float]]) -> float:
         """Revoke workers a push missed; returns until when the latest lease granted to any of them runs.
@@ -269,17 +286,32 @@ class Invalidator:
     def _push(self, url: str, body: dict[str, Any]) -> bool:
         """Deliver ``body`` to one worker; True once it acknowledged (pushes to the same worker that
         meet here go out together, in one frame)."""
+        channel, timeout = self._channel(url)
+        return channel.push(body, timeout)
+
+    def _start(self, url: str, body: dict[str, Any]) -> Callable[[], bool] | None:
+        """``_Channel.start`` on the connection to one worker."""
+        channel, timeout = self._channel(url)
+        return channel.start(body, timeout)
+
+    def _send_unanswered(self, url: str, body: dict[str, Any]) -> bool:
+        """``_Channel.send_unanswered`` on the connection to one worker."""
+        return self._channel(url)[0].send_unanswered(body)
+
+    def _channel(self, url: str) -> tuple[_Channel, float]:
+        """The connection to one worker (opened on first use), and how long a push may take there."""
         with self._lock:
             channel = self._channels.get(url)
             if channel is None:
-                # Channels of workers that no longer hold or owe a lease are closed as others open.
+                # Channels of workers that no longer hold or owe a lease are closed as others open,
+                # once idle: one may be a target of a push in flight, perhaps on this very thread.
                 live = {u for u, _ in self._subs.values()}
                 for old in [u for u in self._channels if u not in live]:
-                    self._channels.pop(old).close()
-                    self._rtts.pop(old, None)
+                    if self._channels[old].close_if_idle():
+                        del self._channels[old]
+                        self._rtts.pop(old, None)
                 channel = self._channels[url] = _Channel(url, self._secret, self.node.name)
-            timeout = self.push_timeout(url)
-        return channel.push(body, timeout)
+            return channel, self.push_timeout(url)
 
 
 class _Channel:
@@ -293,26 +325,82 @@ class _Channel:
         self.timeout = PUSH_TIMEOUT  # the latest push's (the worker's round trip may change)
 
     def push(self, body: dict[str, Any], timeout: float = PUSH_TIMEOUT) -> bool:
+        """Deliver ``body``; True once the worker acknowledged it (pushes that meet here go out
+        together, in one frame)."""
         self.timeout = timeout
         try:
             return self._combiner.call(body, 2 * timeout + 0.1)
         except CombinerTimeout:
             return False  # still queued: it may go out later, which only holds a key longer
 
+    def start(self, body: dict[str, Any], timeout: float) -> Callable[[], bool] | None:
+        """Write ``body`` now if no push is in flight here, and return the function that reads its
+        acknowledgement (True if acknowledged) and frees the connection, which must be called.
+        None: a push is in flight; ``push`` it instead."""
+        if not self._combiner.claim():
+            return None
+        try:
+            reply: Callable[[], Any] | None = self.client.start_call(self._frame([body]), timeout)
+        except OSError:
+            reply = None
+        except BaseException:
+            self._combiner.unclaim()
+            raise
+
+        def acknowledged() -> bool:
+            try:
+                return reply is not None and self._acknowledged(reply)
+            finally:
+                self._combiner.unclaim()
+
+        if reply is None:
+            PUSH_FAILURES.inc()
+        return acknowledged
+
+    def send_unanswered(self, body: dict[str, Any]) -> bool:
+        """Write ``body`` now, if no push is in flight here and that cannot block, leaving its
+        acknowledgement for the next push to read and drop: for a release, which nobody waits for
+        (a lost one only holds a key longer). False: nothing written; ``push`` it."""
+        if not self._combiner.claim():
+            return False
+        try:
+            return self.client.send_nowait(self._frame([body]), owed=True)
+        finally:
+            self._combiner.unclaim()
+
     def _send(self, bodies: list[dict[str, Any]]) -> list[bool]:
+        frame = self._frame(bodies)
+        return [self._acknowledged(lambda: self.client.call(frame, self.timeout))] * len(bodies)
+
+    @staticmethod
+    def _frame(bodies: list[dict[str, Any]]) -> dict[str, Any]:
         frame = {"holds": [h for body in bodies for h in body.get("holds", ())],
                  "releases": [r for body in bodies for r in body.get("releases", ())]}
         PUSH_BATCH.observe(len(frame["holds"]) + len(frame["releases"]))
+        return frame
+
+    def _acknowledged(self, reply: Callable[[], Any]) -> bool:
+        """Whether ``reply()`` (reading the worker's answer) says the push is acknowledged."""
         try:
-            ok = self.client.call(frame, self.timeout) == {"ok": True}
+            ok = reply() == {"ok": True}
         except OSError:
             ok = False
-        except Exception:  # never leave the pushes of this frame without an answer
+        except Exception:  # never leave the pushes of a frame without an answer
             log.exception("push to %s failed unexpectedly", self.client.address)
             ok = False
         if not ok:
             PUSH_FAILURES.inc()
-        return [ok] * len(bodies)
+        return ok
+
+    def close_if_idle(self) -> bool:
+        """Close the connection unless a push is in flight or queued on it: True if closed."""
+        if not self._combiner.claim():
+            return False
+        try:
+            self.client.close()
+        finally:
+            self._combiner.unclaim()
+        return True
 
     def close(self) -> None:
         self.client.close()

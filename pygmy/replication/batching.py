@@ -123,6 +123,24 @@ class Combiner(Generic[T, R]):
             self._queue.append(slot)
             self._kick()
 
+    def claim(self) -> bool:
+        """Take the way for a send of the caller's own, outside any batch, if it is free now (no
+        batch in flight, none queued): True if taken, and then ``unclaim`` must give it back. So a
+        caller that sends to several destinations can write to each and then read each answer on
+        its own thread, without a thread per destination; callers meanwhile queue as for a batch."""
+        with self._cond:
+            if self._busy or self._queue or self._stopped:
+                return False
+            self._busy = True
+            return True
+
+    def unclaim(self) -> None:
+        """Give back the way ``claim`` took: the next batch may go."""
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
+            self._kick()
+
     def stop(self) -> None:
         """End the helper thread once its batch is sent; later ``submit`` calls raise."""
         with self._cond:

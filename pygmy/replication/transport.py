@@ -332,6 +332,7 @@ class FrameClient:
         self._sock: socket.socket | None = None
         self._stream: Any = None
         self._partial = b""  # the rest of a frame ``send_nowait`` could not finish: goes out first
+        self._owed = 0  # replies nobody waits for (``send_nowait(owed=True)``): read and dropped before the next
         self.connects = 0
 
     def expect_rtt(self, rtt: float) -> None:
@@ -392,10 +393,12 @@ class FrameClient:
                 self._reset()
                 raise
 
-    def send_nowait(self, obj: Any) -> bool:
+    def send_nowait(self, obj: Any, owed: bool = False) -> bool:
         """Send one frame now if that cannot block: the connection is open and idle and the kernel
         takes at least part of it (the rest goes out before the next frame). False: nothing was
-        sent; use ``send`` from a thread that may wait. Saves a thread hand-off per message."""
+        sent; use ``send`` from a thread that may wait. Saves a thread hand-off per message.
+        ``owed``: the server answers it, and nobody waits for that reply: the next ``call`` reads
+        it first and drops it."""
         if not self._lock.acquire(blocking=False):
             return False
         try:
@@ -410,14 +413,62 @@ class FrameClient:
                 return False
             except ssl.SSLWantWriteError:  # TLS took the frame and must be given the same bytes again
                 self._partial = data
+                self._owed += owed
                 return True
             except OSError:
                 self._reset()
                 return False
             self._partial = data[sent:]
+            self._owed += owed
             return True
         finally:
             self._lock.release()
+
+    def start_call(self, obj: Any, timeout: float) -> Callable[[], Any]:
+        """``call`` in two halves, for a caller that asks several servers at once: sends now, and
+        returns the function that reads the reply (by ``timeout`` from now; it raises as ``call``
+        does). The connection is the caller's until that function has run, which it must."""
+        data = encode(obj)
+        end = time.monotonic() + timeout
+        self._lock.acquire()
+        try:
+            self._write(data, timeout)
+        except OSError:
+            self._reset()
+            self._lock.release()
+            raise
+        except BaseException:
+            self._lock.release()
+            raise
+
+        def reply() -> Any:
+            try:
+                if self._sock is None:
+                    raise FrameError("connection closed before the reply")
+                self._sock.settimeout(max(0.001, end - time.monotonic()))
+                return self._read_reply()
+            finally:
+                self._lock.release()
+
+        return reply
+
+    def _read_reply(self) -> Any:
+        """Under the lock, once a request went out: the replies nobody waits for (dropped), then its
+        own. Any failure closes the connection."""
+        try:
+            while True:
+                reply = read_frame(self._stream)
+                if reply is None:
+                    raise FrameError("connection closed before the reply")
+                if not self._owed:
+                    return reply
+                self._owed -= 1
+        except OSError:
+            self._reset()
+            raise
+        except ValueError as exc:
+            self._reset()
+            raise FrameError(str(exc)) from None
 
     def call(self, obj: Any, timeout: float, stalled: Callable[[], Any] | None = None,
              first_check: float = 0.25, check_every: float = 0.1) -> Any:
@@ -434,23 +485,20 @@ class FrameClient:
                 self._write(data, timeout)
                 if stalled is not None:
                     self._await_reply(timeout, stalled, first_check, check_every)
-                reply = read_frame(self._stream)
-                if reply is None:
-                    raise FrameError("connection closed before the reply")
-                return reply
             except OSError:
                 self._reset()
                 raise
-            except ValueError as exc:
-                self._reset()
-                raise FrameError(str(exc)) from None
+            return self._read_reply()
 
     def _await_reply(self, timeout: float, stalled: Callable[[], Any], first_check: float,
                      check_every: float) -> None:
         """Under the lock, after a request went out: until its reply starts to arrive, by ``timeout``
         (``TimeoutError``), or until ``stalled()`` gives a reason to stop waiting (``Abandoned``).
-        Replies come one per request, so no bytes of another frame sit in the stream's buffer."""
+        Replies come one per request, so no bytes of another frame sit in the stream's buffer
+        (unless one nobody waits for does: then the reply is simply read, by ``timeout``)."""
         assert self._sock is not None
+        if self._owed:
+            return
         if isinstance(self._sock, ssl.SSLSocket) and self._sock.pending():
             return  # TLS holds decrypted bytes already: the socket itself may never be readable again
         poller = select.poll()
@@ -470,6 +518,7 @@ class FrameClient:
             _close(self._sock)
         self._sock = self._stream = None
         self._partial = b""
+        self._owed = 0
 
     def close(self) -> None:
         with self._lock:

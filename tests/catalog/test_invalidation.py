@@ -85,6 +85,11 @@ def setup(monkeypatch: pytest.MonkeyPatch):
     pushes = Pushes()
     inv = Invalidator(FakeNode(), "secret")  # type: ignore[arg-type]
     monkeypatch.setattr(inv, "_push", pushes.push)
+    # Every push through ``_push`` on a pool thread, as to workers with a push in flight: the gates
+    # here hold each one on its own. ``test_invalidation_details`` has the pushes written from the
+    # writer's own thread, to real workers.
+    monkeypatch.setattr(inv, "_start", lambda url, body: None)
+    monkeypatch.setattr(inv, "_send_unanswered", lambda url, body: False)
     clock.now = -10.0
     inv.subscribe("warm-up", "http://warm-up")  # the new-term lease wait is long over by t=0
     clock.now = 0.0

@@ -85,6 +85,10 @@ def env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
     inv = Invalidator(node, "secret")  # type: ignore[arg-type]
     pushes = Pushes()
     monkeypatch.setattr(inv, "_push", pushes)
+    # Every push through ``_push`` (on a pool thread), as to workers with a push in flight; the
+    # tests at the end push to real workers from the writer's own thread.
+    monkeypatch.setattr(inv, "_start", lambda url, body: None)
+    monkeypatch.setattr(inv, "_send_unanswered", lambda url, body: False)
     yield clock, node, inv, pushes
     inv.stop()
 
@@ -548,3 +552,95 @@ def test_a_push_queued_behind_a_frame_that_never_returns_fails_in_time(
         sender.join(5)
         channel.close()
     assert first == [True]  # the frame in flight was answered in the end
+
+
+def second_worker(handle: Callable[[str, Any], Any]) -> tuple[FrameServer, str]:
+    server = FrameServer("127.0.0.1", 0, "s3cret", {PUSH_CHANNEL: Channel(handle)}, name="fake-worker-2")
+    server.start()
+    return server, f"tcp://127.0.0.1:{server.address[1]}"
+
+
+def test_a_hold_is_written_to_every_worker_then_each_answer_read_on_the_writers_own_thread(worker: str) -> None:
+    """No pool thread: both frames are out before the first worker answers, and each answer counts.
+    Neither worker holds a lease here, so opening b's channel must not close a's, started on this
+    very thread (it waited on itself for a's connection)."""
+    answered_before_b: list[int] = []
+
+    def b(peer: str, frame: Any) -> Any:
+        answered_before_b.append(len(Worker.answered))
+        return {"ok": True}
+
+    other, url_b = second_worker(b)
+    inv = Invalidator(FakeNode(), "s3cret")  # type: ignore[arg-type]
+    try:
+        Worker.delay = 0.2
+        targets = {"a": (worker, 0.0), "b": (url_b, 0.0)}
+        body = {"holds": [[1, ["book:1"]]]}
+        assert inv._push_all(targets, body) == []
+        assert answered_before_b == [0], "b had its frame before a answered"
+        assert Worker.seen == [("catalog-1", {"holds": [[1, ["book:1"]]], "releases": []})]
+        assert not inv._pool._threads, "no push went through the pool"
+        Worker.answer = {"error": {"code": 400, "message": "malformed invalidation"}}
+        assert inv._push_all(targets, body) == ["a"]
+        other.stop()
+        assert inv._push_all(targets, body) == ["a", "b"], "a worker gone is a push failed"
+        for ch in inv._channels.values():
+            assert ch._combiner.claim(), "every connection given back"
+            ch._combiner.unclaim()
+    finally:
+        inv.stop()
+        other.stop()
+
+
+def test_a_worker_with_a_push_in_flight_gets_the_hold_in_its_next_frame_from_the_pool(worker: str) -> None:
+    inv = Invalidator(FakeNode(), "s3cret")  # type: ignore[arg-type]
+    try:
+        Worker.delay = 0.2
+        first: list[bool] = []
+        sender = threading.Thread(target=lambda: first.append(inv._push(worker, {"holds": [[1, ["book:1"]]]})))
+        sender.start()
+        until(lambda: bool(Worker.seen))
+        channel = inv._channels[worker]
+        assert channel.start({"holds": []}, 1.0) is None and channel.send_unanswered({"releases": []}) is False
+        assert inv._push_all({"a": (worker, 0.0)}, {"holds": [[2, ["book:2"]]]}) == []
+        sender.join(5)
+        assert first == [True]
+        assert [f["holds"] for _, f in Worker.seen] == [[[1, ["book:1"]]], [[2, ["book:2"]]]]
+    finally:
+        inv.stop()
+
+
+def test_a_release_is_written_at_once_and_its_answer_read_and_dropped_by_the_next_push(worker: str) -> None:
+    """Nobody waits for a release: the next push reads its answer first (here an error, which a
+    push that took it for its own would report as failed) and then its own."""
+    channel = inv_mod._Channel(worker, "s3cret", "catalog-1")
+    try:
+        release = {"releases": [[1, ["book:1"], 4]]}
+        assert channel.send_unanswered(release) is False, "not connected: never waits to connect"
+        assert channel.push({"holds": [[1, ["book:1"]]]}) is True
+        Worker.answer = {"error": {"code": 400, "message": "malformed invalidation"}}
+        assert channel.send_unanswered(release) is True
+        until(lambda: len(Worker.answered) == 2)
+        Worker.answer = {"ok": True}
+        assert channel.push({"holds": [[2, ["book:2"]]]}) is True
+        acknowledged = channel.start({"holds": [[3, ["book:3"]]]}, 1.0)
+        assert acknowledged is not None and acknowledged() is True
+        assert [f["holds"] or f["releases"] for _, f in Worker.seen] == [
+            [[1, ["book:1"]]], [[1, ["book:1"], 4]], [[2, ["book:2"]]], [[3, ["book:3"]]]]
+    finally:
+        channel.close()
+
+
+def test_releases_after_a_write_are_written_by_the_thread_that_answered_it(
+        worker: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    inv = Invalidator(FakeNode(), "s3cret")  # type: ignore[arg-type]
+    monkeypatch.setattr(inv.node, "leadership_start", lambda: time.monotonic() - 10, raising=False)
+    try:
+        inv.subscribe("w", worker)
+        with inv.holding(["book:1"]) as write:  # the hold connects, from this thread
+            write.index = 7
+        until(lambda: len(Worker.seen) == 2)
+        assert Worker.seen[1][1]["releases"] == [[Worker.seen[0][1]["holds"][0][0], ["book:1"], 7]]
+        assert not inv._pool._threads, "neither the hold nor the release went through the pool"
+    finally:
+        inv.stop()

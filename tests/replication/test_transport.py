@@ -280,6 +280,65 @@ def test_send_nowait_never_blocks_and_keeps_frames_whole() -> None:
         server.stop()
 
 
+def test_a_reply_nobody_waits_for_is_dropped_before_the_next_calls_own(echo) -> None:
+    """``send_nowait(owed=True)``: the server answers, and the next ``call`` (or ``start_call``)
+    reads that answer first and drops it, then returns its own; a reset forgets what was owed."""
+    server, _seen = echo
+    client = FrameClient(server.address, SECRET, "alice", "c")
+    try:
+        assert client.call({"want_reply": True, "n": 0}, timeout=1) == {"echo": {"want_reply": True, "n": 0}}
+        assert client.send_nowait({"want_reply": True, "n": 1}, owed=True)
+        assert client.send_nowait({"want_reply": True, "n": 2}, owed=True)
+        assert client.call({"want_reply": True, "n": 3}, timeout=1, stalled=lambda: False) == {
+            "echo": {"want_reply": True, "n": 3}}
+        assert client.send_nowait({"want_reply": True, "n": 4}, owed=True)
+        reply = client.start_call({"want_reply": True, "n": 5}, timeout=1)
+        assert reply() == {"echo": {"want_reply": True, "n": 5}}
+        assert client.send_nowait({"want_reply": True, "n": 6}, owed=True)
+        client.close()  # the owed answer is lost with the connection, not read as the next reply
+        assert client.call({"want_reply": True, "n": 7}, timeout=1) == {"echo": {"want_reply": True, "n": 7}}
+        assert client.connects == 2
+    finally:
+        client.close()
+
+
+def test_start_call_sends_now_and_holds_the_connection_until_its_reply_is_read() -> None:
+    """Two servers asked at once from one thread: both frames are out before either reply is read."""
+    got: list[str] = []
+    answered = threading.Event()
+
+    def slow(peer: str, frame: Any) -> Any:
+        got.append(frame["to"])
+        if frame["to"] == "a":
+            answered.wait(5)
+        return {"ok": frame["to"]}
+
+    servers = [FrameServer("127.0.0.1", 0, SECRET, {"c": Channel(slow)}, name=n) for n in "ab"]
+    clients = []
+    try:
+        for srv in servers:
+            srv.start()
+            clients.append(FrameClient(srv.address, SECRET, "x", "c"))
+        replies = [c.start_call({"to": n}, timeout=5) for c, n in zip(clients, "ab", strict=True)]
+        wait_for(lambda: sorted(got) == ["a", "b"], "both frames, while a's handler still waits")
+        assert not clients[0]._lock.acquire(blocking=False), "the connection is the caller's until it reads"
+        answered.set()
+        assert [r() for r in replies] == [{"ok": "a"}, {"ok": "b"}]
+        assert clients[0].call({"to": "b"}, timeout=1) == {"ok": "b"}, "given back once read"
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        nobody = FrameClient(("127.0.0.1", port), SECRET, "x", "c")
+        with pytest.raises(OSError):
+            nobody.start_call({"to": "c"}, timeout=0.5)
+        assert nobody._lock.acquire(blocking=False), "a failed start gives the connection back"
+    finally:
+        for c in clients:
+            c.close()
+        for srv in servers:
+            srv.stop()
+
+
 def test_a_call_stops_waiting_when_its_stall_check_says_so_and_not_before() -> None:
     """A peer that never answers (as a SIGSTOPped one): the wait ends once ``stalled`` gives a reason,
     and the connection is replaced; a slow peer whose check says nothing is waited for."""
