@@ -9,7 +9,8 @@ valid lease lets a worker use (docs/architecture.md, "The cache", has the proof)
    earlier write and not renewed since. Only then is the command proposed to the log.
 2. Once the command is applied here (or has failed), ``release(token, index)`` unregisters it and
    pushes ``release`` with the log index: the worker stores the keys again, but only values read at
-   that index or later. Releases are not waited for: a worker they miss keeps the hold until its next grant.
+   that index or later. Releases are not waited for (their acknowledgements are read, and dropped,
+   by the next push): a worker they miss keeps the hold until its next grant.
 3. Every lease grant carries the pending holds, so a worker granted a lease mid-write holds them too.
 
 A new leader knows none of the leases its predecessor granted, so it proposes no write until every
@@ -208,7 +209,7 @@ class Invalidator:
         """The write is applied here at ``index`` (0: it changed nothing): let caches store its keys
         again, from values read at ``index`` or later, such as ``values`` (read here after it was
         applied: a cache that dropped a key refreshes it instead of missing on its next read).
-        Pushed in the background, not waited for."""
+        Written once the write's answer is (``after_reply``), and never waited for."""
         with self._lock:
             keys = self._pending.pop(token, None)
             if keys is None:
@@ -228,9 +229,11 @@ class Invalidator:
                         with contextlib.suppress(RuntimeError):  # the pool shut down meanwhile (stop)
                             self._pool.submit(self._push, url, body)
 
-            # Started once the write's answer has gone (when a frame asked for it: the order leader's
-            # decrements): the pool threads would otherwise take the interpreter from the thread
-            # writing that answer. A release is never waited for, and a late one only holds longer.
+            # Written once the write's answer has gone (when a frame asked for it: the order leader's
+            # decrements), by the thread that wrote it: the answer needs none of this. Each release
+            # frame is written without waiting for its acknowledgement (the next push on that
+            # connection reads and drops it); a worker with a push in flight gets it in its next
+            # frame, from the pool. A release is never waited for; a late one only holds longer.
             after_reply(push)
 
     def _release_when_applied(self, token: int, index: int, term: int) -> None:

@@ -12,7 +12,8 @@ Measures, on a cluster of 3+3 replicas with a 1,000-book catalogue:
   and the stock count left them (the count's lookups, on one kept-alive connection, fill one
   worker's cache: 2-11% of the mix's reads missed over the runs), then again after every book and
   topic was read a few times (``warm``), as in a store that has been serving a while;
-- CPU per buy (every process of the cluster, from /proc) and the CPU of an idle cluster.
+- CPU per buy (every process of the cluster, from /proc), the buys an order log entry carried
+  (``pygmy_buy_batch_size``), and the CPU of an idle cluster.
 
 The bare endpoint's loads run before the cluster's and again after them, and the ratios divide by
 the mean of the two: this machine's speed drifts within minutes (the same load on the same code
@@ -81,22 +82,44 @@ def cache_counters(c: LocalCluster) -> dict[str, int]:
     return {k: int(cache[k]) for k in ("hits", "misses", "invalidations", "flushes")}
 
 
+def buy_batches(c: LocalCluster) -> tuple[float, float]:
+    """(buys, entries) of the order tier's intents entries so far, over every order replica that
+    answers (each leader counts its own): their ratio is the buys an entry carried."""
+    buys = entries = 0.0
+    for name in c.cluster_config().names():
+        if not name.startswith("order-"):
+            continue
+        try:
+            text = c.replica_get(name, "/metrics").text
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if 'what="intents"' in line and line.startswith("pygmy_buy_batch_size_sum"):
+                buys += float(line.rsplit(" ", 1)[1])
+            elif 'what="intents"' in line and line.startswith("pygmy_buy_batch_size_count"):
+                entries += float(line.rsplit(" ", 1)[1])
+    return buys, entries
+
+
 def measured_load(c: LocalCluster, mix: dict[str, float], duration: float, procs: int = 4,
                   threads: int = 8) -> dict[str, Any]:
     """One closed-loop load on ``c``: throughput, errors, latencies, the cache's counters and the
     cluster's CPU per buy and per operation over it."""
     cache0 = cache_counters(c)
+    batches0 = buy_batches(c)
     cpu0 = cluster_cpu_s(c)
     rec = h.run_load(c.url, procs, mix, duration=duration, items=BOOKS, threads=threads,
                      topics=tuple(f"topic {t}" for t in range(TOPICS)))
     cpu = cluster_cpu_s(c) - cpu0
+    batched, entries = (after - before for after, before in zip(buy_batches(c), batches0, strict=True))
     cache = {k: v - cache0[k] for k, v in cache_counters(c).items()}
     buys = int(rec.select("buy").sum())
     return {"ops_per_s": rec.throughput(), "buys_per_s": rec.throughput("buy"), "buys": buys,
             "errors": rec.errors(), "buy": rec.stats("buy"), "all": rec.stats(),
             "error_statuses": {str(k): int(v) for k, v in zip(*np.unique(rec.status[rec.status != 200],
                                                                           return_counts=True), strict=True)},
-            "cache": cache, "cpu_s": cpu, "cpu_ms_per_buy": cpu / buys * 1000 if buys else None,
+            "cache": cache, "buys_per_entry": batched / entries if entries else None,
+            "cpu_s": cpu, "cpu_ms_per_buy": cpu / buys * 1000 if buys else None,
             "cpu_ms_per_op": cpu / len(rec.op) * 1000 if len(rec.op) else None}
 
 
@@ -174,7 +197,8 @@ def run(settings: h.Settings) -> dict[str, Any]:
         ("32 buyers", f"{b['buys_per_s']:.0f} buys/s = {b['buys_per_s'] / out['bare_post']['ops_per_s']:.3f}x bare POST; "
                       f"p50 {b['buy']['p50']:.0f} ms; {b['errors']} errors; stock sold {b['stock_sold']} for "
                       f"{b['buys']} acknowledged buys" + (f"; errors by status {b['error_statuses']}" if b["errors"] else "")),
-        ("CPU per buy (all processes)", f"{h.fmt(b['cpu_ms_per_buy'])} ms"),
+        ("CPU per buy (all processes)", f"{h.fmt(b['cpu_ms_per_buy'])} ms; {h.fmt(b['buys_per_entry'])} buys per "
+                                        f"intents entry (the mix: {h.fmt(m['buys_per_entry'])})"),
         ("40/40/20 mix, 32 clients", f"{m['ops_per_s']:.0f} req/s = {m['ops_per_s'] / out['bare_mix']['ops_per_s']:.3f}x "
                                      f"bare lookup/POST mix; {m['errors']} errors; {_missed(m)} (caches as the buyers and "
                                      "the stock count left them)"),
