@@ -269,7 +269,9 @@ def test_peer_transport_requires_the_secret_and_a_member(cluster: Harness) -> No
     with socket.create_connection(cluster.addresses[target.name], timeout=2) as s:
         s.sendall(encode({"hello": other, "secret": SECRET, "channel": "raft"}))
         s.sendall(encode({"messages": [bogus, {**bogus, "src": leader.name}, stale]}))  # not who said hello
-        wait_for(lambda: any(kind == "msgs" for kind, _, _ in delivered), 5, "the frame was read")
+        # Our frame's message, not merely the leader's next heartbeat (which may come first).
+        wait_for(lambda: any(kind == "msgs" and any(m.src == other for m in value) for kind, value, _ in delivered),
+                 5, "the frame was read")
     msgs = [m for kind, value, _ in delivered if kind == "msgs" for m in value]
     assert [(m.src, m.type, m.term) for m in msgs if m.src != leader.name or m.term > term] == [(other, "heartbeat", 0)]
     assert target.term() == term
