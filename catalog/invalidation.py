@@ -249,23 +249,29 @@ class Invalidator:
         return min(max(PUSH_TIMEOUT, PUSH_RTTS * self._rtts.get(url, 0.0)), PUSH_TIMEOUT_MAX)
 
     def _push_all(self, targets: dict[str, tuple[str, float]], body: dict[str, Any]) -> list[str]:
-        """Push ``body`` to every target; the targets that did not acknowledge it. This thread writes
-        to each worker, then reads each answer (``_Channel.start``): no thread per worker. A worker
-        with a push in flight gets this one in its next frame, from a pool thread."""
+        """Push ``body`` to every target; the targets that did not acknowledge it within the round's
+        time (the largest push timeout among them, and 0.2 s).
+
+        A nearby worker with an open connection and no push in flight gets it from this thread,
+        which writes to every such worker and then reads each answer (``_Channel.start``): no
+        thread hand-off per worker. Any other (far, not connected yet, or busy) gets it from a pool
+        thread: its answer or its connection may take longer than a nearby answer, and must not
+        keep the connections of others, waiting here to be read, from their next pushes."""
+        end = time.monotonic() + max(self.push_timeout(url) for url, _ in targets.values()) + 0.2
         started: dict[str, Callable[[], bool]] = {}
         futures: dict[Future[bool], str] = {}
         try:
             for sid, (url, _) in targets.items():
-                acknowledged = self._start(url, body)
+                acknowledged = self._start(url, body) if self.push_timeout(url) <= PUSH_TIMEOUT else None
                 if acknowledged is not None:
                     started[sid] = acknowledged
                 else:
                     futures[self._pool.submit(self._push, url, body)] = sid
         finally:
-            acks = {sid: acknowledged() for sid, acknowledged in started.items()}  # each connection given back
+            acks = _acknowledge_all(started)
         failed = [sid for sid, ok in acks.items() if not ok]
         if futures:
-            done, _ = wait(futures, timeout=max(self.push_timeout(url) for url, _ in targets.values()) + 0.2)
+            done, _ = wait(futures, timeout=max(0.0, end - time.monotonic()))
             failed += [futures[f] for f in futures if f not in done or not f.result()]
         return failed
 
@@ -317,6 +323,21 @@ class Invalidator:
             return channel, self.push_timeout(url)
 
 
+def _acknowledge_all(started: dict[str, Callable[[], bool]]) -> dict[str, bool]:
+    """Each started push's acknowledgement (``_Channel.start``); every connection is given back,
+    even if reading one answer raises."""
+    acks: dict[str, bool] = {}
+    rest = iter(started.items())
+    try:
+        for sid, acknowledged in rest:
+            acks[sid] = acknowledged()
+    finally:
+        for _, acknowledged in rest:  # only after an error: the others' connections, given back
+            with contextlib.suppress(BaseException):
+                acknowledged()
+    return acks
+
+
 class _Channel:
     """The connection to one frontend worker. Pushes are combined (``pygmy.replication.batching``): one
     frame carries the holds and releases of every write waiting for this worker, and the worker's
@@ -337,10 +358,11 @@ class _Channel:
             return False  # still queued: it may go out later, which only holds a key longer
 
     def start(self, body: dict[str, Any], timeout: float) -> Callable[[], bool] | None:
-        """Write ``body`` now if no push is in flight here, and return the function that reads its
-        acknowledgement (True if acknowledged) and frees the connection, which must be called.
-        None: a push is in flight; ``push`` it instead."""
-        if not self._combiner.claim():
+        """Write ``body`` now if the connection is open and no push is in flight on it, and return
+        the function that reads its acknowledgement (True if acknowledged, within ``timeout`` of
+        the write) and frees the connection, which must be called. None: not connected, or busy;
+        ``push`` it instead (connecting is left to a thread that may wait for it)."""
+        if not self.client.is_open() or not self._combiner.claim():
             return None
         try:
             reply: Callable[[], Any] | None = self.client.start_call(self._frame([body]), timeout)

@@ -210,7 +210,9 @@ class BuyProcessor:
 
         A buy still queued at its deadline is withdrawn (nothing done). Once in a batch, its deadline
         is kept there (``_intent_first``: no intent or decrement is sent after it), and its outcome
-        is waited for as long as that batch may take past it (a refusal's entry, ``PROPOSE_TIMEOUT``)."""
+        is waited for ``PROPOSE_TIMEOUT`` and a second past it (a refusal's entry may take that).
+        A batch runs until every buy in it has its outcome, so one whose deadline is much earlier
+        than another's in its batch may be told "outcome unknown" (a retry with its key is safe)."""
         now = time.monotonic()
         results = self._batches.call_many([(buys[i], created) for i in todo],
                                           [max(0.0, buys[i].deadline - now) for i in todo], grace=PROPOSE_TIMEOUT + 1)

@@ -50,8 +50,9 @@ class _Slot(Generic[T, R]):
         self.done = False
         self.result: R | None = None
         self.error: BaseException | None = None
-        #: A submitted item's: told its outcome once; its deadline is checked when a batch is formed.
+        #: A submitted item's: told its outcome once.
         self.callback = callback
+        #: Checked when a batch is formed: an item whose time ran out is withdrawn, never sent.
         self.deadline = deadline
         self.context = contextvars.copy_context() if callback is not None else None
 
@@ -84,9 +85,10 @@ class Combiner(Generic[T, R]):
         they may ride in different batches. Returns when every item has its outcome. ``grace``: how
         much longer than its wait an item already sent is waited for (one still queued is
         withdrawn at its wait's end all the same)."""
-        slots: list[_Slot[T, R]] = [_Slot(item) for item in items]
         now = time.monotonic()
         deadlines = [now + w for w in waits]
+        # Each slot knows its deadline: another thread's batch taken after it leaves it out.
+        slots: list[_Slot[T, R]] = [_Slot(item, deadline=d) for item, d in zip(items, deadlines, strict=True)]
         out: list[R | BaseException | None] = [None] * len(slots)
         waiting = set(range(len(slots)))
         with self._cond:
@@ -164,8 +166,8 @@ class Combiner(Generic[T, R]):
                 self._send_next(adopt=True)
 
     def _send_next(self, adopt: bool = False) -> None:
-        """Send the next batch from the queue (the lock held, released while it is sent); submitted
-        items whose time ran out while queued are told so, not sent. ``adopt``: the helper sends
+        """Send the next batch from the queue (the lock held, released while it is sent); items
+        whose time ran out while queued are withdrawn (told so if submitted), not sent. ``adopt``: the helper sends
         it, in the context its first submitted item came with."""
         now = time.monotonic()
         expired = [s for s in self._queue if s.deadline <= now]
@@ -179,7 +181,9 @@ class Combiner(Generic[T, R]):
         try:
             for slot in expired:
                 slot.error = CombinerTimeout("not sent in time; withdrawn", sent=False)
-                self._tell(slot)
+                slot.done = True
+                if slot.callback is not None:
+                    self._tell(slot)
             context = next((s.context for s in batch if s.context is not None), None) if adopt else None
             if context is not None:
                 context.run(self._run, batch)

@@ -335,6 +335,10 @@ class FrameClient:
         self._owed = 0  # replies nobody waits for (``send_nowait(owed=True)``): read and dropped before the next
         self.connects = 0
 
+    def is_open(self) -> bool:
+        """Whether a connection is open now (a call would not have to connect first)."""
+        return self._sock is not None
+
     def expect_rtt(self, rtt: float) -> None:
         """A round trip measured to this peer (seconds): the next connection gets three."""
         self._learned = max(self.connect_timeout, min(MAX_CONNECT, 3 * rtt))
@@ -426,10 +430,10 @@ class FrameClient:
 
     def start_call(self, obj: Any, timeout: float) -> Callable[[], Any]:
         """``call`` in two halves, for a caller that asks several servers at once: sends now, and
-        returns the function that reads the reply (by ``timeout`` from now; it raises as ``call``
-        does). The connection is the caller's until that function has run, which it must."""
+        returns the function that reads the reply (by ``timeout`` after the frame went out; it
+        raises as ``call`` does). The connection is the caller's until that function has run,
+        which it must."""
         data = encode(obj)
-        end = time.monotonic() + timeout
         self._lock.acquire()
         try:
             self._write(data, timeout)
@@ -440,6 +444,7 @@ class FrameClient:
         except BaseException:
             self._lock.release()
             raise
+        end = time.monotonic() + timeout
 
         def reply() -> Any:
             try:

@@ -560,10 +560,19 @@ def second_worker(handle: Callable[[str, Any], Any]) -> tuple[FrameServer, str]:
     return server, f"tcp://127.0.0.1:{server.address[1]}"
 
 
-def test_a_hold_is_written_to_every_worker_then_each_answer_read_on_the_writers_own_thread(worker: str) -> None:
-    """No pool thread: both frames are out before the first worker answers, and each answer counts.
-    Neither worker holds a lease here, so opening b's channel must not close a's, started on this
-    very thread (it waited on itself for a's connection)."""
+def pool_submissions(inv: Invalidator, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """What the invalidator hands to its pool from now on."""
+    submitted: list[Any] = []
+    real = inv._pool.submit
+    monkeypatch.setattr(inv._pool, "submit", lambda fn, *a, **k: (submitted.append((fn, a)), real(fn, *a, **k))[1])
+    return submitted
+
+
+def test_a_hold_is_written_to_every_worker_then_each_answer_read_on_the_writers_own_thread(
+        worker: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No pool thread once connected: both frames are out before the first worker answers, and each
+    answer counts. Neither worker holds a lease here, so opening b's channel must not close a's,
+    started on this very thread (it waited on itself for a's connection)."""
     answered_before_b: list[int] = []
 
     def b(peer: str, frame: Any) -> Any:
@@ -573,13 +582,16 @@ def test_a_hold_is_written_to_every_worker_then_each_answer_read_on_the_writers_
     other, url_b = second_worker(b)
     inv = Invalidator(FakeNode(), "s3cret")  # type: ignore[arg-type]
     try:
-        Worker.delay = 0.2
         targets = {"a": (worker, 0.0), "b": (url_b, 0.0)}
         body = {"holds": [[1, ["book:1"]]]}
+        submitted = pool_submissions(inv, monkeypatch)
         assert inv._push_all(targets, body) == []
-        assert answered_before_b == [0], "b had its frame before a answered"
-        assert Worker.seen == [("catalog-1", {"holds": [[1, ["book:1"]]], "releases": []})]
-        assert not inv._pool._threads, "no push went through the pool"
+        assert len(submitted) == 2, "not connected yet: connected from pool threads"
+        Worker.delay, answered_before_b[:] = 0.2, []
+        assert inv._push_all(targets, body) == []
+        assert len(submitted) == 2, "connected: nothing more through the pool"
+        assert answered_before_b == [1], "b had its frame before a answered it"
+        assert Worker.seen[1:] == [("catalog-1", {"holds": [[1, ["book:1"]]], "releases": []})]
         Worker.answer = {"error": {"code": 400, "message": "malformed invalidation"}}
         assert inv._push_all(targets, body) == ["a"]
         other.stop()
@@ -592,20 +604,29 @@ def test_a_hold_is_written_to_every_worker_then_each_answer_read_on_the_writers_
         other.stop()
 
 
-def test_a_worker_with_a_push_in_flight_gets_the_hold_in_its_next_frame_from_the_pool(worker: str) -> None:
+def test_a_far_worker_and_a_busy_one_get_the_hold_from_the_pool(worker: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A far worker's answer may take seconds: read on this thread, it would keep a nearby worker's
+    connection (started first, read later) from other writes' pushes that long."""
     inv = Invalidator(FakeNode(), "s3cret")  # type: ignore[arg-type]
     try:
+        assert inv._push(worker, {"holds": []}) is True  # connected
+        submitted = pool_submissions(inv, monkeypatch)
+        inv._rtts[worker] = 0.5  # far: its push timeout is 1.5 s
+        assert inv._push_all({"a": (worker, 0.0)}, {"holds": [[1, ["book:1"]]]}) == []
+        assert len(submitted) == 1
+        inv._rtts[worker] = 0.0
         Worker.delay = 0.2
         first: list[bool] = []
-        sender = threading.Thread(target=lambda: first.append(inv._push(worker, {"holds": [[1, ["book:1"]]]})))
+        sender = threading.Thread(target=lambda: first.append(inv._push(worker, {"holds": [[2, ["book:2"]]]})))
         sender.start()
-        until(lambda: bool(Worker.seen))
+        until(lambda: len(Worker.seen) == 3)
         channel = inv._channels[worker]
         assert channel.start({"holds": []}, 1.0) is None and channel.send_unanswered({"releases": []}) is False
-        assert inv._push_all({"a": (worker, 0.0)}, {"holds": [[2, ["book:2"]]]}) == []
+        assert inv._push_all({"a": (worker, 0.0)}, {"holds": [[3, ["book:3"]]]}) == []
+        assert len(submitted) == 2, "busy: in its next frame, from the pool"
         sender.join(5)
         assert first == [True]
-        assert [f["holds"] for _, f in Worker.seen] == [[[1, ["book:1"]]], [[2, ["book:2"]]]]
+        assert [f["holds"] for _, f in Worker.seen[1:]] == [[[1, ["book:1"]]], [[2, ["book:2"]]], [[3, ["book:3"]]]]
     finally:
         inv.stop()
 
@@ -617,6 +638,7 @@ def test_a_release_is_written_at_once_and_its_answer_read_and_dropped_by_the_nex
     try:
         release = {"releases": [[1, ["book:1"], 4]]}
         assert channel.send_unanswered(release) is False, "not connected: never waits to connect"
+        assert channel.start({"holds": []}, 1.0) is None, "nor does a started push"
         assert channel.push({"holds": [[1, ["book:1"]]]}) is True
         Worker.answer = {"error": {"code": 400, "message": "malformed invalidation"}}
         assert channel.send_unanswered(release) is True
@@ -637,10 +659,31 @@ def test_releases_after_a_write_are_written_by_the_thread_that_answered_it(
     monkeypatch.setattr(inv.node, "leadership_start", lambda: time.monotonic() - 10, raising=False)
     try:
         inv.subscribe("w", worker)
-        with inv.holding(["book:1"]) as write:  # the hold connects, from this thread
+        assert inv._push(worker, {"holds": []}) is True  # connected
+        submitted = pool_submissions(inv, monkeypatch)
+        with inv.holding(["book:1"]) as write:
             write.index = 7
-        until(lambda: len(Worker.seen) == 2)
-        assert Worker.seen[1][1]["releases"] == [[Worker.seen[0][1]["holds"][0][0], ["book:1"], 7]]
-        assert not inv._pool._threads, "neither the hold nor the release went through the pool"
+        until(lambda: len(Worker.seen) == 3)
+        assert Worker.seen[2][1]["releases"] == [[Worker.seen[1][1]["holds"][0][0], ["book:1"], 7]]
+        assert not submitted, "neither the hold nor the release went through the pool"
     finally:
         inv.stop()
+
+
+def test_an_error_reading_one_answer_still_gives_back_every_connection() -> None:
+    given_back: list[str] = []
+
+    def answer(name: str, result: Any) -> Callable[[], bool]:
+        def read() -> bool:
+            given_back.append(name)
+            if isinstance(result, BaseException):
+                raise result
+            return bool(result)
+        return read
+
+    assert inv_mod._acknowledge_all({"a": answer("a", True), "b": answer("b", False)}) == {"a": True, "b": False}
+    given_back.clear()
+    with pytest.raises(KeyboardInterrupt):
+        inv_mod._acknowledge_all({"a": answer("a", KeyboardInterrupt()), "b": answer("b", True),
+                                  "c": answer("c", RuntimeError())})
+    assert given_back == ["a", "b", "c"]

@@ -51,7 +51,10 @@ def test_buys_arriving_during_a_batch_go_together_in_the_next() -> None:
     later = [threading.Thread(target=run, args=(f"later{n}", buys(f"c{n}", f"d{n}"), f"t{n + 2}")) for n in range(3)]
     for t in later:
         t.start()
-    time.sleep(0.2)  # all three queued behind the first batch
+    deadline = time.monotonic() + 5
+    while len(p._batches._queue) < 6:  # all three queued behind the first batch
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
     assert p.batches == [["a", "b"]]
     p.go_on.set()
     for t in [first, *later]:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from pygmy.replication.batching import Combiner, CombinerTimeout
+from pygmy.replication.batching import Combiner, CombinerTimeout, _Slot
 
 
 def held_first_batch() -> tuple[Callable[[list[int]], list[int]], threading.Event, threading.Event, list[list[int]]]:
@@ -171,6 +171,17 @@ def test_call_many_waits_a_grace_longer_for_an_item_already_sent_but_not_for_one
         assert out == [-2], "sent, so waited for past its wait"
     else:
         assert isinstance(out[0], CombinerTimeout) and out[0].sent is True
+
+
+def test_an_item_whose_wait_ran_out_is_left_out_of_a_batch_another_thread_forms() -> None:
+    """Its owner may not have woken yet: the batch leaves it out all the same, and it ends withdrawn."""
+    batches: list[list[int]] = []
+    c = Combiner(lambda items: (batches.append(items), items)[1])
+    late = _Slot(1, deadline=time.monotonic() - 0.01)  # as ``call_many`` queues it, its wait over
+    c._queue.append(late)
+    assert c.call(2, 1) == 2
+    assert batches == [[2]]
+    assert late.done and not late.sent and isinstance(late.error, CombinerTimeout) and late.error.sent is False
 
 
 def test_call_many_hands_errors_to_the_items_of_the_failed_batch_only() -> None:
