@@ -272,7 +272,7 @@ class Invalidator:
         failed = [sid for sid, ok in acks.items() if not ok]
         if futures:
             done, _ = wait(futures, timeout=max(0.0, end - time.monotonic()))
-            failed += [futures[f] for f in futures if f not in done or not f.result()]
+            failed += [futures[f] for f in futures if f not in done or f.exception() is not None or not f.result()]
         return failed
 
     def _revoke(self, failed: list[str], targets: dict[str, tuple[str, float]]) -> float:
@@ -362,7 +362,10 @@ class _Channel:
         the function that reads its acknowledgement (True if acknowledged, within ``timeout`` of
         the write) and frees the connection, which must be called. None: not connected, or busy;
         ``push`` it instead (connecting is left to a thread that may wait for it)."""
-        if not self.client.is_open() or not self._combiner.claim():
+        if not self._combiner.claim():
+            return None
+        if not self.client.is_open():  # checked once claimed: nobody else may reset it now
+            self._combiner.unclaim()
             return None
         try:
             reply: Callable[[], Any] | None = self.client.start_call(self._frame([body]), timeout)

@@ -173,6 +173,9 @@ class Combiner(Generic[T, R]):
         expired = [s for s in self._queue if s.deadline <= now]
         if expired:
             self._queue = [s for s in self._queue if s.deadline > now]
+            for slot in expired:  # under the lock: an owner that wakes now finds it withdrawn, not queued
+                slot.error = CombinerTimeout("not sent in time; withdrawn", sent=False)
+                slot.done = True
         self._busy = True
         batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
         for slot in batch:
@@ -180,8 +183,6 @@ class Combiner(Generic[T, R]):
         self._cond.release()
         try:
             for slot in expired:
-                slot.error = CombinerTimeout("not sent in time; withdrawn", sent=False)
-                slot.done = True
                 if slot.callback is not None:
                     self._tell(slot)
             context = next((s.context for s in batch if s.context is not None), None) if adopt else None

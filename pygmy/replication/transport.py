@@ -468,12 +468,12 @@ class FrameClient:
                 if not self._owed:
                     return reply
                 self._owed -= 1
-        except OSError:
-            self._reset()
-            raise
         except ValueError as exc:
             self._reset()
             raise FrameError(str(exc)) from None
+        except BaseException:  # any interruption leaves the reply unread: never let a later call take it
+            self._reset()
+            raise
 
     def call(self, obj: Any, timeout: float, stalled: Callable[[], Any] | None = None,
              first_check: float = 0.25, check_every: float = 0.1) -> Any:

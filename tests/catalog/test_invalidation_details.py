@@ -571,8 +571,7 @@ def pool_submissions(inv: Invalidator, monkeypatch: pytest.MonkeyPatch) -> list[
 def test_a_hold_is_written_to_every_worker_then_each_answer_read_on_the_writers_own_thread(
         worker: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """No pool thread once connected: both frames are out before the first worker answers, and each
-    answer counts. Neither worker holds a lease here, so opening b's channel must not close a's,
-    started on this very thread (it waited on itself for a's connection)."""
+    answer counts."""
     answered_before_b: list[int] = []
 
     def b(peer: str, frame: Any) -> Any:
@@ -582,12 +581,14 @@ def test_a_hold_is_written_to_every_worker_then_each_answer_read_on_the_writers_
     other, url_b = second_worker(b)
     inv = Invalidator(FakeNode(), "s3cret")  # type: ignore[arg-type]
     try:
+        inv.subscribe("a", worker)
+        inv.subscribe("b", url_b)
         targets = {"a": (worker, 0.0), "b": (url_b, 0.0)}
         body = {"holds": [[1, ["book:1"]]]}
         submitted = pool_submissions(inv, monkeypatch)
         assert inv._push_all(targets, body) == []
         assert len(submitted) == 2, "not connected yet: connected from pool threads"
-        Worker.delay, answered_before_b[:] = 0.2, []
+        Worker.delay, answered_before_b[:] = 0.1, []
         assert inv._push_all(targets, body) == []
         assert len(submitted) == 2, "connected: nothing more through the pool"
         assert answered_before_b == [1], "b had its frame before a answered it"
@@ -687,3 +688,21 @@ def test_an_error_reading_one_answer_still_gives_back_every_connection() -> None
         inv_mod._acknowledge_all({"a": answer("a", KeyboardInterrupt()), "b": answer("b", True),
                                   "c": answer("c", RuntimeError())})
     assert given_back == ["a", "b", "c"]
+
+
+def test_opening_a_channel_leaves_a_stale_one_open_while_a_push_holds_it(worker: str) -> None:
+    """A writer's own started channel (its worker's lease just lapsed) is not closed under it when
+    the next channel of the same round opens: that close would wait on the writer itself."""
+    inv = Invalidator(FakeNode(), "s3cret")  # type: ignore[arg-type]
+    try:
+        assert inv._push(worker, {"holds": []}) is True  # connected; the worker holds no lease
+        channel = inv._channels[worker]
+        acknowledged = channel.start({"holds": [[1, ["book:1"]]]}, 1.0)
+        assert acknowledged is not None
+        inv._channel("tcp://127.0.0.1:9")  # would close the stale channel, were it idle
+        assert inv._channels.get(worker) is channel
+        assert acknowledged() is True
+        inv._channel("tcp://127.0.0.1:7")  # idle now: closed
+        assert worker not in inv._channels
+    finally:
+        inv.stop()

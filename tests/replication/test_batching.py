@@ -174,14 +174,36 @@ def test_call_many_waits_a_grace_longer_for_an_item_already_sent_but_not_for_one
 
 
 def test_an_item_whose_wait_ran_out_is_left_out_of_a_batch_another_thread_forms() -> None:
-    """Its owner may not have woken yet: the batch leaves it out all the same, and it ends withdrawn."""
+    """Its owner may not have woken yet: the batch leaves it out all the same, and it is withdrawn
+    before the lock is let go (an owner waking then finds it done, not still queued)."""
     batches: list[list[int]] = []
-    c = Combiner(lambda items: (batches.append(items), items)[1])
     late = _Slot(1, deadline=time.monotonic() - 0.01)  # as ``call_many`` queues it, its wait over
+    c = Combiner(lambda items: (batches.append(items), items)[1])
+    seen_done: list[bool] = []
+    let_go = c._cond.release  # the batch's sender lets the lock go while it sends
+    c._cond.release = lambda: (seen_done.append(late.done), let_go())[1]  # type: ignore[method-assign]
     c._queue.append(late)
     assert c.call(2, 1) == 2
-    assert batches == [[2]]
+    assert batches == [[2]] and seen_done == [True]
     assert late.done and not late.sent and isinstance(late.error, CombinerTimeout) and late.error.sent is False
+
+
+def test_call_many_queues_its_items_with_their_deadlines() -> None:
+    send, gate, first_in, _ = held_first_batch()
+    c = Combiner(send)
+    first = threading.Thread(target=lambda: c.call(0, 5))
+    first.start()
+    assert first_in.wait(5)
+    queued = threading.Thread(target=lambda: c.call_many([1], [5]))
+    queued.start()
+    deadline = time.monotonic() + 5
+    while not c._queue:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert c._queue[0].deadline < time.monotonic() + 6
+    gate.set()
+    first.join(5)
+    queued.join(5)
 
 
 def test_call_many_hands_errors_to_the_items_of_the_failed_batch_only() -> None:
