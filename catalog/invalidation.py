@@ -338,6 +338,11 @@ def _acknowledge_all(started: dict[str, Callable[[], bool]]) -> dict[str, bool]:
     return acks
 
 
+def _observe(frame: dict[str, Any]) -> None:
+    """A push frame went out: how many holds and releases it carried."""
+    PUSH_BATCH.observe(len(frame["holds"]) + len(frame["releases"]))
+
+
 class _Channel:
     """The connection to one frontend worker. Pushes are combined (``pygmy.replication.batching``): one
     frame carries the holds and releases of every write waiting for this worker, and the worker's
@@ -367,8 +372,10 @@ class _Channel:
         if not self.client.is_open():  # checked once claimed: nobody else may reset it now
             self._combiner.unclaim()
             return None
+        frame = self._frame([body])
         try:
-            reply: Callable[[], Any] | None = self.client.start_call(self._frame([body]), timeout)
+            reply: Callable[[], Any] | None = self.client.start_call(frame, timeout)
+            _observe(frame)
         except OSError:
             reply = None
         except BaseException:
@@ -391,21 +398,24 @@ class _Channel:
         (a lost one only holds a key longer). False: nothing written; ``push`` it."""
         if not self._combiner.claim():
             return False
+        frame = self._frame([body])
         try:
-            return self.client.send_nowait(self._frame([body]), owed=True)
+            sent = self.client.send_nowait(frame, owed=True)
         finally:
             self._combiner.unclaim()
+        if sent:
+            _observe(frame)
+        return sent
 
     def _send(self, bodies: list[dict[str, Any]]) -> list[bool]:
         frame = self._frame(bodies)
+        _observe(frame)
         return [self._acknowledged(lambda: self.client.call(frame, self.timeout))] * len(bodies)
 
     @staticmethod
     def _frame(bodies: list[dict[str, Any]]) -> dict[str, Any]:
-        frame = {"holds": [h for body in bodies for h in body.get("holds", ())],
-                 "releases": [r for body in bodies for r in body.get("releases", ())]}
-        PUSH_BATCH.observe(len(frame["holds"]) + len(frame["releases"]))
-        return frame
+        return {"holds": [h for body in bodies for h in body.get("holds", ())],
+                "releases": [r for body in bodies for r in body.get("releases", ())]}
 
     def _acknowledged(self, reply: Callable[[], Any]) -> bool:
         """Whether ``reply()`` (reading the worker's answer) says the push is acknowledged."""
