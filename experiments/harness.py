@@ -483,11 +483,13 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t, result
 
 
-def metric_sum_count(text: str, route: str, metric: str = "pygmy_http_request_seconds") -> tuple[float, float]:
-    """(sum, count) of one route's latency histogram in Prometheus text."""
+def metric_sum_count(text: str, route: str, metric: str = "pygmy_http_request_seconds",
+                     label: str = "route") -> tuple[float, float]:
+    """(sum, count) of one route's latency histogram in Prometheus text (or of the series whose
+    ``label`` is ``route``, in another histogram)."""
     total = count = 0.0
     for line in text.splitlines():
-        if f'route="{route}"' not in line:
+        if f'{label}="{route}"' not in line:
             continue
         if line.startswith(metric + "_sum"):
             total += float(line.rsplit(" ", 1)[1])

@@ -87,17 +87,13 @@ def buy_batches(c: LocalCluster) -> tuple[float, float]:
     answers (each leader counts its own): their ratio is the buys an entry carried."""
     buys = entries = 0.0
     for name in c.cluster_config().names():
-        if not name.startswith("order-"):
-            continue
-        try:
-            text = c.replica_get(name, "/metrics").text
-        except OSError:
-            continue
-        for line in text.splitlines():
-            if 'what="intents"' in line and line.startswith("pygmy_buy_batch_size_sum"):
-                buys += float(line.rsplit(" ", 1)[1])
-            elif 'what="intents"' in line and line.startswith("pygmy_buy_batch_size_count"):
-                entries += float(line.rsplit(" ", 1)[1])
+        if name.startswith("order-"):
+            try:
+                text = c.replica_get(name, "/metrics").text
+            except OSError:
+                continue
+            b, e = h.metric_sum_count(text, "intents", "pygmy_buy_batch_size", label="what")
+            buys, entries = buys + b, entries + e
     return buys, entries
 
 
