@@ -223,11 +223,9 @@ class BuyProcessor:
 
     def _run_batch(self, items: list[tuple[Buy, str]]) -> list[dict[str, Any] | BaseException]:
         """One batch of ``_one_batch_at_a_time``: each buy's outcome, in order."""
-        buys = [b for b, _ in items]
+        buys = [b for b, _ in items]  # each still in time: the combiner leaves out one whose wait ran out
         out: list[dict[str, Any] | BaseException] = [nothing_done() for _ in buys]
-        todo = [i for i, b in enumerate(buys) if b.deadline > time.monotonic()]
-        if todo:
-            self._intent_first(buys, todo, [c for _, c in items], out)
+        self._intent_first(buys, list(range(len(buys))), [c for _, c in items], out)
         return out
 
     def together_ok(self) -> bool:

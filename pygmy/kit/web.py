@@ -408,7 +408,7 @@ def parse_item(value: str, what: str = "item number") -> int:
     """Path numbers: positive integers that fit SQLite, else a clear 400."""
     if (number := plain_int(value)) is None or number < 1:
         fail(400, f"malformed {what} {value[:40]!r}: expected a positive integer")
-    return int(value)
+    return number
 
 
 def query_int(name: str, lo: int, hi: int, default: int) -> int:
@@ -418,7 +418,7 @@ def query_int(name: str, lo: int, hi: int, default: int) -> int:
         return default
     if (number := plain_int(raw)) is None or not lo <= number <= hi:
         fail(400, f"{name} must be an integer between {lo} and {hi}, not {raw[:40]!r}")
-    return int(raw)
+    return number
 
 
 def int_field(data: dict[str, Any], name: str, lo: int, hi: int, default: int | None = None) -> int:

@@ -325,10 +325,7 @@ def test_start_call_sends_now_and_holds_the_connection_until_its_reply_is_read()
         answered.set()
         assert [r() for r in replies] == [{"ok": "a"}, {"ok": "b"}]
         assert clients[0].call({"to": "b"}, timeout=1) == {"ok": "b"}, "given back once read"
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        nobody = FrameClient(("127.0.0.1", port), SECRET, "x", "c")
+        nobody = FrameClient(("127.0.0.1", free_port()), SECRET, "x", "c")  # nobody listens there
         with pytest.raises(OSError):
             nobody.start_call({"to": "c"}, timeout=0.5)
         assert nobody._lock.acquire(blocking=False), "a failed start gives the connection back"
