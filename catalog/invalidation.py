@@ -375,7 +375,6 @@ class _Channel:
         frame = self._frame([body])
         try:
             reply: Callable[[], Any] | None = self.client.start_call(frame, timeout)
-            _observe(frame)
         except OSError:
             reply = None
         except BaseException:
@@ -384,7 +383,11 @@ class _Channel:
 
         def acknowledged() -> bool:
             try:
-                return reply is not None and self._acknowledged(reply)
+                if reply is None:
+                    return False
+                ok = self._acknowledged(reply)  # frees the connection whatever happens
+                _observe(frame)  # a frame that went out (counted after: it must not keep the connection)
+                return ok
             finally:
                 self._combiner.unclaim()
 

@@ -50,6 +50,14 @@ _HEADER = struct.Struct(">I")
 MAX_FRAME = 1 << 30
 #: A new connection must say hello within this long.
 HELLO_TIMEOUT = 2.0
+#: The largest hello a server reads: it comes before the secret is checked.
+MAX_HELLO = 1 << 16
+#: How long the accept loop waits after a failed ``accept`` (out of descriptors) before the next.
+ACCEPT_RETRY = 0.05
+#: A connection that sent nothing, and has not acknowledged what it was sent, for this long
+#: (seconds) is dead: its host went away without a FIN. TCP keepalive then ends the thread that
+#: reads it. Far above any round trip a link of this project's may have.
+DEAD_AFTER = 30
 #: The longest a client's connect budget grows to (``FrameClient``): two round trips of the slowest
 #: link the timers follow, within the server's wait for the hello.
 MAX_CONNECT = 2.0
@@ -163,23 +171,35 @@ def encode(obj: Any) -> bytes:
 _WELCOME = encode({"ok": True})
 
 
-def read_frame(stream: Any) -> Any:
-    """The next frame from a buffered socket reader; None at a clean end of stream."""
+def read_frame(stream: Any, limit: int = MAX_FRAME) -> Any:
+    """The next frame from a buffered socket reader; None at a clean end of stream. A frame over
+    ``limit`` bytes is refused before it is read."""
     header = stream.read(_HEADER.size)
     if not header:
         return None
     if len(header) < _HEADER.size:
         raise FrameError("connection closed inside a frame header")
     (length,) = _HEADER.unpack(header)
-    if length > MAX_FRAME:
+    if length > limit:
         raise FrameError(f"frame of {length} bytes is over the limit")
     data = stream.read(length)
     if len(data) < length:
         raise FrameError("connection closed inside a frame")
     try:
         return codec.loads(data)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nesting too deep for ``json``
         raise FrameError(f"frame is not JSON: {exc}") from None
+
+
+def _keep_alive(sock: socket.socket) -> None:
+    """TCP keepalive and a user timeout of DEAD_AFTER, where the platform has them: a long-lived
+    connection whose peer vanished (host down, partition) ends instead of blocking a reader, or a
+    writer, for good."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", DEAD_AFTER // 3), ("TCP_KEEPINTVL", DEAD_AFTER // 6),
+                          ("TCP_KEEPCNT", 4), ("TCP_USER_TIMEOUT", DEAD_AFTER * 1000)):
+        if hasattr(socket, option):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 def _close(sock: socket.socket) -> None:
@@ -220,12 +240,17 @@ class FrameServer:
             thread.join(timeout=5)
 
     def _accept_loop(self) -> None:
+        """Until ``stop``: any other error (out of descriptors, a connection reset before it was
+        taken) costs that connection, never the listener."""
         while True:
             try:
                 conn, _ = self._sock.accept()
-            except OSError:
-                return  # the listening socket was closed by stop()
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError as exc:
+                if self._stopping:
+                    return  # the listening socket was closed by stop()
+                log.warning("%s: accepting a connection failed: %s", self.name, exc)
+                time.sleep(ACCEPT_RETRY)  # e.g. out of descriptors: let some close first
+                continue
             thread = threading.Thread(target=self._serve, args=(conn,), name=f"frames-conn-{self.name}",
                                       daemon=True)
             with self._lock:
@@ -233,15 +258,30 @@ class FrameServer:
                     conn.close()
                     return
                 self._conns[conn] = thread
-            thread.start()
+            try:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                _keep_alive(conn)
+                thread.start()
+            except (OSError, RuntimeError) as exc:  # reset already, or no thread to be had
+                log.warning("%s: a connection could not be served: %s", self.name, exc)
+                with self._lock:
+                    self._conns.pop(conn, None)
+                _close(conn)
 
     def _serve(self, conn: socket.socket) -> None:
         cert: tls.Peer | None = None
+        # The handshake and the hello within HELLO_TIMEOUT in all, however slowly they trickle in
+        # (the socket's timeout bounds each read only): then the connection is closed under them.
+        current = [conn]
+        overdue = threading.Timer(HELLO_TIMEOUT, lambda: _close(current[0]))
+        overdue.daemon = True
         try:
+            overdue.start()
             conn.settimeout(HELLO_TIMEOUT)
             if self.identity is not None:
                 raw = conn
                 conn = self.identity.server_context().wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
+                current[0] = conn
                 with self._lock:  # stop() must close the TLS socket now: ``raw`` is detached from its descriptor
                     self._conns[conn] = self._conns.pop(raw)
                     if self._stopping:
@@ -249,12 +289,14 @@ class FrameServer:
                 conn.do_handshake()  # plain text, another CA, no certificate: an SSLError here
                 cert = tls.peer_of(conn)
             stream = conn.makefile("rb")
-            hello = read_frame(stream)
+            hello = read_frame(stream, MAX_HELLO)
             if hello is None:  # closed before its hello: a client whose connect budget ran out
                 log.debug("%s: a connection closed before its hello", self.name)
                 return
             hello = hello if isinstance(hello, dict) else {}
-            given, peer, channel = hello.get("secret"), hello.get("hello"), self.channels.get(hello.get("channel"))
+            name = hello.get("channel")
+            given, peer, channel = hello.get("secret"), hello.get("hello"), self.channels.get(
+                name if isinstance(name, str) else "")
             refusal = None
             if not isinstance(given, str) or not isinstance(peer, str) or not hmac.compare_digest(
                     given.encode("utf-8", "replace"), self._expected):
@@ -273,6 +315,7 @@ class FrameServer:
                 return
             assert channel is not None
             conn.sendall(_WELCOME)
+            overdue.cancel()  # (had it fired, the welcome could not have been written)
             if channel.hello is not None:
                 channel.hello(peer, hello)
             conn.settimeout(None)  # a quiet peer is not a dead one; a new connection replaces it
@@ -293,6 +336,7 @@ class FrameServer:
         except Exception:
             log.exception("%s: frame handler failed; closing the connection", self.name)
         finally:
+            overdue.cancel()
             # Closed for every context copied from this thread too (they share the object): a
             # later thread given this id must not add to a list nobody runs.
             closing = _AFTER_REPLY.get()
@@ -355,6 +399,7 @@ class FrameClient:
                 raise
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                _keep_alive(sock)
                 sock.settimeout(max(0.001, budget - (time.monotonic() - started)))
                 if self.identity is not None:  # one more round trip, within the same budget
                     sock = self.identity.client_context(hostnames=not self.server_role).wrap_socket(
@@ -393,7 +438,7 @@ class FrameClient:
         with self._lock:
             try:
                 self._write(data, timeout)
-            except OSError:
+            except BaseException:  # part of a frame may be out: the next one would not parse
                 self._reset()
                 raise
 
@@ -437,11 +482,8 @@ class FrameClient:
         self._lock.acquire()
         try:
             self._write(data, timeout)
-        except OSError:
+        except BaseException:  # part of a frame may be out: the next one would not parse
             self._reset()
-            self._lock.release()
-            raise
-        except BaseException:
             self._lock.release()
             raise
         end = time.monotonic() + timeout
@@ -490,7 +532,7 @@ class FrameClient:
                 self._write(data, timeout)
                 if stalled is not None:
                     self._await_reply(timeout, stalled, first_check, check_every)
-            except OSError:
+            except BaseException:  # (``stalled`` too may raise) its reply must not go to the next call
                 self._reset()
                 raise
             return self._read_reply()

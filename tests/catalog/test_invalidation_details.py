@@ -654,6 +654,31 @@ def test_a_release_is_written_at_once_and_its_answer_read_and_dropped_by_the_nex
         channel.close()
 
 
+def test_a_started_push_frees_its_connection_whatever_counting_it_raises(
+        worker: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The connection is the started push's until its answer is read: an error after the write (in
+    counting the frame) must not leave it held, which would wedge every later push and ``stop``."""
+    channel = inv_mod._Channel(worker, "s3cret", "catalog-1")
+    try:
+        assert channel.push({"holds": []}) is True  # connected
+
+        def broken(frame: Any) -> None:
+            raise RuntimeError("a metric failed")
+
+        monkeypatch.setattr(inv_mod, "_observe", broken)
+        acknowledged = channel.start({"holds": [[1, ["book:1"]]]}, 1.0)
+        assert acknowledged is not None
+        with pytest.raises(RuntimeError):
+            acknowledged()
+        monkeypatch.undo()
+        assert channel.push({"holds": [[2, ["book:2"]]]}) is True
+    finally:
+        closing = threading.Thread(target=channel.close, daemon=True)
+        closing.start()
+        closing.join(2)
+    assert not closing.is_alive(), "the connection's lock was left held"
+
+
 def test_releases_after_a_write_are_written_by_the_thread_that_answered_it(
         worker: str, monkeypatch: pytest.MonkeyPatch) -> None:
     inv = Invalidator(FakeNode(), "s3cret")  # type: ignore[arg-type]

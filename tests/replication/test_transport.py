@@ -508,3 +508,99 @@ def test_a_link_slower_than_the_connect_budget_still_connects() -> None:
             thread.join(5)
             for conn in conns:
                 conn.close()
+
+
+class _FailingOnce:
+    """A listening socket whose next ``accept`` fails as when the process is out of descriptors."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock, self.failed = sock, False
+
+    def accept(self) -> Any:
+        if not self.failed:
+            self.failed = True
+            raise OSError(24, "Too many open files")
+        return self._sock.accept()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+def test_a_failed_accept_costs_that_connection_not_the_listener() -> None:
+    server = FrameServer("127.0.0.1", 0, SECRET, {"c": Channel(lambda p, f: {"echo": f})}, name="emfile")
+    flaky = _FailingOnce(server._sock)
+    server._sock = flaky  # type: ignore[assignment]
+    server.start()
+    client = FrameClient(server.address, SECRET, "x", "c", connect_timeout=0.5)
+    try:
+        assert client.call({"n": 1}, timeout=2) == {"echo": {"n": 1}}
+        assert flaky.failed and server._thread.is_alive()
+    finally:
+        client.close()
+        server.stop()
+    assert not server._thread.is_alive()
+
+
+def test_a_call_interrupted_by_its_stall_check_leaves_no_reply_for_the_next() -> None:
+    """``stalled`` may raise anything (a malformed status it looked at): the connection is dropped
+    with the reply still owed to it, so the next call reads its own reply, not that one."""
+    first = threading.Event()
+
+    def handle(peer: str, frame: Any) -> Any:
+        if frame["i"] == 1:
+            first.wait(5)  # answered only once the caller has given up on it
+        return {"i": frame["i"]}
+
+    def broken() -> Any:
+        first.set()
+        time.sleep(0.1)  # the reply is on its way
+        raise RuntimeError("a malformed status")
+
+    server = FrameServer("127.0.0.1", 0, SECRET, {"c": Channel(handle)}, name="late")
+    server.start()
+    client = FrameClient(server.address, SECRET, "x", "c")
+    try:
+        with pytest.raises(RuntimeError):
+            client.call({"i": 1}, timeout=2, stalled=broken, first_check=0.05)
+        assert client.call({"i": 2}, timeout=2) == {"i": 2}
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_a_hello_must_be_small_and_whole_within_the_hello_timeout(echo, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before the secret is checked, nobody can make the server read a large frame or hold a thread
+    by sending the hello a byte at a time; a channel name that is not a string is refused."""
+    import pygmy.replication.transport as transport
+
+    server, seen = echo
+    with socket.create_connection(server.address, timeout=2) as s:
+        s.sendall(struct.pack(">I", transport.MAX_HELLO + 1))
+        assert s.makefile("rb").read(1) == b""  # closed without reading on
+    monkeypatch.setattr(transport, "HELLO_TIMEOUT", 0.4)
+    hello = encode({"hello": "slow", "secret": SECRET, "channel": "c"})
+    with socket.create_connection(server.address, timeout=2) as s:
+        started = time.monotonic()
+        with contextlib.suppress(OSError):
+            for byte in hello[:-1]:  # each byte well inside the per-read timeout
+                s.sendall(bytes([byte]))
+                time.sleep(0.05)
+        assert s.makefile("rb").read(1) == b""
+        assert time.monotonic() - started < 2.0  # closed at 0.4 s, not after len(hello) x 0.05 s
+    with socket.create_connection(server.address, timeout=2) as s:
+        s.sendall(encode({"hello": "x", "secret": SECRET, "channel": ["c"]}))
+        assert read_frame(s.makefile("rb"))["error"]["code"] == 403
+    assert seen == []
+
+
+def test_both_ends_of_a_connection_find_a_vanished_peer_by_keepalive(echo) -> None:
+    server, _ = echo
+    client = FrameClient(server.address, SECRET, "x", "c")
+    try:
+        assert client.call({"want_reply": True}, timeout=2)
+        assert client._sock is not None and client._sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+        with server._lock:
+            (accepted,) = server._conns
+        assert accepted.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+    finally:
+        client.close()
