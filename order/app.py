@@ -47,6 +47,8 @@ PROPOSE_TIMEOUT = 5.0
 #: commit fewer per buy while buys keep coming, at the cost of a pending order a little longer (a read
 #: of it meanwhile finishes it first, see ``settle``).
 CONFIRM_LINGER = 0.02
+#: The most confirms one log entry carries (the rest go in the next).
+MAX_CONFIRMS = 256
 #: A pending intent older than this with no buy in flight here is finished by the background sweep.
 STALE_INTENT = 2.0
 #: A decrement key with no order younger than this (by its time) may still see its intent commit:
@@ -404,7 +406,7 @@ class BuyProcessor:
 
     def _waiting_confirms(self) -> list[dict[str, Any]]:
         batch: list[dict[str, Any]] = []
-        while len(batch) < 256:
+        while len(batch) < MAX_CONFIRMS:
             try:
                 batch.append(self._confirms.get_nowait())
             except queue.Empty:
@@ -432,16 +434,18 @@ class BuyProcessor:
             batch = self._waiting_confirms()
             if not batch:
                 continue
+            if len(batch) == MAX_CONFIRMS:  # more may be waiting, with nobody else to wake us for them
+                self._confirm_due.set()
             try:
                 self._propose_all(batch, "confirms")
             except Exception as exc:
                 log.info("%d confirms not recorded yet (%s); the sweep will redo them", len(batch), exc)
 
-    def settle(self, order: dict[str, Any]) -> dict[str, Any]:
+    def settle(self, order: dict[str, Any], deadline: float | None = None) -> dict[str, Any]:
         """A read found ``order`` pending: on the leader finish it (the same answer its buyer got, or
-        will get); elsewhere send the reader to the leader."""
+        will get), within the read's ``deadline``; elsewhere send the reader to the leader."""
         self.rt.leader_only()
-        return self.finish(order)
+        return self.finish(order, deadline)
 
     def _sweep_loop(self) -> None:
         """Supervised: an error in one sweep (a full disk, a bug) is logged; the next sweep retries."""
@@ -690,9 +694,11 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         order = state.order(n)
         if order is not None and order["status"] == PENDING:
             try:
-                order = buys.settle(order)
+                order = buys.settle(order, request_deadline(config.buy_deadline))
             except TierUnavailable as exc:
                 fail(503, f"order {n} is not settled yet and the catalog is unavailable: {exc.last}")
+            except DeadlineSpent as exc:
+                fail(504, f"order {n} is not settled yet, and the read's time budget was spent {exc}")
         if order is None or order["status"] != CONFIRMED:
             fail(404, f"no order with number {n}")
         return jsonify(public_order(order))

@@ -66,3 +66,43 @@ def test_without_buys_the_confirmer_records_them_alone_and_a_failure_is_survived
         processor._confirmer.join(5)
     assert not processor._confirmer.is_alive()
     assert [c["key"] for entry in rt.proposed for c in entry] == ["k2", "k3"]  # recorded on the way out
+
+
+def test_more_confirms_than_an_entry_carries_all_go_out_from_one_wake_up(buys: Any) -> None:
+    """The confirmer takes MAX_CONFIRMS an entry; what is left must not wait for a wake-up that no
+    buy may bring (the orders would stay pending until the sweep decremented them again)."""
+    processor, rt = buys
+    processor._confirmer.start()
+    try:
+        for i in range(order_app.MAX_CONFIRMS + 44):
+            processor._confirm(f"k{i}", "t", 1.0, 5.0)
+        processor._confirm_due.set()  # once, as the buys' answer does
+        deadline = time.monotonic() + 5
+        while sum(len(e) for e in rt.proposed) < order_app.MAX_CONFIRMS + 44:
+            assert time.monotonic() < deadline, f"{sum(len(e) for e in rt.proposed)} confirms proposed"
+            time.sleep(0.01)
+        assert [len(e) for e in rt.proposed] == [order_app.MAX_CONFIRMS, 44]
+    finally:
+        processor._stop.set()
+        processor._confirm_due.set()
+        processor._confirmer.join(5)
+
+
+def test_a_read_settles_a_pending_order_within_its_own_time(buys: Any) -> None:
+    """A read of a pending order finishes it by the read's deadline, not the sweep's 9 s, and a
+    catalog that answers 504 ends the read with DeadlineSpent (504 to the reader), not a crash."""
+    processor, rt = buys
+    sent: list[float] = []
+
+    class Catalog:
+        def write_batch(self, items: list[tuple[dict[str, Any], float]], deadline: float, expired: Any) -> list[Any]:
+            sent.extend(end for _, end in items)
+            return [order_app.Reply(504, {"error": {"code": 504, "message": "spent"}}, "catalog-1") for _ in items]
+
+    processor.catalog = Catalog()
+    rt.leader_only = lambda: None
+    end = time.monotonic() + 0.5
+    order = {"key": "k", "item_number": 1, "quantity": 1, "status": "pending"}
+    with pytest.raises(order_app.DeadlineSpent):
+        processor.settle(order, end)
+    assert sent == [end]
