@@ -144,10 +144,18 @@ class Combiner(Generic[T, R]):
             self._kick()
 
     def stop(self) -> None:
-        """End the helper thread once its batch is sent; later ``submit`` calls raise."""
+        """End the helper thread once its batch is sent; later ``submit`` calls raise. Submitted
+        items still queued are withdrawn and told so at once: no helper would send them now."""
         with self._cond:
             self._stopped = True
             helper = self._helper
+            withdrawn = [s for s in self._queue if s.callback is not None]
+            self._queue = [s for s in self._queue if s.callback is None]
+            for slot in withdrawn:
+                slot.error = CombinerTimeout("not sent: the combiner was stopped", sent=False)
+                slot.done = True
+        for slot in withdrawn:
+            self._tell(slot)
         if helper is not None:
             helper.shutdown(wait=True, cancel_futures=True)
 

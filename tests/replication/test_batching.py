@@ -310,3 +310,28 @@ def test_the_helper_sends_a_batch_in_its_first_submitted_items_context() -> None
     assert ready.wait(5) and got == [1]
     assert seen == ["caller-1"] and var.get() == "none"
     c.stop()
+
+
+def test_stop_tells_a_submitted_item_still_queued_that_it_was_not_sent() -> None:
+    """An item submitted behind another thread's batch, when ``stop`` comes: no helper may send it
+    any more, so it is withdrawn and its callback told at once, not left to its caller's own wait."""
+    release, started = threading.Event(), threading.Event()
+    sent: list[list[str]] = []
+
+    def send(items: list[str]) -> list[str]:
+        sent.append(items)
+        started.set()
+        release.wait(5)
+        return items
+
+    combiner: Combiner[str, str] = Combiner(send)
+    caller = threading.Thread(target=combiner.call, args=("first", 5.0))
+    caller.start()
+    assert started.wait(5)
+    told: list[Any] = []
+    combiner.submit("queued", 30.0, told.append)
+    combiner.stop()
+    assert len(told) == 1 and isinstance(told[0], CombinerTimeout) and not told[0].sent
+    release.set()
+    caller.join(5)
+    assert sent == [["first"]]
