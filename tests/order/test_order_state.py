@@ -338,3 +338,30 @@ def test_scanned_only_moves_forward(state: OrderState, log: Log) -> None:
     assert state.has_keys(["a", "b"]) == set()
     log(intent("a"))
     assert state.has_keys(["a", "b"]) == {"a"} and state.has_keys([]) == set()
+
+
+def test_the_commands_the_leader_builds_for_adoptions_and_failures_record_what_they_say(
+        state: OrderState, log: Log) -> None:
+    """``adoption`` and ``failure`` are how the order leader writes these commands (the orphan scan,
+    a refused decrement): what their orders end up holding, key times included."""
+    from pygmy.order.state import adoption, failure
+
+    def key_time(key: str) -> Any:
+        return state.read("SELECT key_time FROM orders WHERE key=?", (key,))[0][0]
+
+    book = {"title": "Xen and the Art of Surviving Undergraduate School", "cost": 12.5}
+    got = log(adoption("orphan", 2, 3, book, 1_700_000_000.25))
+    assert (got["status"], got["item_number"], got["quantity"], got["title"], got["cost"], got["total"]) == (
+        CONFIRMED, 2, 3, book["title"], 12.5, 37.5)
+    assert got["created_at"] == "2023-11-14T22:13:20.250+00:00" and key_time("orphan") == 1_700_000_000.25
+    kept = log(adoption("timeless", 4, 1, book, 0.0, created_at=AT))
+    assert kept["created_at"] == AT and key_time("timeless") is None, "a key sent without a time is kept for good"
+    assert log(adoption("now", 4, 1, book, 0.0))["created_at"].endswith("+00:00")
+
+    log(intent("refused", item=3, quantity=1))
+    got = log(failure("refused", 409, "out of stock", 55.0))
+    assert (got["status"], got["error"], key_time("refused")) == (FAILED, {"code": 409, "message": "out of stock"}, 55.0)
+    log(intent("reused", item=3, quantity=1))
+    got = log(failure("reused", 409, "out of stock", None, item=6, quantity=2))
+    assert (got["status"], got["item_number"], got["quantity"]) == (FAILED, 6, 2), "recorded as the refused buy"
+    assert key_time("reused") is None
