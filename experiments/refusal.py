@@ -69,8 +69,13 @@ def create():
         return jsonify({"read": True})
 
     hit = (b'{"item_number": 1, "title": "a cached book", "stock": 5, "cost": 1.0}')
-    app.extensions["pygmy_edge"].shortcut = (
-        lambda environ: ("/hit", hit, []) if environ.get("PATH_INFO") == "/hit" else None)
+
+    def shortcut(environ):
+        if environ.get("PATH_INFO") == "/broken":  # a shortcut's bug, for the worker to survive
+            raise RuntimeError("a broken shortcut")
+        return ("/hit", hit, []) if environ.get("PATH_INFO") == "/hit" else None
+
+    app.extensions["pygmy_edge"].shortcut = shortcut
     return app
 
 options = serve.gunicorn_options(f"127.0.0.1:{port}", workers=1, threads=12, name="early-test")

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import selectors
 import socket
@@ -55,6 +56,8 @@ from pygmy.kit import tls
 from pygmy.kit.admission import Admission, Board, Deferred
 from pygmy.kit.logs import HEADER as REQUEST_ID_HEADER
 from pygmy.kit.logs import valid_request_id
+
+log = logging.getLogger(__name__)
 
 #: The most of a request the event loop looks at: refusals are small requests (a buy is ~300 bytes).
 PEEK = 8192
@@ -305,7 +308,11 @@ class AdmissionWorker(ThreadWorker):
         answer = None
         if read is not None and not (encrypted and read[3] != len(data)):  # TLS: exactly one request
             method, target, headers, length, body = read
-            answer = admission.early(method.decode("latin-1"), target.decode("latin-1"), headers, body)
+            try:
+                answer = admission.early(method.decode("latin-1"), target.decode("latin-1"), headers, body)
+            except Exception:  # a bug in a shortcut must cost this request a pool thread, never the worker
+                log.exception("an answer from the event loop failed; the request goes to a pool thread")
+                answer = None
         if answer is None:
             if encrypted:
                 parser.unreader.unread(data)
@@ -340,7 +347,15 @@ class AdmissionWorker(ThreadWorker):
         conn.initialized = True  # so that the next readable event takes it out of _keep first
         with self._lock:
             self._deferred += 1
-        answer.start(partial(self._deliver, conn, closing))
+        try:
+            answer.start(partial(self._deliver, conn, closing))
+        except Exception:  # its request is taken off the connection already: close it, keep the worker
+            log.exception("a deferred answer could not start; closing its connection")
+            with self._lock:
+                self._deferred -= 1
+                if not self._deferred and self._drained is not None:
+                    self._drained.notify_all()
+            self._done(conn, True)
 
     def _answer_now(self, conn: TConn, answer: bytes, length: int, closing: bool) -> None:
         """Take the request (``length`` bytes) off ``conn`` and send ``answer``, in the event loop,

@@ -391,7 +391,7 @@ def json_object(raw: bytes, required: bool = False) -> dict[str, Any]:
         return {}
     try:
         data = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than ``json`` reads
         fail(400, "body is not valid JSON")
     if not isinstance(data, dict):
         fail(400, "body must be a JSON object")

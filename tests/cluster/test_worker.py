@@ -6,6 +6,7 @@ as before."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -354,3 +355,18 @@ def test_pipelined_requests_behind_a_pool_threads_answer_are_answered_in_order(
             assert status == 200
             bodies.append(json.loads(body))
         assert bodies[1] == {"read": True} and bodies[0] == bodies[2] != bodies[1]
+
+
+def test_an_answer_from_the_event_loop_that_raises_costs_that_request_a_pool_thread_not_the_worker(
+        tmp_path: Path) -> None:
+    """A bug in a shortcut (such as a body nested too deep for its JSON reader) must not escape the
+    event loop, which would end the worker and every connection and deferred answer on it."""
+    with serve_gated(tmp_path) as (port, worker, _):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(b"GET /broken HTTP/1.1\r\nHost: t\r\n\r\n")
+            status, headers, _, _ = http_answer(sock)
+            assert status == 500 and "server" in headers, "answered by a pool thread (where it raised again)"
+            sock.sendall(b"GET /hit HTTP/1.1\r\nHost: t\r\n\r\n")  # and the event loop serves on
+            status, headers, _, _ = http_answer(sock)
+            assert status == 200 and "server" not in headers
+        os.kill(worker, 0)  # the same worker process

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
-from pygmy.kit.web import create_base_app, fail
+from pygmy.kit.web import ApiError, create_base_app, fail, json_object
 
 
 def count(service: str, route: str, method: str, status: int) -> float:
@@ -128,3 +128,12 @@ def test_answers_are_the_json_flask_would_write_compact_through_orjson() -> None
         resp = app.json.response({"b": 2, "a": "\u00e9"})
     assert resp.get_data() == '{"b":2,"a":"\u00e9"}\n'.encode()
     assert resp.mimetype == "application/json"
+
+
+@pytest.mark.parametrize("raw", [b"[" * 2000, b'{"a":' * 2000, b"nul", b" "])
+def test_a_body_that_is_not_json_is_a_400_however_deep_it_nests(raw: bytes) -> None:
+    """``json`` raises RecursionError, not ValueError, for arrays nested past its stack: still the
+    client's mistake (400), never a crash of the thread, or event loop, reading it."""
+    with pytest.raises(ApiError) as caught:
+        json_object(raw)
+    assert caught.value.code == 400
