@@ -838,10 +838,16 @@ class RaftCore:
         return self.leader is not None and self._election_elapsed < self._window()
 
     # -- inputs ----------------------------------------------------------------------------------
-    def tick(self, n: int = 1) -> None:
+    def tick(self, n: int = 1, lost: int = 0) -> None:
         """Advance logical time by ``n`` ticks, exactly as ``n`` single ticks would. The ticks before
         the next timer falls due (``ticks_until_timer``) only count, so they are counted at once: a
-        driver that slept through many ticks pays for the timers that fell due, not for each tick."""
+        driver that slept through many ticks pays for the timers that fell due, not for each tick.
+
+        ``lost``: ticks that passed before these and that no timer is to count (a driver back from a
+        stall counts only some, ``timers.ticks_due``). The clock moves past them all the same, so a
+        lease, measured on it from a message a majority heard, runs out as it did in real time: a
+        leader paused past its lease must not come back with the part it did not count."""
+        self.now += lost
         while n > 0:
             counted = min(n, self.ticks_until_timer()) - 1 if n > 1 else 0
             if counted > 0:

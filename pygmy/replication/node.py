@@ -1117,14 +1117,16 @@ class ReplicaNode:
     def _tick_until(self, until: float) -> None:
         """Advance the core by every tick due by ``until`` (monotonic), in one call. Far behind (a stall
         longer than two election timeouts past the core's next timer), the rest are dropped rather
-        than stormed (``timers.ticks_due``)."""
+        than stormed (``timers.ticks_due``): no timer counts them, but the core's clock, and so its
+        lease, moves past them (``lost``)."""
         tick_s = self.config.tick_ms / 1000.0
         if until < self._next_tick:
             return
+        passed = int((until - self._next_tick) / tick_s) + 1
         due = ticks_due(until - self._next_tick, tick_s, self.core.ticks_until_timer(),
                         2 * self.config.election_ticks_max)
-        self.core.tick(due)  # one call: the ticks that only count are counted at once
-        self._next_tick += due * tick_s
+        self.core.tick(due, lost=passed - due)  # one call: the ticks that only count are counted at once
+        self._next_tick += passed * tick_s
         if until >= self._next_tick:
             self._next_tick = until + tick_s
 

@@ -1,7 +1,8 @@
 """Deterministic in-process simulation of a Raft cluster built from ``RaftCore``s.
 
 A fake clock (ticks) and a fake network that drops, delays, duplicates, reorders and partitions
-messages. A crash loses everything not yet written to the simulated durable ``Storage``; a restart
+messages. A stall (``Cluster.stall``: SIGSTOP, a long pause) freezes a node, which then resumes as the
+real driver does, counting only some of the ticks it missed. A crash loses everything not yet written to the simulated durable ``Storage``; a restart
 rebuilds the core from storage. A crash lands either between ticks (every ``Ready`` handled) or, to
 exercise the persist-before-send rule, inside the handling of one ``Ready`` (``arm_crash``): before
 it is persisted, between persisting and sending, or before applying. ``send_before_persist`` swaps
@@ -18,6 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from pygmy.replication import timers
 from pygmy.replication.core import (
     APPLY,
     PERSIST,
@@ -93,6 +95,10 @@ class SimNode:
         self.storage = Storage()
         self.alive = True
         self.restarts = 0
+        #: While stalled: the tick it stood still at, and the tick it runs again at.
+        self.stalled_since: int | None = None
+        self.stalled_until = 0
+        self.backlog: list[Message] = []  # what reached it while it stood still, read once it runs
         self.core = self._new_core()
 
     def _new_core(self) -> RaftCore:
@@ -112,11 +118,16 @@ class SimNode:
 
     def crash(self) -> None:
         self.alive = False
+        self.stalled_since, self.backlog = None, []
 
     def restart(self) -> None:
         self.restarts += 1
         self.alive = True
         self.core = self._new_core()
+
+    @property
+    def running(self) -> bool:
+        return self.alive and self.stalled_since is None
 
 
 class Network:
@@ -160,6 +171,8 @@ class Cluster:
     ) -> None:
         #: Test-only mutation: send a Ready's messages before persisting it (breaks Raft on crashes).
         self.send_before_persist = send_before_persist
+        #: Off: a node back from a stall drops the ticks it does not count, its clock with them.
+        self.count_lost = True
         self.names = [f"n{i}" for i in range(1, n + 1)]
         self.rng = random.Random(seed)
         self.nodes = {name: SimNode(name, self.names, config, seed) for name in self.names}
@@ -196,16 +209,42 @@ class Cluster:
         for _ in range(n):
             self.now += 1
             for node in self.nodes.values():
-                if node.alive:
+                if node.running:
                     node.core.tick()
+                elif node.alive and self.now >= node.stalled_until:
+                    self._resume(node)
             for m in self.net.due(self.now):
                 dst = self.nodes[m.dst]
                 if dst.alive and self.net.connected(m.src, m.dst):
-                    dst.core.step(m)
+                    if dst.running:
+                        dst.core.step(m)
+                    else:
+                        dst.backlog.append(m)
             for node in self.nodes.values():
-                if node.alive:
+                if node.running:
                     self.process(node)
             self.check()
+
+    def stall(self, name: str, ticks: int) -> None:
+        """Freeze ``name`` for ``ticks`` (SIGSTOP, a long pause): it neither ticks nor reads, and
+        what is sent to it waits in its socket (``backlog``)."""
+        node = self.nodes[name]
+        if node.running:
+            node.stalled_since, node.stalled_until = self.now, self.now + ticks
+
+    def _resume(self, node: SimNode) -> None:
+        """Run a stalled node again as ``ReplicaNode._tick_until`` does: the ticks it missed, of
+        which ``timers.ticks_due`` are counted and the rest passed as ``lost`` (dropped altogether
+        when ``count_lost`` is off). What waited for it is read from the next tick on: the first
+        thing it does is take its turn, as a driver whose tick comes before its readers."""
+        missed = self.now - (node.stalled_since or self.now)
+        due = timers.ticks_due(missed - 1, 1.0, node.core.ticks_until_timer(), 2 * self.config.election_ticks_max)
+        node.core.tick(due, lost=missed - due if self.count_lost else 0)
+        node.stalled_since = None
+        for m in node.backlog:
+            self.net.seq += 1
+            self.net.queue.append((self.now + 1, self.net.seq, m))
+        node.backlog = []
 
     def process(self, node: SimNode) -> None:
         """Handle one Ready as the real driver does: its steps in the order ``rd.steps()`` gives
@@ -312,7 +351,7 @@ class Cluster:
 
     # -- actions -------------------------------------------------------------------------------
     def leader(self) -> SimNode | None:
-        live = [n for n in self.nodes.values() if n.alive and n.core.is_leader()]
+        live = [n for n in self.nodes.values() if n.running and n.core.is_leader()]
         if not live:
             return None
         return max(live, key=lambda n: n.core.term)
@@ -408,7 +447,7 @@ class Cluster:
     # -- invariants ----------------------------------------------------------------------------
     def check(self) -> None:
         for node in self.nodes.values():
-            if not node.alive:
+            if not node.running:  # (a stalled node serves nothing: its lease is checked when it runs)
                 continue
             core = node.core
             if core.is_leader():

@@ -298,8 +298,8 @@ def test_a_follower_counts_no_tick_that_fell_due_before_it_heard_its_leader(clus
         if m.src == leader.name and m.type in ("heartbeat", "append"):
             heard[0] = time.monotonic()
 
-    def tick(n: int = 1) -> None:
-        real_tick(n)
+    def tick(n: int = 1, lost: int = 0) -> None:
+        real_tick(n, lost)
         turns[0] += 1
         if heard[0] is not None:
             ahead[0] = max(ahead[0], core._quiet * tick_s - (time.monotonic() - heard[0]))
@@ -663,3 +663,22 @@ def test_the_read_index_question_takes_any_name_and_commit(cluster: Harness) -> 
         assert r.json()["index"] >= leader.applied_index() - 1
     assert leader.status()["loop_faults"].get("error", 0) == 0
     assert leader.propose({"k": "q", "add": 1}, timeout=2) == len(QUESTIONS) + 1  # the tier goes on
+
+
+def test_a_leader_back_from_a_stall_counts_its_lease_as_run_out(cluster: Harness,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a slow network the lease stretches to seconds (here 300 ticks: about 2.9 s). A leader
+    that stood still 5 s counts back only the ticks up to its next heartbeat and two election
+    timeouts (``timers.ticks_due``); the rest must still pass on its clock, or it would come back
+    holding most of a lease its followers stopped honouring long ago (a successor may lead)."""
+    from pygmy.replication import node as node_module
+    from pygmy.replication.core import Timing
+
+    monkeypatch.setattr(node_module, "derive", lambda *a, **k: Timing(heartbeat_ticks=10, election_ticks=300,
+                                                                       probe_ticks=30))
+    cluster.until(lambda: all(n.core.floor == 300 for n in cluster.nodes.values()))
+    leader = cluster.leader()  # (on a busy machine an election may have come meanwhile)
+    cluster.until(lambda: leader.core.lease_remaining() > 200)
+    with leader._core_lock:
+        leader._tick_until(time.monotonic() + 5.0)
+        assert leader.core.lease_remaining() == 0
