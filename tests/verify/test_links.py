@@ -8,13 +8,16 @@ its own (the tests make one and check it is gone).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -205,3 +208,58 @@ def _port_open(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_a_leader_back_from_a_pause_longer_than_its_stretched_lease_serves_no_stale_read(tmp_path: Path) -> None:
+    """The simulator's stalled leader (``test_raft_timing.py``) on real processes: over 150 ms links
+    the timers stretch the lease to seconds, longer than what a replica back from a pause counts
+    of the time it missed. The catalog leader is stopped (SIGSTOP) and cut off, the others elect
+    a leader and commit an update, and the old one is let go on: still cut off, it must not serve
+    a read, which could only be of the state before the update."""
+    base = free_port_base()
+    with links.ClusterLinks(ClusterConfig(port_base=base), tiers=("catalog",)) as net:
+        c = LocalCluster(tmp_path / "data", base, [], env=net.env())
+        c.start(reset=True)
+        stopped: int | None = None
+        try:
+            net.shape(links.Shape(one_way_ms=150), "catalog")
+
+            def stretched() -> bool:
+                leases = [c.replica_get(n, "/status", timeout=2).json()["timers"]["lease_ms"]
+                          for n in c.cluster_config().peers("catalog")]
+                return min(leases) >= 2000 and _catalog_leader(c) is not None
+
+            assert _until(stretched, 90), "the timers never stretched the lease to 2 s"
+            old = _catalog_leader(c)
+            assert old is not None
+            # Writes in flight when it stops: the leader heartbeats at its busy pace, so the ticks up
+            # to its next timer are few, and what it counts back is well short of its lease.
+            writing = threading.Event()
+            writer = threading.Thread(target=_write_until, args=(c, writing), daemon=True)
+            writer.start()
+            time.sleep(1.0)
+            stopped = c.process_groups()[old]
+            os.killpg(stopped, signal.SIGSTOP)
+            for link in net.select("catalog"):
+                if old in link.name.split(">"):
+                    net.proxy.enable(link.name, False)
+            assert _until(lambda: _catalog_leader(c) not in (None, old), 60), "no other leader was elected"
+            writing.set()
+            writer.join(30)
+            after = c.client(timeout=10).update(1, stock_delta=5)["stock"]
+            os.killpg(stopped, signal.SIGCONT)
+            stopped = None
+            r = c.replica_get(old, "/books/1", timeout=10)
+            assert r.status_code != 200, f"the paused leader served a stale read: stock {r.json()['stock']}, not {after}"
+        finally:
+            if stopped is not None:
+                os.killpg(stopped, signal.SIGCONT)
+            c.stop()
+
+
+def _write_until(c: LocalCluster, done: threading.Event) -> None:
+    """Updates one after another until ``done`` (each may fail while the tier changes leader)."""
+    with c.client(timeout=5) as cl:
+        while not done.is_set():
+            with contextlib.suppress(PygmyError):
+                cl.update(2, stock_delta=1)
