@@ -347,12 +347,13 @@ class _ReadIndexBatcher:
                     self._started += 1
                     mine = self._started
                     self._cond.release()
+                    value, error = 0, f"{self.node.name}: asking for the read index failed"
                     try:
                         value, error = self._ask(max(0.05, deadline - time.monotonic()))
-                    finally:
+                    finally:  # whatever ``_ask`` raised, the round ends: or no round would start again
                         self._cond.acquire()
-                    self._busy, self._done, self._value, self._error = False, mine, value, error
-                    self._cond.notify_all()
+                        self._busy, self._done, self._value, self._error = False, mine, value, error
+                        self._cond.notify_all()
                     continue
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -383,7 +384,7 @@ class _ReadIndexBatcher:
             if r.status != 200:
                 return 0, f"{name} gave no read index: HTTP {r.status}"
             return int(codec.loads(r.data)["index"]), None
-        except (urllib3.exceptions.HTTPError, ValueError, KeyError, TypeError) as exc:
+        except (urllib3.exceptions.HTTPError, ValueError, KeyError, TypeError, OverflowError) as exc:
             return 0, f"{name} gave no read index: {type(exc).__name__}"
 
 

@@ -54,3 +54,32 @@ def test_a_read_arriving_during_a_round_waits_for_the_next_one() -> None:
     assert got == {"first": 5, "second": 7, "third": 7}, "a late read must not use an answer older than itself"
     assert node.calls == 2, "the late reads share one round"
     batcher.http.clear()
+
+
+def test_a_round_that_raises_ends_and_the_next_read_starts_another() -> None:
+    """An error ``_ask`` does not expect (a bug, an answer it cannot read) costs that round only:
+    left busy, no round would start again and every later follower read would time out."""
+    import pytest
+
+    from pygmy.replication.node import ReadIndexUnavailable
+
+    node = LeaderNode()
+    node.gate.set()
+    batcher = _ReadIndexBatcher(node)  # type: ignore[arg-type]
+    real = batcher._ask
+    calls = [0]
+
+    def once_broken(timeout: float) -> tuple[int, str | None]:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("an answer it could not read")
+        return real(timeout)
+
+    batcher._ask = once_broken  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError):
+        batcher.get(1.0)
+    assert batcher.get(1.0) == 5 and calls[0] == 2  # (stuck, it would have timed out instead)
+    with pytest.raises(ReadIndexUnavailable):  # nor is the failed round's outcome taken for an answer
+        node.leader = lambda: None  # type: ignore[method-assign]
+        batcher.get(1.0)
+    batcher.http.clear()
