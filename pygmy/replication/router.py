@@ -66,6 +66,9 @@ MEMBERS_EVERY = 5.0
 MEMBERS_SOON = 0.2
 
 
+#: A request's body, or the function that builds it at each attempt.
+Body = dict[str, Any] | Callable[[], dict[str, Any]]
+
 class AttemptBudget:
     """How long one attempt on one replica may take: at least READ_TIMEOUT, or what its answers
     showed (a smoothed time plus four deviations, TCP's retransmission rule), doubled after an
@@ -465,15 +468,17 @@ class ChannelRouter(_LeaderSeeker):
         self._clients, self._status_pools = clients, pools
         super()._set_peers(peers)
 
-    def call(self, payload: dict[str, Any], deadline: float, carry_deadline: bool = False) -> Reply:
+    def call(self, payload: Body, deadline: float, carry_deadline: bool = False) -> Reply:
         """``payload`` to the leader, following redirects and failing over, until ``deadline``.
         ``carry_deadline``: send it as a request of ``ReplicaRuntime.serve_frames`` (``{"body",
-        "timeout_ms", "request_id"}``), passing on what is left of the deadline at each attempt."""
+        "timeout_ms", "request_id"}``), passing on what is left of the deadline at each attempt.
+        A callable ``payload`` is asked for the body at each attempt (``batch_write``)."""
         rid = current_request_id()
 
         def attempt(name: str, timeout: float) -> Reply:
-            frame = payload if not carry_deadline else {
-                "body": payload, "timeout_ms": max(0, int((deadline - time.monotonic()) * 1000)), "request_id": rid}
+            body = payload() if callable(payload) else payload
+            frame = body if not carry_deadline else {
+                "body": body, "timeout_ms": max(0, int((deadline - time.monotonic()) * 1000)), "request_id": rid}
             answer = self._clients[name].call(frame, timeout, stalled=lambda: self._leader_elsewhere(name),
                                               first_check=STALL_AFTER, check_every=STALL_CHECK)
             self.sightings.clear(name)
@@ -544,10 +549,12 @@ class ChannelRouter(_LeaderSeeker):
             pool.close()
 
 
-def batch_write(write: Callable[[dict[str, Any], float], Reply], items: list[tuple[dict[str, Any], float]],
+def batch_write(write: Callable[[Body, float], Reply], items: list[tuple[dict[str, Any], float]],
                 cap: float, expired: Reply) -> list[Reply]:
     """The writes of several callers (a ``Combiner`` batch of ``(body, deadline)``) as one request
-    ``write({"items": [...]}, deadline)`` to the leader, each item with its own ``timeout_ms``; the
+    ``write({"items": [...]}, deadline)`` to the leader, each item with its own ``timeout_ms``, as
+    left at each attempt (``write`` gets the function that builds the body: a retry after a failover
+    must not give an item the time it had at the first); the
     leader answers ``{"results": [{"status", "body"}, ...]}`` in order, and each caller gets its own
     Reply, as if it had been sent alone. Items whose deadline has passed are not sent (``expired``);
     the request lasts until the latest deadline of the rest, at most ``cap`` seconds. If the batch
@@ -557,7 +564,10 @@ def batch_write(write: Callable[[dict[str, Any], float], Reply], items: list[tup
     live = [i for i, (_, deadline) in enumerate(items) if deadline > now]
     if not live:
         return out
-    body = {"items": [{**items[i][0], "timeout_ms": max(1, int((items[i][1] - now) * 1000))} for i in live]}
+    def body() -> dict[str, Any]:
+        at = time.monotonic()  # an item whose time ran out since goes with 1 ms: the leader refuses it (504)
+        return {"items": [{**items[i][0], "timeout_ms": max(1, int((items[i][1] - at) * 1000))} for i in live]}
+
     reply = write(body, min(now + cap, max(items[i][1] for i in live)))
     results = reply.body.get("results") if reply.status == 200 else None
     if not isinstance(results, list) or len(results) != len(live):
@@ -649,11 +659,12 @@ class TierRouter(_LeaderSeeker):
         return self._call(name, "GET", path, timeout)
 
     # -- writes -----------------------------------------------------------------------------------
-    def write(self, path: str, body: dict[str, Any], deadline: float, headers: dict[str, str] | None = None) -> Reply:
-        """POST to the leader, following redirects and failing over, until ``deadline`` (monotonic)."""
+    def write(self, path: str, body: Body, deadline: float, headers: dict[str, str] | None = None) -> Reply:
+        """POST to the leader, following redirects and failing over, until ``deadline`` (monotonic).
+        A callable ``body`` is asked for it at each attempt (``batch_write``)."""
         return self._to_leader(
-            lambda name, timeout: self._call(name, "POST", path, timeout, json=body, headers=headers or {},
-                                             deadline=deadline), deadline)
+            lambda name, timeout: self._call(name, "POST", path, timeout, json=body() if callable(body) else body,
+                                             headers=headers or {}, deadline=deadline), deadline)
 
     def write_batch(self, path: str, items: list[tuple[dict[str, Any], float]], cap: float,
                     expired: Reply) -> list[Reply]:

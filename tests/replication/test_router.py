@@ -326,3 +326,29 @@ def test_an_attempt_gets_what_the_answers_showed_and_more_after_running_out() ->
     connect.connect_timed_out()
     connect.connect_timed_out()
     assert connect.connect == 4 * 0.25
+
+
+def test_a_batch_sent_again_after_a_timeout_gives_each_item_the_time_it_has_left(
+        tier: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second attempt must not carry the budgets of the first: an item would be started by the
+    leader after its caller's time ran out (``docs/api.md``: no tier starts work past it)."""
+    router, replicas = tier
+    monkeypatch.setattr(router_module, "READ_TIMEOUT", 0.2)
+    calls = [0]
+
+    def slow_once() -> tuple[int, dict[str, Any]]:
+        calls[0] += 1
+        if calls[0] == 1:
+            time.sleep(0.5)  # the first attempt times out (0.2 s)
+        return 200, {"results": [{"status": 200, "body": {}} for _ in request.get_json()["items"]]}
+
+    replicas["r1"].behaviour = slow_once
+    replicas["r2"].behaviour = replicas["r3"].behaviour = not_leader("r1")
+    router.leader_hint = "r1"
+    now = time.monotonic()
+    replies = router.write_batch("/many", [({"n": 1}, now + 3), ({"n": 2}, now + 0.15)], cap=3.0, expired=EXPIRED)
+    assert [r.status for r in replies] == [200, 200]
+    first, second = (b for b in replicas["r1"].bodies if b is not None)
+    before, after = ({i["n"]: i["timeout_ms"] for i in b["items"]} for b in (first, second))
+    assert after[1] <= before[1] - 200, "the retry carried the first attempt's budget"
+    assert after[2] == 1, "an item whose time ran out meanwhile goes with none left"
