@@ -345,7 +345,8 @@ class _LeaderSeeker:
         """The replicas, the one last known to lead first."""
         hint = self.leader_hint
         rest = [n for n in self.names if n != hint]
-        return ([hint] if hint else []) + rest
+        # (the hint is shared: another router may have found a member this one has not heard of yet)
+        return ([hint] if hint in self.names else []) + rest
 
     def _to_leader(self, attempt: Callable[[str, float], Reply], deadline: float) -> Reply:
         """``attempt(replica, timeout)`` on the leader, following redirects and failing over on
@@ -480,7 +481,8 @@ class ChannelRouter(_LeaderSeeker):
             frame = body if not carry_deadline else {
                 "body": body, "timeout_ms": max(0, int((deadline - time.monotonic()) * 1000)), "request_id": rid}
             answer = self._clients[name].call(frame, timeout, stalled=lambda: self._leader_elsewhere(name),
-                                              first_check=STALL_AFTER, check_every=STALL_CHECK)
+                                              first_check=STALL_AFTER, check_every=STALL_CHECK,
+                                              connect_within=deadline - time.monotonic())
             self.sightings.clear(name)
             if not isinstance(answer, dict) or not isinstance(answer.get("body"), dict):
                 raise FrameError(f"{name}: malformed answer")
@@ -636,10 +638,13 @@ class TierRouter(_LeaderSeeker):
             all_headers[REQUEST_ID_HEADER] = rid
         if params:
             path = f"{path}?{urlencode(params)}"
+        connect = self.attempt_budget(name).connect
+        if deadline is not None:  # a connect the link needs longer for than is left would overrun it
+            connect = min(connect, max(0.001, deadline - time.monotonic()))
         try:
             resp = self._pools[name].urlopen(
                 method, path, body=None if json is None else codec.dumps(json), headers=all_headers,
-                timeout=urllib3.Timeout(connect=self.attempt_budget(name).connect, read=timeout), redirect=False)
+                timeout=urllib3.Timeout(connect=connect, read=timeout), redirect=False)
         except urllib3.exceptions.HTTPError as exc:
             reason = getattr(exc, "reason", None)
             raise HopError(f"{name}: {type(exc).__name__}",

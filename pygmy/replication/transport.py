@@ -388,14 +388,18 @@ class FrameClient:
         self._learned = max(self.connect_timeout, min(MAX_CONNECT, 3 * rtt))
         self.connect_budget = max(self.connect_budget, self._learned)
 
-    def _connection(self) -> socket.socket:
+    def _connection(self, within: float | None = None) -> socket.socket:
+        """The open connection, or a new one within the connect budget (and ``within`` seconds, the
+        caller's time left: a budget cut short by it is not doubled when it runs out)."""
         if self._sock is None:
-            budget = self.connect_budget
+            budget = self.connect_budget if within is None else max(0.001, min(self.connect_budget, within))
+            learning = budget == self.connect_budget  # a timeout says the link is slower than the budget
             started = time.monotonic()
             try:
                 sock = socket.create_connection(self.address, timeout=budget)
             except TimeoutError:
-                self.connect_budget = min(MAX_CONNECT, 2 * budget)
+                if learning:
+                    self.connect_budget = min(MAX_CONNECT, 2 * budget)
                 raise
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -411,7 +415,7 @@ class FrameClient:
                 answer = read_frame(stream)  # within the connect budget: a stopped peer is found here
             except (OSError, ValueError) as exc:
                 sock.close()
-                if isinstance(exc, TimeoutError):
+                if isinstance(exc, TimeoutError) and learning:
                     self.connect_budget = min(MAX_CONNECT, 2 * budget)
                 raise FrameError(f"{self.address}: no welcome within {budget:.2f} s: {exc}") from None
             if answer != {"ok": True}:
@@ -423,9 +427,9 @@ class FrameClient:
             self.connect_budget = max(self._learned, min(MAX_CONNECT, 2 * took))
         return self._sock
 
-    def _write(self, data: bytes, timeout: float) -> None:
+    def _write(self, data: bytes, timeout: float, connect_within: float | None = None) -> None:
         """Under the lock: whatever ``send_nowait`` left of a frame, then ``data``."""
-        sock = self._connection()
+        sock = self._connection(connect_within)
         sock.settimeout(timeout)
         if self._partial:
             sock.sendall(self._partial)
@@ -518,18 +522,19 @@ class FrameClient:
             raise
 
     def call(self, obj: Any, timeout: float, stalled: Callable[[], Any] | None = None,
-             first_check: float = 0.25, check_every: float = 0.1) -> Any:
+             first_check: float = 0.25, check_every: float = 0.1, connect_within: float | None = None) -> Any:
         """Send one frame and return the server's reply frame; raises OSError on any failure.
 
         ``stalled``: asked once no reply has begun for ``first_check`` seconds, then every
         ``check_every`` seconds until one does; a true answer
         abandons the wait (``Abandoned`` carrying it). A stopped peer keeps its connection open and
         never answers, and only a look elsewhere (has another replica taken over?) can tell that
-        from a peer that is slow at its work."""
+        from a peer that is slow at its work. ``connect_within``: if a connection must be opened
+        first, at most this long for it (what is left of the caller's deadline)."""
         data = encode(obj)
         with self._lock:
             try:
-                self._write(data, timeout)
+                self._write(data, timeout, connect_within)
                 if stalled is not None:
                     self._await_reply(timeout, stalled, first_check, check_every)
             except BaseException:  # (``stalled`` too may raise) its reply must not go to the next call

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import urllib3
 from flask import Flask, jsonify, request
 from harness import StandIn
 
@@ -352,3 +353,23 @@ def test_a_batch_sent_again_after_a_timeout_gives_each_item_the_time_it_has_left
     before, after = ({i["n"]: i["timeout_ms"] for i in b["items"]} for b in (first, second))
     assert after[1] <= before[1] - 200, "the retry carried the first attempt's budget"
     assert after[2] == 1, "an item whose time ran out meanwhile goes with none left"
+
+
+def test_a_connect_takes_no_longer_than_the_deadline_leaves(tier: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A link that taught its budget a 2 s connect, with 50 ms left of the deadline: the attempt
+    must not wait 2 s for a connection (a partitioned leader drops the SYNs) past the deadline."""
+    router, _ = tier
+    router.leader_hint = "r1"
+    for name in router.peers:
+        router.attempt_budget(name).connect = 2.0
+    seen: list[Any] = []
+
+    def urlopen(*args: Any, timeout: Any, **kw: Any) -> Any:
+        seen.append(timeout)
+        raise urllib3.exceptions.ConnectTimeoutError(None, "dropped")
+
+    for pool in router._pools.values():
+        monkeypatch.setattr(pool, "urlopen", urlopen)
+    with pytest.raises(TierUnavailable):
+        router.write("/buy", {}, time.monotonic() + 0.05)
+    assert seen and all(t.connect_timeout <= 0.05 for t in seen), [t.connect_timeout for t in seen]

@@ -604,3 +604,27 @@ def test_both_ends_of_a_connection_find_a_vanished_peer_by_keepalive(echo) -> No
         assert accepted.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
     finally:
         client.close()
+
+
+def test_a_connection_opened_for_a_call_takes_no_longer_than_the_caller_has_left() -> None:
+    """A peer that takes the connection and never welcomes it: the call gives up when its caller's
+    time is up (``connect_within``), not after the whole connect budget, and the budget learned for
+    the link stays as it was (it was the caller's time that ran out, not the link's)."""
+    silent = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    taking = threading.Thread(target=lambda: held.append(silent.accept()[0]), daemon=True)
+    taking.start()
+    client = FrameClient(silent.getsockname()[:2], SECRET, "x", "c", connect_timeout=0.2)
+    client.connect_budget = 5.0  # as a slow link taught it
+    try:
+        started = time.monotonic()
+        with pytest.raises(OSError):
+            client.call({"n": 1}, timeout=5.0, connect_within=0.3)
+        assert time.monotonic() - started < 3.0, "waited out the connect budget, past the caller's time"
+        assert client.connect_budget == 5.0
+    finally:
+        client.close()
+        taking.join(5)
+        for s in held:
+            s.close()
+        silent.close()
