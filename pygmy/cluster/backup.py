@@ -30,6 +30,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import sqlite3
 import tarfile
@@ -53,6 +54,8 @@ from pygmy.replication.log_store import LogStore
 from pygmy.replication.service import Periodic
 
 FORMAT = 1
+#: The names the scheduled backups give their archives, and the only ones their pruning deletes.
+SCHEDULED_NAME = re.compile(r"pygmy-\d{8}T\d{12}Z\.tar")
 DBS = ("seed.db", "catalog.db", "order.db")
 SECRETS = {"secret": "secret", "admin-token": "admin-token"}  # archive member -> file in the data dir
 #: How long one tier's copy may take to get, across failovers (each attempt on another replica).
@@ -332,11 +335,25 @@ def write_archive(work: Path, config: ClusterConfig, dest: Path, cut: dict[str, 
     }
     (work / "manifest.json").write_text(json.dumps(manifest, indent=1))
     partial = work / "archive.tar"
-    with tarfile.open(partial, "w") as tar:
-        for m in ["manifest.json", *members]:
-            tar.add(work / m, arcname=m)
+    with partial.open("wb") as f:
+        os.chmod(partial, 0o600)  # (it may hold the secret and the admin token) before a byte is in it
+        with tarfile.open(fileobj=f, mode="w") as tar:
+            for m in ["manifest.json", *members]:
+                tar.add(work / m, arcname=m)
+        f.flush()
+        os.fsync(f.fileno())  # whole on disk before it takes the name: a power cut leaves the old one
     os.replace(partial, dest)
+    _sync_dir(dest.parent)
     return manifest
+
+
+def _sync_dir(folder: Path) -> None:
+    """The rename into ``folder`` made durable."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -421,6 +438,11 @@ def restore(archive: Path, config: ClusterConfig, force: bool = False, say: Say 
             launcher.reset(config)
             config.cluster_file().unlink(missing_ok=True)
         config.root.mkdir(parents=True, exist_ok=True)
+        # First of all, a marker that says the restore is not finished: a restore cut short (^C, a
+        # full disk) leaves a data dir that ``pygmy up`` refuses, not half a store it would start.
+        marker = restored_marker(config)
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps({"unfinished": True}))
         config.seed_file().parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(folder / "seed.db", config.seed_file())
         config.members = {tier: config.peers(tier) for tier in ("catalog", "order")}
@@ -446,13 +468,33 @@ def restore(archive: Path, config: ClusterConfig, force: bool = False, say: Say 
                 target.chmod(0o600)
         config.save()
         expected = {tier: facts[tier] for tier in ("catalog", "order")}
-        restored_marker(config).write_text(json.dumps(expected))
+        tmp = marker.with_suffix(".tmp")
+        tmp.write_text(json.dumps(expected))
+        os.replace(tmp, marker)  # finished: what ``pygmy up`` checks the replicas against
     return expected
 
 
 def restored_marker(config: ClusterConfig) -> Path:
     """Written by a restore; ``pygmy up`` checks the replicas against it, then removes it."""
     return config.run_dir() / "restored.json"
+
+
+def refuse_unfinished(config: ClusterConfig, reset_state: bool) -> None:
+    """Before ``pygmy up`` starts anything: a restore that did not finish left its marker saying so,
+    and its data dir is refused (``--reset``, which deletes the store, forgets it)."""
+    marker = restored_marker(config)
+    if not marker.exists():
+        return
+    if reset_state:
+        marker.unlink()
+        return
+    try:
+        unfinished = bool(json.loads(marker.read_text()).get("unfinished"))
+    except ValueError:  # cut short while it was written: as unfinished as can be
+        unfinished = True
+    if unfinished:
+        raise launcher.LaunchError(f"a restore into {config.root} did not finish: run it again with --force "
+                                   "(or start afresh with --reset)")
 
 
 def check_restored(config: ClusterConfig, say: Say) -> None:
@@ -503,5 +545,8 @@ class Scheduled(Periodic):
             self.say(f"scheduled backup failed (next in {self.every:g} s): {exc}")
             return
         self.say(f"backed up into {dest}")
-        for old in sorted(self.folder.glob("pygmy-*.tar"))[:-self.config.backup_keep]:
+        # Only archives named as this writes them, oldest by name, never the one just written (a
+        # clock stepped back names it older than the rest).
+        ours = sorted(p for p in self.folder.glob("pygmy-*.tar") if SCHEDULED_NAME.fullmatch(p.name) and p != dest)
+        for old in ours[:max(0, len(ours) + 1 - self.config.backup_keep)]:
             old.unlink(missing_ok=True)

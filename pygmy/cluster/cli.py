@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import socket
+import sqlite3
 import sys
 from typing import Any
 
@@ -152,7 +153,12 @@ def resolve(args: argparse.Namespace, use_cluster_file: bool, serve: bool = Fals
                 base["tier_learners"] = {**base.get("tier_learners", {}),
                                          tier: [n.strip() for n in learners.split(",") if n.strip()]}
     base["data_dir"] = data_dir
-    config = ClusterConfig.from_dict(base)
+    return check_settings(ClusterConfig.from_dict(base))
+
+
+def check_settings(config: ClusterConfig) -> ClusterConfig:
+    """``config`` if its settings make a cluster (``pygmy up``'s, and a restore's); else SystemExit
+    saying which does not."""
     for tier in ("catalog", "order"):
         if config.replicas(tier) < 1:
             raise SystemExit(f"pygmy: --{tier}-replicas must be at least 1")
@@ -236,13 +242,12 @@ def run_backup(args: argparse.Namespace) -> int:
                 overrides[field_name] = getattr(args, dest)
         with backup.opened(Path(args.archive)) as (folder, _):
             settings = json.loads((folder / "settings.json").read_text())
-        config = backup.restore_settings(settings, overrides, args.data_dir or os.environ.get("PYGMY_DATA_DIR") or "data")
-        if min(config.replicas("catalog"), config.replicas("order")) < 1:
-            raise SystemExit("pygmy restore: --catalog-replicas and --order-replicas must be at least 1")
+        config = check_settings(backup.restore_settings(
+            settings, overrides, args.data_dir or os.environ.get("PYGMY_DATA_DIR") or "data"))
         backup.restore(Path(args.archive), config, args.force, say)
         say(f"wrote {config.root}; starting it (later: pygmy up --data-dir {config.data_dir})")
         return launcher.up(config)
-    except backup.BackupError as exc:
+    except (backup.BackupError, OSError, sqlite3.Error) as exc:  # (a path not writable, a full disk)
         print(f"pygmy {args.command}: {exc}", file=sys.stderr)
         return 1
 

@@ -512,6 +512,9 @@ def up(config: ClusterConfig, reset_state: bool = False, out: object = sys.stdou
         ReplicationConfig.from_env()
     except ValueError as exc:
         raise LaunchError(str(exc)) from None
+    from pygmy.cluster.backup import refuse_unfinished  # here: it imports this module
+
+    refuse_unfinished(config, reset_state)
     if reset_state:
         reset(config)
     else:

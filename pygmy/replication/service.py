@@ -204,13 +204,17 @@ class ReplicaRuntime:
             path = self.node.snapshot_out / f"backup-{secrets.token_hex(6)}.db"
             pin = self.sm.pin()
             try:
-                pin.write(path)
-            finally:
-                pin.close()
-            digest = hashlib.sha256()
-            with path.open("rb") as f:
-                while chunk := f.read(1 << 20):
-                    digest.update(chunk)
+                try:
+                    pin.write(path)
+                finally:
+                    pin.close()
+                digest = hashlib.sha256()
+                with path.open("rb") as f:
+                    while chunk := f.read(1 << 20):
+                        digest.update(chunk)
+            except BaseException:  # (a full disk) a copy nobody gets must not stay to fill it further
+                path.unlink(missing_ok=True)
+                raise
             resp = send_file(path, mimetype="application/vnd.sqlite3", max_age=0, conditional=False, etag=False)
             resp.headers.update({"X-Pygmy-Applied-Index": str(pin.index), "X-Pygmy-Sha256": digest.hexdigest()})
             resp.call_on_close(lambda: path.unlink(missing_ok=True))

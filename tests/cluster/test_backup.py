@@ -175,3 +175,59 @@ def test_a_pending_order_becomes_the_buy_the_catalog_took_stock_for_under_its_ke
     assert rows(folder / "order.db", "SELECT item_number, quantity, status FROM orders") == [(4, 2, "confirmed")]
     problems, facts = backup.check(folder)
     assert problems == [] and facts["copies_sold"] == 2
+
+
+def test_an_archive_is_written_whole_and_readable_by_its_owner_only(tmp_path: Path, cut: dict[str, Path]) -> None:
+    """With ``--with-secrets`` it holds the internal secret and the admin token."""
+    from pygmy.kit.config import ClusterConfig
+
+    settled = settle(cut)
+    config = ClusterConfig(data_dir=str(tmp_path / "data"))
+    config.secret(create=True)
+    config.admin_token(create=True)
+    dest = tmp_path / "out" / "x.tar"
+    dest.parent.mkdir()
+    backup.write_archive(cut["folder"], config, dest, {}, settled, time.time(), time.monotonic(), with_secrets=True)
+    assert dest.stat().st_mode & 0o077 == 0
+    with backup.opened(dest) as (folder, manifest):  # whole: every member as its hash says
+        assert manifest["with_secrets"] and (folder / "secret").read_text() == config.secret()
+
+
+def test_a_restore_cut_short_leaves_a_data_dir_that_up_refuses(tmp_path: Path) -> None:
+    from pygmy.cluster.launcher import LaunchError
+    from pygmy.kit.config import ClusterConfig
+
+    config = ClusterConfig(data_dir=str(tmp_path / "data"))
+    marker = backup.restored_marker(config)
+    backup.refuse_unfinished(config, reset_state=False)  # no restore: nothing to say
+    marker.parent.mkdir(parents=True)
+    for unfinished in ('{"unfinished": true}', '{"unfin'):  # as the restore begins; cut short writing it
+        marker.write_text(unfinished)
+        with pytest.raises(LaunchError, match="did not finish"):
+            backup.refuse_unfinished(config, reset_state=False)
+    backup.refuse_unfinished(config, reset_state=True)  # --reset deletes the store, and forgets it
+    assert not marker.exists()
+    marker.write_text('{"catalog": {"index": 3, "digest": "ab"}}')  # finished: checked once up
+    backup.refuse_unfinished(config, reset_state=False)
+    assert marker.exists()
+
+
+def test_scheduled_backups_prune_only_their_own_archives_and_never_the_newest(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pygmy.kit.config import ClusterConfig
+
+    config = ClusterConfig(data_dir=str(tmp_path / "data"), backup_every=60, backup_keep=2,
+                           backup_dir=str(tmp_path / "b"))
+    folder = tmp_path / "b"
+    folder.mkdir()
+    theirs = [folder / "pygmy-1.tar", folder / "pygmy-mine.tar"]  # an operator's, in the same folder
+    # Written by a clock that ran ahead: the next archive's name sorts before them.
+    ahead = [folder / f"pygmy-2999010{i}T000000000000Z.tar" for i in (1, 2, 3)]
+    for p in theirs + ahead:
+        p.write_text("x")
+    written: list[Path] = []
+    monkeypatch.setattr(backup, "backup", lambda config, dest, *a, **k: (dest.write_text("new"), written.append(dest)))
+    backup.Scheduled(config, lambda line: None).work()
+    (dest,) = written
+    assert dest.exists() and all(p.exists() for p in theirs)
+    assert sorted(p.name for p in folder.glob("pygmy-2999*")) == [ahead[2].name]  # with the new one: 2 kept
