@@ -187,7 +187,9 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
                           "key": key, "at": key_time(d)})
         rt.leader_only()
         check_deadline(deadline, "the decrements were proposed")
-        with invalidator.holding(sorted({book_key(d["item"]) for d in items})) as held:
+        # Only books that exist are held, and so get a floor in every worker's cache: a buy of an
+        # item that is no book changes nothing, and its floor would stay there for good.
+        with invalidator.holding([book_key(i) for i in state.existing(sorted({d["item"] for d in items}))]) as held:
             result = rt.propose({"op": "decrements", "items": items, "keyed": 1})
             held.index = result["index"]  # a floor for every key in it; unchanged books lose nothing
             held.values = fresh(sorted({d["item"] for d, r in zip(items, result["results"], strict=True) if r["ok"]}))

@@ -134,11 +134,13 @@ class Invalidator:
         ``continued`` says whether it continues an unbroken lease. When it does not (new subscriber,
         expired, or revoked after a missed push), the worker must flush: it may have missed changes.
         """
-        now = time.monotonic()
-        # Never past our leader lease's end plus ``self.lease``, even if this thread stalled since
-        # the caller checked the lease: a successor's wait (``_sync_term``) counts on it.
-        expiry = min(now + self.lease_for(rtt), self.node.leader_lease_until() + self.lease)
         with self._lock:
+            # The time read under the lock: read before it, by a thread that then stalled, it could
+            # call a lease continued that had ended, after a write skipped the worker for it.
+            now = time.monotonic()
+            # Never past our leader lease's end plus ``self.lease``, even if this thread stalled since
+            # the caller checked the lease: a successor's wait (``_sync_term``) counts on it.
+            expiry = min(now + self.lease_for(rtt), self.node.leader_lease_until() + self.lease)
             self._sync_term()
             old = self._subs.get(sub_id)
             self._subs[sub_id] = (url, expiry)

@@ -112,6 +112,13 @@ class CatalogState(SQLiteStateMachine):
         rows = self.read(f"SELECT * FROM books WHERE item_number IN ({','.join('?' * len(items))})", tuple(items))
         return {r["item_number"]: book_dict(r) for r in rows}
 
+    def existing(self, items: list[int]) -> list[int]:
+        """Which of ``items`` are books, in order (no command adds or removes one: a store is seeded,
+        or copied whole)."""
+        rows = self.read(f"SELECT item_number FROM books WHERE item_number IN ({','.join('?' * len(items))}) "
+                         "ORDER BY item_number", tuple(items))
+        return [r[0] for r in rows]
+
     def sold_out(self) -> list[int]:
         return [r[0] for r in self.read("SELECT item_number FROM books WHERE stock = 0 ORDER BY item_number")]
 

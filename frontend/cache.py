@@ -163,29 +163,27 @@ class ReadCache:
         if not (self.enabled and usable):
             result = fetch(self.floor(key))
             return None if result is None else result[1]
+        # One critical section from the hold check to the flight: a hold that came between two
+        # would let a flight begun after it live on past its release, and callers that began
+        # after the write finished would join it and get the value from before the write.
         with self._lock:
-            if key in self._held:  # a write is under way: read through, store nothing
-                self.stats.misses += 1
-                self.on_event("miss", len(self._entries))
-                floor = max(self._global_floor, self._floors.get(key, 0))
-                bypass = True
-            else:
-                bypass = False
+            floor = max(self._global_floor, self._floors.get(key, 0))
+            bypass = key in self._held  # a write is under way: read through, store nothing
+            if not bypass:
+                hit = self._hit(key)
+                if hit is not None:
+                    return hit[1]
+            self.stats.misses += 1
+            self.on_event("miss", len(self._entries))
+            if not bypass:
+                flight = self._flights.get(key)
+                leader = flight is None
+                if leader:
+                    flight = self._flights[key] = _Flight()
+                generation = self._generation
         if bypass:
             result = fetch(floor)
             return None if result is None else result[1]
-        with self._lock:
-            hit = self._hit(key)
-            if hit is not None:
-                return hit[1]
-            self.stats.misses += 1
-            self.on_event("miss", len(self._entries))
-            flight = self._flights.get(key)
-            leader = flight is None
-            if leader:
-                flight = self._flights[key] = _Flight()
-            generation = self._generation
-            floor = max(self._global_floor, self._floors.get(key, 0))
         assert flight is not None
         if not leader:
             flight.done.wait()

@@ -89,6 +89,13 @@ def test_seed_loads_the_books_once(state: CatalogState, log: Log) -> None:
     assert state.book(5)["cost"] == 0.29 and state.read("SELECT cost_cents FROM books WHERE item_number=5")[0][0] == 29
 
 
+def test_existing_names_the_items_that_are_books(state: CatalogState, log: Log) -> None:
+    """What a batch of decrements holds in the caches: only books (a floor per item that is none,
+    from buys of random numbers, would stay in every worker for good)."""
+    assert state.existing([5, 6, 1, 2**62]) == [1, 5]
+    assert state.existing([6]) == []
+
+
 def test_an_empty_replica_past_index_zero_is_not_seeded(tmp_path: Path) -> None:
     s = CatalogState(tmp_path / "c.db")
     s.apply(1, None)  # it has applied log entries: its books come from the log or a snapshot

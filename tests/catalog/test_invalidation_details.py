@@ -731,3 +731,40 @@ def test_opening_a_channel_leaves_a_stale_one_open_while_a_push_holds_it(worker:
         assert worker not in inv._channels
     finally:
         inv.stop()
+
+
+def test_a_renewal_that_stalls_before_its_lock_does_not_continue_a_lease_a_write_skipped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The renewing thread stalls before it takes the lock; meanwhile the worker's lease ends, and
+    a write, skipping the expired worker, holds and releases a book. Then the renewal must not
+    say ``continued`` (with no hold to keep): the worker would go on serving the book as before."""
+    clock = FakeClock()
+    monkeypatch.setattr(inv_mod, "time", clock)
+    inv = Invalidator(FakeNode(), "s3cret")  # type: ignore[arg-type]
+    inv.node.leader_since = -10.0  # type: ignore[attr-defined]
+    real = inv._lock
+
+    class StallFirst:
+        fired = False
+
+        def __enter__(self) -> None:
+            if not StallFirst.fired:
+                StallFirst.fired = True
+                inv._lock = real  # the write's own turns take the lock as usual
+                clock.now += 10 * inv.lease  # the lease ran out meanwhile
+                token = inv.hold(["book:1"])  # the worker is expired: not pushed to, nor waited for
+                inv.release(token, 7)
+                inv._lock = self  # type: ignore[assignment]
+            real.acquire()
+
+        def __exit__(self, *exc: object) -> None:
+            real.release()
+
+    try:
+        inv.subscribe("w", "tcp://127.0.0.1:9")
+        inv._lock = StallFirst()  # type: ignore[assignment]
+        grant = inv.subscribe("w", "tcp://127.0.0.1:9")
+        assert grant["continued"] is False and grant["holds"] == []
+    finally:
+        inv._lock = real
+        inv.stop()

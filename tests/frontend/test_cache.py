@@ -233,3 +233,72 @@ def test_a_release_value_is_not_stored_under_a_later_hold_below_a_later_floor_or
     off.hold(1, ["book:1"])
     off.release(1, ["book:1"], 2, {"book:1": "x"})
     assert off.snapshot()["entries"] == 0
+
+
+class _HoldBetween:
+    """The cache's lock, through which a hold from another thread lands the moment the reader
+    first lets go of it (as the scheduler may have it land): between two of its critical sections,
+    if it has two before its flight."""
+
+    def __init__(self, c: ReadCache, key: str) -> None:
+        self.c, self.key, self.lock, self.reader = c, key, c._lock, threading.get_ident()
+        self.landed = False
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+        if not self.landed and threading.get_ident() == self.reader:
+            self.landed = True
+            self.c.hold(1, [self.key])
+
+
+def test_a_hold_that_lands_as_a_read_misses_leaves_no_flight_for_later_reads_to_join() -> None:
+    """Reader A misses; the hold of a write lands; A's read goes out and is slow; the write commits
+    and is released; reader B, who began after the write finished, must not be handed A's answer,
+    read before the write (``_put`` refuses to store it, but a joined flight is given it)."""
+    import pygmy.frontend.cache as cache_module
+
+    c = ReadCache(capacity=10)
+    joined, go, a_fetching = threading.Event(), threading.Event(), threading.Event()
+
+    class Watched(threading.Event):
+        def wait(self, timeout: float | None = None) -> bool:
+            joined.set()
+            return super().wait(timeout)
+
+    original = cache_module._Flight.__init__
+
+    def flight_init(self: object, *args: object, **kw: object) -> None:
+        original(self, *args, **kw)  # type: ignore[arg-type]
+        self.done = Watched()  # type: ignore[attr-defined]
+
+    got: dict[str, object] = {}
+
+    def slow_old(floor: int) -> tuple[int, str]:
+        a_fetching.set()
+        assert go.wait(5)
+        return 5, "old"
+
+    def reader_a() -> None:
+        c._lock = _HoldBetween(c, "book:1")  # type: ignore[assignment]
+        got["a"] = c.get_or_fetch("book:1", slow_old, usable=True)
+
+    cache_module._Flight.__init__ = flight_init  # type: ignore[method-assign]
+    try:
+        a = threading.Thread(target=reader_a)
+        a.start()
+        assert a_fetching.wait(5)
+        c.release(1, ["book:1"], 7)  # the write committed at 7 and was released
+        b = threading.Thread(target=lambda: got.setdefault("b", c.get_or_fetch(
+            "book:1", lambda floor: (7, "new") if floor >= 7 else (5, "old"), usable=True)))
+        b.start()
+        while b.is_alive() and not joined.is_set():
+            time.sleep(0.001)
+        go.set()
+        a.join(5)
+        b.join(5)
+    finally:
+        cache_module._Flight.__init__ = original  # type: ignore[method-assign]
+    assert got["b"] == "new", "a read that began after the write got the value from before it"
