@@ -184,8 +184,12 @@ class ReplicationConfig(CoreConfig):
             raise ValueError("unsafe PYGMY_RAFT_* settings: " + "; ".join(config.problems()))
         return config
 
+#: Guards ``_Proposal.taken`` of the calls of ``in_turn``: taken by a turn, or given up by the caller.
+_CALLS = threading.Lock()
+
+
 class _Proposal:
-    __slots__ = ("command", "change", "done", "settled", "index", "term", "result", "error")
+    __slots__ = ("command", "change", "done", "settled", "index", "term", "result", "error", "taken")
 
     def __init__(self, command: dict[str, Any] | None, change: Callable[[RaftCore], int] | None = None) -> None:
         self.command = command
@@ -197,6 +201,8 @@ class _Proposal:
         self.term = 0
         self.result: Any = None
         self.error: BaseException | None = None
+        #: An ``in_turn`` call's: False while queued, True once a turn runs it, None if its caller gave up.
+        self.taken: bool | None = False
 
     def finish(self, result: Any = None, error: BaseException | None = None) -> None:
         self.result, self.error = result, error
@@ -670,7 +676,13 @@ class ReplicaNode:
         prop = _Proposal(None)
         self._submit("call", (fn, prop))
         if not prop.done.wait(timeout):
-            raise ProposalTimeout(f"{self.name}: no turn within {timeout:.3g}s")
+            with _CALLS:
+                gave_up = prop.taken is False
+                if gave_up:
+                    prop.taken = None  # never run later: its caller has been told it was not
+            if gave_up:
+                raise ProposalTimeout(f"{self.name}: no turn within {timeout:.3g}s")
+            prop.done.wait()  # a turn is running it: its outcome is moments away
         if prop.error is not None:
             raise prop.error
         return prop.result
@@ -997,7 +1009,7 @@ class ReplicaNode:
             try:
                 self._loop()
                 return
-            except Exception as exc:
+            except BaseException as exc:  # (what another thread's turn raised, a BaseException too, comes here)
                 with self._core_lock:
                     self._broken = exc
                     self._enter_fault(exc)
@@ -1159,6 +1171,10 @@ class ReplicaNode:
             self.core.hurry_commit(*value)
         elif kind == "call":  # a look at (or a change of) the core, in a turn: (function, proposal)
             fn, prop = value
+            with _CALLS:
+                if prop.taken is None:
+                    return  # its caller gave up (a hand-over nobody waits for must not begin)
+                prop.taken = True
             try:
                 prop.finish(fn(self.core))
             except Exception as exc:

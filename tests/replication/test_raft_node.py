@@ -408,10 +408,19 @@ def test_a_full_disk_on_the_leader_is_a_state_it_recovers_from(cluster: Harness)
     assert old.faults > 0 and conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
+class _NotAnException(BaseException):
+    """What no ``except Exception`` takes (a thread's SystemExit, a GeneratorExit out of place)."""
+
+
 @pytest.mark.allow_faults("error")
-def test_an_unexpected_error_in_the_loop_does_not_freeze_the_replica(cluster: Harness, monkeypatch) -> None:
-    """Any exception in the event loop (here: injected) leads to an in-process restart, never a
-    replica that answers with a frozen view."""
+@pytest.mark.parametrize("error", [RuntimeError, pytest.param(_NotAnException, marks=pytest.mark.filterwarnings(
+    # The thread whose turn raised it lets it go on up (``_drive``) and ends: its connection is
+    # opened again. What matters is the loop thread, which must take it as a fault.
+    "ignore::pytest.PytestUnhandledThreadExceptionWarning"))])
+def test_an_unexpected_error_in_the_loop_does_not_freeze_the_replica(cluster: Harness, monkeypatch,
+                                                                     error: type[BaseException]) -> None:
+    """Any exception in a turn (here: injected), on whichever thread takes it, leads to an
+    in-process restart, never a replica that answers with a frozen view or a loop thread gone."""
     leader = cluster.leader()
     follower = next(n for n in cluster.nodes.values() if n is not leader)
     real = follower._process_ready
@@ -420,7 +429,7 @@ def test_an_unexpected_error_in_the_loop_does_not_freeze_the_replica(cluster: Ha
     def flaky(tick_wall: float) -> None:
         calls["n"] += 1
         if calls["n"] == 3:
-            raise RuntimeError("injected")
+            raise error("injected")
         real(tick_wall)
 
     monkeypatch.setattr(follower, "_process_ready", flaky)
@@ -682,3 +691,16 @@ def test_a_leader_back_from_a_stall_counts_its_lease_as_run_out(cluster: Harness
     with leader._core_lock:
         leader._tick_until(time.monotonic() + 5.0)
         assert leader.core.lease_remaining() == 0
+
+
+def test_a_call_whose_caller_gave_up_waiting_never_runs(cluster: Harness) -> None:
+    """``in_turn`` answered ProposalTimeout: what it asked must not happen later anyway (a hand-over
+    begun after ``remove`` told its caller the outcome was unknown, with writes refused meanwhile)."""
+    from pygmy.replication.node import ProposalTimeout
+
+    node = cluster.leader()
+    ran: list[int] = []
+    with node._core_lock, pytest.raises(ProposalTimeout):  # a slow turn (a long write) holds the core
+        node.in_turn(lambda core: ran.append(1), timeout=0.2)
+    assert node.in_turn(lambda core: core.term) > 0  # turns go on, and the queued call has come up
+    assert ran == []
