@@ -35,6 +35,7 @@ import shutil
 import sqlite3
 import tarfile
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -92,15 +93,19 @@ def _candidates(config: ClusterConfig, tier: str) -> list[tuple[str, str]]:
     return sorted(config.peers(tier).items(), key=rank)
 
 
-def fetch_copy(config: ClusterConfig, tier: str, dest: Path, say: Say) -> dict[str, Any]:
+def fetch_copy(config: ClusterConfig, tier: str, dest: Path, say: Say,
+               stopping: threading.Event | None = None) -> dict[str, Any]:
     """One replica's state at an index at least the tier's commit index as of this call, into
     ``dest``: asked of each replica in turn (a dead one, a failover, a stream cut short or a copy
-    whose hash differs: the next) until ``COPY_DEADLINE``."""
+    whose hash differs: the next) until ``COPY_DEADLINE``, or until ``stopping`` is set."""
     auth = {"Authorization": f"Bearer {config.secret()}"}
     deadline = time.monotonic() + COPY_DEADLINE
     last = "no replica asked"
+    stopping = stopping or threading.Event()
     while time.monotonic() < deadline:
         for name, url in _candidates(config, tier):
+            if stopping.is_set():
+                raise BackupError(f"stopped while copying the {tier} tier")
             started = time.monotonic()
             try:
                 with requests.get(f"{url}/backup", headers=auth, stream=True, timeout=COPY_TIMEOUT,
@@ -123,7 +128,7 @@ def fetch_copy(config: ClusterConfig, tier: str, dest: Path, say: Say) -> dict[s
             say(f"{tier}: copied {name} at index {index} ({size / 2**20:.1f} MiB in "
                 f"{time.monotonic() - started:.1f} s)")
             return {"replica": name, "index": index, "bytes": size}
-        time.sleep(0.3)
+        stopping.wait(0.3)
     raise BackupError(f"no {tier} replica gave a copy within {COPY_DEADLINE:.0f} s (last: {last})")
 
 
@@ -272,9 +277,10 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def backup(config: ClusterConfig, dest: Path, with_secrets: bool = False, say: Say = lambda line: None) -> dict[str, Any]:
+def backup(config: ClusterConfig, dest: Path, with_secrets: bool = False, say: Say = lambda line: None,
+           stopping: threading.Event | None = None) -> dict[str, Any]:
     """Write an archive of the running cluster of ``config`` to ``dest`` (refused if it exists);
-    its manifest."""
+    its manifest. ``stopping``: when set, the copies end (BackupError), their folder deleted."""
     if dest.exists():
         raise BackupError(f"{dest} exists: name a new file")
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -282,12 +288,12 @@ def backup(config: ClusterConfig, dest: Path, with_secrets: bool = False, say: S
     with tempfile.TemporaryDirectory(prefix=".pygmy-backup-", dir=dest.parent) as tmp:
         work = Path(tmp)
         say("order: asking for a copy (1 of 3)")
-        order = fetch_copy(config, "order", work / "order.db", say)
+        order = fetch_copy(config, "order", work / "order.db", say, stopping)
         say("catalog: asking for a copy (2 of 3)")
         cut = time.time()
-        catalog = fetch_copy(config, "catalog", work / "catalog.db", say)
+        catalog = fetch_copy(config, "catalog", work / "catalog.db", say, stopping)
         say("order: asking for a copy again, for the books of buys begun after the first (3 of 3)")
-        fetch_copy(config, "order", work / "order-after.db", say)
+        fetch_copy(config, "order", work / "order-after.db", say, stopping)
         if time.time() - started > config.key_window:
             raise BackupError(f"the copies took longer than the key window ({config.key_window:g} s): "
                               "keys may have been forgotten meanwhile; back up again")
@@ -540,7 +546,7 @@ class Scheduled(Periodic):
         self.folder.mkdir(parents=True, exist_ok=True)
         dest = self.folder / f"pygmy-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S%fZ')}.tar"
         try:
-            backup(self.config, dest)
+            backup(self.config, dest, stopping=self._stop)
         except (BackupError, OSError, sqlite3.Error) as exc:
             self.say(f"scheduled backup failed (next in {self.every:g} s): {exc}")
             return

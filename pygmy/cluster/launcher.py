@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 10.0
+#: How long ``up`` waits, once the services are stopped, for a scheduled backup under way to end.
+COPY_WAIT = 10.0
 
 
 class LaunchError(RuntimeError):
@@ -572,11 +574,13 @@ def up(config: ClusterConfig, reset_state: bool = False, out: object = sys.stdou
         if server is not None:
             server.close()
         if scheduled is not None:
-            scheduled.stop()  # a backup under way is left to finish or fail as the services stop
+            scheduled.stop()  # a backup under way ends at its next step, its copies deleted
         faults.resume_due(everything=True)  # a stopped process would not hear SIGTERM
         # And the replicas started meanwhile (``pygmy start`` of one ``pygmy member`` added).
         started = sorted(p.stem for p in config.run_dir().glob("*.pid") if _is_service_name(p.stem))
         stop_all(config, [*names, *(n for n in started if n not in names)])
+        if scheduled is not None:
+            scheduled.join(COPY_WAIT)  # a copy that was streaming ended with the services: its folder goes
 
 
 class _Stop(Exception):

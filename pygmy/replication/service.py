@@ -101,6 +101,11 @@ class Periodic:
         self._stop.set()
         self._thread.join(timeout=5)
 
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for a round still under way after ``stop`` to end."""
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
     def _run(self) -> None:
         while not self._stop.wait(self.every):
             if not self.due():

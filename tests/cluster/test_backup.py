@@ -231,3 +231,25 @@ def test_scheduled_backups_prune_only_their_own_archives_and_never_the_newest(
     (dest,) = written
     assert dest.exists() and all(p.exists() for p in theirs)
     assert sorted(p.name for p in folder.glob("pygmy-2999*")) == [ahead[2].name]  # with the new one: 2 kept
+
+
+def test_a_scheduled_backup_under_way_ends_when_stopped_and_leaves_no_copies(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pygmy up`` stopping: a backup still asking for its copies (for up to two minutes) ends at
+    once, and the folder of its copies goes with it (it was left behind, a full copy each time)."""
+    from pygmy.kit.config import ClusterConfig
+
+    folder = tmp_path / "b"
+    config = ClusterConfig(data_dir=str(tmp_path / "data"), backup_every=0.05, backup_dir=str(folder))
+    config.secret(create=True)
+    monkeypatch.setattr(backup, "_candidates", lambda config, tier: [("order-1", "http://127.0.0.1:9")])
+    said: list[str] = []
+    scheduled = backup.Scheduled(config, said.append)
+    scheduled.start()
+    deadline = time.monotonic() + 10
+    while not list(folder.glob(".pygmy-backup-*")):  # a round has begun, and keeps asking
+        assert time.monotonic() < deadline, said
+        time.sleep(0.01)
+    scheduled.stop()
+    assert not scheduled._thread.is_alive() and not list(folder.glob(".pygmy-backup-*"))
+    assert any("stopped" in line for line in said), said

@@ -322,13 +322,13 @@ def _backup_gate(folder: str) -> None:
 
     fetch, steps = backup.fetch_copy, itertools.count(1)
 
-    def gated(config, tier, dest, say):  # type: ignore[no-untyped-def]
+    def gated(config, tier, dest, say, *more):  # type: ignore[no-untyped-def]
         flag = os.path.join(folder, f"before-{next(steps)}-{tier}")
         open(flag, "w").close()  # noqa: SIM115
         deadline = time.monotonic() + 30
         while os.path.exists(flag) and time.monotonic() < deadline:
             time.sleep(0.02)
-        return fetch(config, tier, dest, say)
+        return fetch(config, tier, dest, say, *more)
 
     backup.fetch_copy = gated
 
