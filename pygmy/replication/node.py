@@ -680,9 +680,8 @@ class ReplicaNode:
                 gave_up = prop.taken is False
                 if gave_up:
                     prop.taken = None  # never run later: its caller has been told it was not
-            if gave_up:
+            if gave_up or not prop.done.wait(timeout):  # (a turn is running it: its outcome is moments away)
                 raise ProposalTimeout(f"{self.name}: no turn within {timeout:.3g}s")
-            prop.done.wait()  # a turn is running it: its outcome is moments away
         if prop.error is not None:
             raise prop.error
         return prop.result
