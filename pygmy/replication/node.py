@@ -578,12 +578,15 @@ class ReplicaNode:
     def start(self) -> None:
         if self._started:
             return
-        self._started = True
-        self._count_ticks_from_now()
+        with self._core_lock:  # no turn meanwhile: one that makes a sender from now on starts it itself
+            self._started = True
+            self._count_ticks_from_now()
+            for s in self._senders.values():
+                s.thread.start()
+        # Then the listener: a frame it brings may take a turn that makes a sender (a leader heard
+        # in a hello); started before the loop above, that sender was started twice.
         self._server = FrameServer(*self._listen, self.secret, self._channels, name=self.name)
         self._server.start()
-        for s in self._senders.values():
-            s.thread.start()
         self._notify_thread.start()
         self._loop_thread.start()
 

@@ -704,3 +704,30 @@ def test_a_call_whose_caller_gave_up_waiting_never_runs(cluster: Harness) -> Non
         node.in_turn(lambda core: ran.append(1), timeout=0.2)
     assert node.in_turn(lambda core: core.term) > 0  # turns go on, and the queued call has come up
     assert ran == []
+
+
+def test_a_sender_made_by_a_turn_as_the_listener_starts_is_started_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A frame can arrive as soon as the listener runs, and its turn can make a sender (a leader
+    heard in a hello): ``start`` must not then start that sender a second time."""
+    from pygmy.replication import node as node_module
+
+    peers = {"kv-1": "http://127.0.0.1:1", "kv-2": "http://127.0.0.1:2"}
+    addresses = {n: ("127.0.0.1", free_port()) for n in peers}
+    sm = KV(tmp_path / "state.db")
+    node = ReplicaNode("kv-1", peers, sm, tmp_path / "kv-1", SECRET, CONFIG, addresses=addresses)
+    assert not node._senders.pop("kv-2").thread.is_alive()  # no sender to kv-2 yet (never started)
+
+    class Listener(node_module.FrameServer):
+        def start(self) -> None:
+            super().start()
+            with node._core_lock:  # a turn, as a frame's would be, making the sender to kv-2
+                node._sender("kv-2")
+
+    monkeypatch.setattr(node_module, "FrameServer", Listener)
+    try:
+        node.start()  # raised RuntimeError (a thread started twice) when the listener came first
+        assert "kv-2" in node._senders and all(s.thread.is_alive() for s in node._senders.values())
+    finally:
+        node.stop()
+        sm.close()
