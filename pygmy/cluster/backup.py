@@ -354,12 +354,14 @@ def write_archive(work: Path, config: ClusterConfig, dest: Path, cut: dict[str, 
 
 
 def _sync_dir(folder: Path) -> None:
-    """The rename into ``folder`` made durable."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """The rename into ``folder`` made durable, where the file system can (some refuse to sync a
+    folder: the archive is whole and named all the same)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 @contextlib.contextmanager

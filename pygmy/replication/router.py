@@ -638,7 +638,7 @@ class TierRouter(_LeaderSeeker):
             all_headers[REQUEST_ID_HEADER] = rid
         if params:
             path = f"{path}?{urlencode(params)}"
-        connect = self.attempt_budget(name).connect
+        budget = connect = self.attempt_budget(name).connect
         if deadline is not None:  # a connect the link needs longer for than is left would overrun it
             connect = min(connect, max(0.001, deadline - time.monotonic()))
         try:
@@ -647,10 +647,12 @@ class TierRouter(_LeaderSeeker):
                 timeout=urllib3.Timeout(connect=connect, read=timeout), redirect=False)
         except urllib3.exceptions.HTTPError as exc:
             reason = getattr(exc, "reason", None)
+            # A connect cut short by the deadline says nothing of the link: its budget learns nothing.
             raise HopError(f"{name}: {type(exc).__name__}",
                            timed_out=isinstance(exc, urllib3.exceptions.ReadTimeoutError),
-                           connect_timed_out=isinstance(exc, urllib3.exceptions.ConnectTimeoutError)
-                           or isinstance(reason, urllib3.exceptions.ConnectTimeoutError)) from exc
+                           connect_timed_out=connect >= budget and (
+                               isinstance(exc, urllib3.exceptions.ConnectTimeoutError)
+                               or isinstance(reason, urllib3.exceptions.ConnectTimeoutError))) from exc
         self.sightings.clear(name)
         try:
             body = codec.loads(resp.data)

@@ -314,8 +314,8 @@ class FrameServer:
                 conn.sendall(encode({"error": {"code": 403, "message": refusal}}))
                 return
             assert channel is not None
+            overdue.cancel()  # (if it is firing at this very moment, the write below fails: the hello took 2 s)
             conn.sendall(_WELCOME)
-            overdue.cancel()  # (had it fired, the welcome could not have been written)
             if channel.hello is not None:
                 channel.hello(peer, hello)
             conn.settimeout(None)  # a quiet peer is not a dead one; a new connection replaces it
