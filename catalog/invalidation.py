@@ -157,8 +157,12 @@ class Invalidator:
     def holding(self, keys: list[str]) -> Iterator[Write]:
         """Hold ``keys`` in every leased cache around a write; the body sets ``write.index``.
 
-        NotLeader means nothing was written, ProposalTimeout carries the index to wait for.
+        NotLeader means nothing was written, ProposalTimeout carries the index to wait for. No keys
+        (a batch of buys of items that are no books): no cache can hold one, so no round at all.
         """
+        if not keys:
+            yield Write()
+            return
         token = self.hold(keys)
         write = Write()
         try:

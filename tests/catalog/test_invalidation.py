@@ -279,3 +279,15 @@ def test_holding_releases_by_outcome(setup) -> None:
     with pytest.raises(ProposalTimeout), inv.holding(["book:3"]):
         raise ProposalTimeout("stalled")
     assert list(inv._pending.values()) == [["book:3"]]
+
+
+def test_a_write_that_holds_no_key_pushes_nothing(setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch of buys of items that are no books: no cache holds them, so no hold round (pushes to
+    every worker, and the wait for their answers) and no release."""
+    _clock, _pushes, inv = setup
+    pushed: list[Any] = []
+    monkeypatch.setattr(inv, "_push", lambda url, body: pushed.append(body) or True)
+    inv.subscribe("w", "http://w")
+    with inv.holding([]) as write:
+        write.index = 9
+    assert pushed == [] and inv._pending == {}
