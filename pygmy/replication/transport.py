@@ -26,6 +26,7 @@ that (Raft retransmits; a cache hold that is not acknowledged is waited out).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import hmac
@@ -54,6 +55,16 @@ HELLO_TIMEOUT = 2.0
 MAX_HELLO = 1 << 16
 #: How long the accept loop waits after a failed ``accept`` (out of descriptors) before the next.
 ACCEPT_RETRY = 0.05
+#: Connections not welcomed yet (no valid hello so far) that a server holds at once, from one
+#: address and in all. Each holds a thread and a timer for up to HELLO_TIMEOUT, before anyone is
+#: authenticated: beyond these a new one is closed at once, so that a flood of silent connections
+#: costs a few hundred threads, not all the process can have. Per address, so that one flooding
+#: host does not lock out the others. A replica or frontend opens a few at a time (a whole local
+#: cluster, all on 127.0.0.1, a few dozen at its start).
+MAX_UNWELCOMED_PER_HOST = 64
+MAX_UNWELCOMED = 512
+#: At most one warning per this many seconds about connections closed over those caps.
+CAP_WARN_EVERY = 10.0
 #: A connection that sent nothing, and has not acknowledged what it was sent, for this long
 #: (seconds) is dead: its host went away without a FIN. TCP keepalive then ends the thread that
 #: reads it. Far above any round trip a link of this project's may have.
@@ -223,6 +234,11 @@ class FrameServer:
         self.address = self._sock.getsockname()[:2]
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, threading.Thread] = {}
+        #: Connections not welcomed yet, by the address they came from (``MAX_UNWELCOMED``).
+        self._unwelcomed: collections.Counter[str] = collections.Counter()
+        #: Connections closed over those caps, and when that was last logged.
+        self.over_cap = 0
+        self._over_cap_told = (0, -CAP_WARN_EVERY)
         self._stopping = False
         self._thread = threading.Thread(target=self._accept_loop, name=f"frames-accept-{name}", daemon=True)
 
@@ -244,20 +260,28 @@ class FrameServer:
         taken) costs that connection, never the listener."""
         while True:
             try:
-                conn, _ = self._sock.accept()
+                conn, addr = self._sock.accept()
             except OSError as exc:
                 if self._stopping:
                     return  # the listening socket was closed by stop()
                 log.warning("%s: accepting a connection failed: %s", self.name, exc)
                 time.sleep(ACCEPT_RETRY)  # e.g. out of descriptors: let some close first
                 continue
-            thread = threading.Thread(target=self._serve, args=(conn,), name=f"frames-conn-{self.name}",
+            host = str(addr[0])
+            thread = threading.Thread(target=self._serve, args=(conn, host), name=f"frames-conn-{self.name}",
                                       daemon=True)
             with self._lock:
                 if self._stopping:
                     conn.close()
                     return
-                self._conns[conn] = thread
+                over = (self._unwelcomed[host] >= MAX_UNWELCOMED_PER_HOST
+                        or self._unwelcomed.total() >= MAX_UNWELCOMED)
+                if not over:
+                    self._unwelcomed[host] += 1
+                    self._conns[conn] = thread
+            if over:
+                self._refuse_over_cap(conn, host)
+                continue
             try:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 _keep_alive(conn)
@@ -266,10 +290,31 @@ class FrameServer:
                 log.warning("%s: a connection could not be served: %s", self.name, exc)
                 with self._lock:
                     self._conns.pop(conn, None)
+                self._welcomed(host)
                 _close(conn)
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _refuse_over_cap(self, conn: socket.socket, host: str) -> None:
+        """Close a connection over the caps at once, unread; say so now and then, not per connection."""
+        _close(conn)
+        self.over_cap += 1
+        told, at = self._over_cap_told
+        now = time.monotonic()
+        if now - at >= CAP_WARN_EVERY:
+            log.warning("%s: closed %d connection(s) unread, the latest from %s: more than %d from one address "
+                        "or %d in all had not said hello yet", self.name, self.over_cap - told, host,
+                        MAX_UNWELCOMED_PER_HOST, MAX_UNWELCOMED)
+            self._over_cap_told = (self.over_cap, now)
+
+    def _welcomed(self, host: str) -> None:
+        """``host``'s connection is no longer waiting for its hello (welcomed, refused or gone)."""
+        with self._lock:
+            self._unwelcomed[host] -= 1
+            if self._unwelcomed[host] <= 0:
+                del self._unwelcomed[host]
+
+    def _serve(self, conn: socket.socket, host: str) -> None:
         cert: tls.Peer | None = None
+        waiting = True  # counted in ``_unwelcomed`` until welcomed or gone
         # The handshake and the hello within HELLO_TIMEOUT in all, however slowly they trickle in
         # (the socket's timeout bounds each read only): then the connection is closed under them.
         current = [conn]
@@ -315,6 +360,8 @@ class FrameServer:
                 return
             assert channel is not None
             overdue.cancel()  # (if it is firing at this very moment, the write below fails: the hello took 2 s)
+            waiting = False
+            self._welcomed(host)
             conn.sendall(_WELCOME)
             if channel.hello is not None:
                 channel.hello(peer, hello)
@@ -342,6 +389,8 @@ class FrameServer:
             closing = _AFTER_REPLY.get()
             if closing is not None:
                 closing.owner = 0
+            if waiting:
+                self._welcomed(host)
             with self._lock:
                 self._conns.pop(conn, None)
             _close(conn)

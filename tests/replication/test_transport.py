@@ -628,3 +628,52 @@ def test_a_connection_opened_for_a_call_takes_no_longer_than_the_caller_has_left
         for s in held:
             s.close()
         silent.close()
+
+
+def test_silent_connections_past_the_caps_are_closed_at_once_and_others_still_get_in(
+        echo, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Connections that have not said hello hold a thread each: past a cap per address and one in
+    all, a new one is closed unread, without holding up a peer from another address; the places
+    come back as those connections end or are welcomed."""
+    import pygmy.replication.transport as transport
+
+    server, seen = echo
+    monkeypatch.setattr(transport, "MAX_UNWELCOMED_PER_HOST", 3)
+    monkeypatch.setattr(transport, "MAX_UNWELCOMED", 5)
+
+    def connect(source: str) -> socket.socket:
+        return socket.create_connection(server.address, timeout=2, source_address=(source, 0))
+
+    def welcomed(s: socket.socket) -> bool:
+        s.sendall(encode({"hello": "x", "secret": SECRET, "channel": "c"}))
+        s.sendall(encode({"want_reply": True, "n": 1}))
+        stream = s.makefile("rb")
+        welcome = read_frame(stream)
+        return isinstance(welcome, dict) and "error" not in welcome and read_frame(stream) == {
+            "echo": {"want_reply": True, "n": 1}}
+
+    def closed_at_once(s: socket.socket) -> bool:
+        started = time.monotonic()
+        with contextlib.suppress(ConnectionResetError):
+            if s.recv(1) != b"":
+                return False
+        return time.monotonic() - started < transport.HELLO_TIMEOUT / 2
+
+    with contextlib.ExitStack() as stack:
+        silent = [stack.enter_context(connect("127.0.0.1")) for _ in range(3)]
+        wait_for(lambda: server._unwelcomed["127.0.0.1"] == 3, "three silent connections held")
+        with connect("127.0.0.1") as fourth:
+            assert closed_at_once(fourth)
+        with connect("127.0.0.2") as other:  # another address is not locked out by the first
+            assert welcomed(other)
+        more = [stack.enter_context(connect("127.0.0.2")) for _ in range(2)]
+        wait_for(lambda: server._unwelcomed.total() == 5, "five silent connections held")
+        with connect("127.0.0.3") as third:  # the cap in all
+            assert closed_at_once(third)
+        assert server.over_cap == 2
+        for s in silent + more:
+            s.close()
+        wait_for(lambda: not server._unwelcomed, "the silent connections' places given back")
+        with connect("127.0.0.1") as again:
+            assert welcomed(again)
+    assert [frame["n"] for _, frame in seen] == [1, 1]
