@@ -514,13 +514,14 @@ def up(config: ClusterConfig, reset_state: bool = False, out: object = sys.stdou
         ReplicationConfig.from_env()
     except ValueError as exc:
         raise LaunchError(str(exc)) from None
-    from pygmy.cluster.backup import refuse_unfinished  # here: it imports this module
+    from pygmy.cluster.backup import check_restored_files, refuse_unfinished  # here: it imports this module
 
     refuse_unfinished(config, reset_state)
     if reset_state:
         reset(config)
     else:
         keep_members(config)
+        check_restored_files(config, say)  # a restored data dir, before its replicas run
     prepare_seed(config, books, say)
     del books
     config.secret(create=True)

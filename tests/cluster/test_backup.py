@@ -253,3 +253,34 @@ def test_a_scheduled_backup_under_way_ends_when_stopped_and_leaves_no_copies(
     scheduled.stop()
     assert not scheduled._thread.is_alive() and not list(folder.glob(".pygmy-backup-*"))
     assert any("stopped" in line for line in said), said
+
+
+def test_up_checks_each_restored_replicas_state_file_before_it_runs(tmp_path: Path, cut: dict[str, Path]) -> None:
+    """The archive's state in every replica's file, or ``pygmy up`` refuses to start them: checked on
+    the files, since once running a replica's state may move on at once (a buy, key expiry)."""
+    from pygmy.cluster.launcher import LaunchError
+    from pygmy.kit.config import ClusterConfig
+
+    settled = settle(cut)
+    old = ClusterConfig(data_dir=str(tmp_path / "old"))
+    old.secret(create=True)
+    archive = tmp_path / "x.tar"
+    _, facts = backup.check(cut["folder"])
+    at = {tier: {"index": facts[tier]["index"]} for tier in ("catalog", "order")}
+    backup.write_archive(cut["folder"], old, archive, at, settled, time.time(), time.monotonic())
+    config = ClusterConfig(data_dir=str(tmp_path / "data"))
+    expected = backup.restore(archive, config)
+    said: list[str] = []
+    backup.check_restored_files(config, said.append)
+    assert len(said) == 2 and backup.restored_marker(config).exists()  # removed only once they run
+    follower = config.replica_dir("catalog-2") / "state.db"
+    state = CatalogState(follower)  # one more buy in one copy: its digest and index move on
+    state.apply(expected["catalog"]["index"] + 1, decrement("late", item=5))
+    state.close_all()
+    with pytest.raises(LaunchError, match="catalog-2 does not hold the restored state"):
+        backup.check_restored_files(config, said.append)
+    follower.unlink()
+    with pytest.raises(LaunchError, match="catalog-2 has no state file"):
+        backup.check_restored_files(config, said.append)
+    backup.restored_marker(config).unlink()  # no restore: nothing to check
+    backup.check_restored_files(config, said.append)
