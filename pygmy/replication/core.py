@@ -54,6 +54,11 @@ _FROM_LEADER = frozenset({APPEND, HEARTBEAT, SNAPSHOT})
 #: leader added after our latest configuration must reach us to give us the entry that adds it, and
 #: a candidate we do not know of may need our vote. Answers count only from members.
 _FROM_ANYONE = frozenset({APPEND, HEARTBEAT, SNAPSHOT, VOTE, PRE_VOTE, TIMEOUT_NOW})
+#: Answers a leader takes, at its term, from a server it replicates to that its configuration no
+#: longer names (one being removed, until its removal commits): they move only that server's
+#: progress, which counts toward nothing (commit, lease and quorum checks count voters), so that
+#: an append lost on its way there is sent again and the server learns of its removal.
+_TO_LEADER = frozenset({APPEND_RESP, HEARTBEAT_RESP})
 
 # The driver's steps for one Ready, in the order ``Ready.steps`` gives.
 PERSIST = "persist"
@@ -1067,7 +1072,9 @@ class RaftCore:
 
     def step(self, m: Message) -> None:
         """Handle one message from a peer."""
-        if m.dst != self.id or m.src == self.id or (m.src not in self.peers and m.type not in _FROM_ANYONE):
+        if m.dst != self.id or m.src == self.id or (
+                m.src not in self.peers and m.type not in _FROM_ANYONE
+                and not (m.type in _TO_LEADER and self.role == LEADER and m.term == self.term and m.src in self._prs)):
             return
         if m.term > self.term:
             if m.type in (VOTE, PRE_VOTE) and self._in_lease() and not m.transfer:

@@ -34,6 +34,8 @@ class PersistedState:
     installing: tuple[int, int] | None = None
     #: The configuration in force at ``snapshot`` (None: none recorded, e.g. a log from before them).
     snapshot_membership: Membership | None = None
+    #: The configuration in force at the snapshot ``installing`` names (``begin_install``).
+    installing_membership: Membership | None = None
 
 
 class LogStore:
@@ -83,7 +85,9 @@ class LogStore:
             expected += 1
         raw = meta.get("snapshot_membership")
         membership = Membership.from_dict(codec.loads(raw)) if raw else None
-        return PersistedState(hs, snap, entries, installing, membership)
+        raw = meta.get("installing_membership")
+        installing_membership = Membership.from_dict(codec.loads(raw)) if raw and installing else None
+        return PersistedState(hs, snap, entries, installing, membership, installing_membership)
 
     def last_index(self) -> int:
         row = self._conn.execute("SELECT MAX(idx) FROM raft_log").fetchone()
@@ -114,7 +118,8 @@ class LogStore:
                 c.execute("DELETE FROM raft_log")
                 self._set(snapshot_index=snapshot[0], snapshot_term=snapshot[1])
                 self._set_membership(membership)
-                c.execute("DELETE FROM raft_meta WHERE key IN ('installing_index', 'installing_term')")
+                c.execute("DELETE FROM raft_meta WHERE key IN ('installing_index', 'installing_term', "
+                          "'installing_membership')")
             if truncate_from is not None:
                 c.execute("DELETE FROM raft_log WHERE idx >= ?", (truncate_from,))
             c.executemany("INSERT OR REPLACE INTO raft_log(idx, term, command) VALUES (?, ?, ?)", rows)
@@ -133,14 +138,20 @@ class LogStore:
             self._sizes[idx] = len(command or "")
             self.log_bytes += self._sizes[idx]
 
-    def begin_install(self, index: int, term: int) -> None:
+    def begin_install(self, index: int, term: int, membership: Membership | None = None) -> None:
         """Record the intent to install a snapshot before the state machine is overwritten, so a
-        crash in between is detected on restart (``PersistedState.installing``)."""
+        crash in between is detected on restart (``PersistedState.installing``), with the
+        configuration in force at it: an install finished after that crash writes it as the
+        snapshot's, or the replica would fall back to the members it was started with."""
         with transaction(self._conn):
+            self._conn.execute("DELETE FROM raft_meta WHERE key='installing_membership'")
             self._set(installing_index=index, installing_term=term)
+            if membership is not None:
+                self._set(installing_membership=codec.dumps_text(membership.to_dict()))
 
     def abort_install(self) -> None:
-        self._conn.execute("DELETE FROM raft_meta WHERE key IN ('installing_index', 'installing_term')")
+        self._conn.execute("DELETE FROM raft_meta WHERE key IN ('installing_index', 'installing_term', "
+                           "'installing_membership')")
 
     def compact(self, index: int, term: int, membership: Membership | None = None) -> None:
         """Drop entries up to ``index`` (already applied by the state machine); ``membership`` is

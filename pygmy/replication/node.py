@@ -535,8 +535,9 @@ class ReplicaNode:
         if persisted.installing is not None:
             idx, term = persisted.installing
             if self.sm.applied_index() >= idx:
-                # The state machine was restored but the log store not updated: finish the install.
-                self.store.save(snapshot=(idx, term))
+                # The state machine was restored but the log store not updated: finish the install,
+                # with the snapshot's configuration (the log that held it is being replaced).
+                self.store.save(snapshot=(idx, term), membership=persisted.installing_membership)
             else:
                 self.store.abort_install()
             persisted = self.store.load()
@@ -1226,7 +1227,7 @@ class ReplicaNode:
             if snap.data is None:
                 raise RuntimeError("snapshot message without payload")
             try:
-                self.store.begin_install(snap.index, snap.term)
+                self.store.begin_install(snap.index, snap.term, snap.membership)
                 with self._apply_lock:
                     self.sm.restore(snap.index, snap.data)
                     self._applied_at = (snap.index, snap.term)

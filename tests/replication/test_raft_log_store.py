@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pygmy.replication.core import Entry, HardState
+from pygmy.replication.core import Entry, HardState, Membership
 from pygmy.replication.log_store import LogStore
 
 
@@ -54,15 +54,19 @@ def test_compact_prefix(tmp_path):
 def test_snapshot_install_replaces_log_and_clears_intent(tmp_path):
     store = LogStore(tmp_path / "raft.db")
     store.save(None, entries(1, 5))
-    store.begin_install(40, 3)
-    assert store.load().installing == (40, 3)
+    m = Membership(frozenset({"a", "b", "d"}), urls={"a": "http://a", "b": "http://b", "d": "http://d"})
+    store.begin_install(40, 3, m)
+    assert store.load().installing == (40, 3) and store.load().installing_membership == m
     store.save(HardState(3, None, 40), entries(41, 42, term=3), snapshot=(40, 3))
     loaded = store.load()
     assert loaded.installing is None and loaded.snapshot == (40, 3)
     assert loaded.entries == entries(41, 42, term=3)
-    store.begin_install(50, 3)
+    store.begin_install(50, 3, m)
     store.abort_install()
-    assert store.load().installing is None
+    assert store.load().installing is None and store.load().installing_membership is None
+    store.begin_install(60, 3, m)
+    store.begin_install(60, 3)  # an intent without a configuration keeps none of an earlier one's
+    assert store.load().installing_membership is None
 
 
 def test_a_full_disk_fails_the_save_cleanly_and_the_store_recovers(tmp_path):

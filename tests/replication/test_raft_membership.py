@@ -364,6 +364,25 @@ def test_a_removed_server_that_never_heard_of_it_does_not_disrupt() -> None:
     assert victim.core.role == "follower" and not victim.core.is_voter()
 
 
+def test_a_server_being_removed_gets_its_removal_again_after_a_lost_append() -> None:
+    """Until its removal commits, a leader still sends entries to the server it removes, so that it
+    learns of it and never campaigns: it takes that server's answers too (counting them toward
+    nothing), or an append lost on its way there would never be sent again. Here the removal's
+    appends to both followers are lost; the server being removed comes back while the change still
+    cannot commit, and gets it from the leader's next heartbeat round."""
+    c = Cluster(3, seed=30)
+    leader = settled(c)
+    victim, other = [n for n in c.nodes.values() if n is not leader]
+    c.partition({leader.name}, {victim.name}, {other.name})
+    index = change(c, lambda core: core.remove(victim.name))
+    c.tick(3)  # its appends are lost
+    assert victim.core.last_index < index
+    c.partition({leader.name, victim.name}, {other.name})
+    assert c.wait_for(lambda: victim.core.last_index >= index, 8)  # within one election window
+    assert leader.core.commit < index  # its answers made no majority of the new configuration
+    assert not victim.core.is_voter()
+
+
 def test_a_leader_outside_our_configuration_is_followed() -> None:
     """A voter that missed the entry adding the leader (it was behind) must still take its
     appends, or it could never learn that configuration (Raft dissertation, 4.1)."""

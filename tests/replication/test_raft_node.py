@@ -17,6 +17,8 @@ from flask import Flask
 from werkzeug.serving import make_server
 
 from pygmy.cluster.local import free_port
+from pygmy.replication.core import Entry, HardState, Membership
+from pygmy.replication.log_store import LogStore
 from pygmy.replication.node import NotLeader, ReadIndexUnavailable, ReplicaNode, ReplicationConfig
 from pygmy.replication.statemachine import SQLiteStateMachine
 from pygmy.replication.transport import encode, read_frame
@@ -731,3 +733,35 @@ def test_a_sender_made_by_a_turn_as_the_listener_starts_is_started_once(
     finally:
         node.stop()
         sm.close()
+
+
+def test_an_install_finished_after_a_crash_keeps_the_snapshots_configuration(tmp_path: Path) -> None:
+    """A crash (or a full disk) between restoring the state from a snapshot and recording it in the
+    log store: the next start finishes the install with the snapshot's configuration, not with the
+    members the replica was started with. (It had fallen back to them: a replica that had missed a
+    replacement would count a majority of the tier's old members, and elect or commit with them.)"""
+    peers = {f"kv-{i}": f"http://127.0.0.1:{free_port()}" for i in (1, 2, 3)}
+    replaced = Membership(frozenset({"kv-1", "kv-2", "kv-4"}),
+                          urls={"kv-1": peers["kv-1"], "kv-2": peers["kv-2"], "kv-4": f"http://127.0.0.1:{free_port()}"})
+    d = tmp_path / "kv-2"
+    sm = KV(d / "state.db")
+    for i in range(1, 11):  # the snapshot's state, restored: applied up to its index
+        sm.apply(i, {"k": "a", "add": 1})
+    store = LogStore(d / "raft.db")
+    store.save(HardState(2, None, 3, 0), [Entry(i, 1, {"k": "a", "add": 1}) for i in range(1, 4)])
+    store.begin_install(10, 2, replaced)  # ... and the log store never told: the crash
+    store.close()
+    node = ReplicaNode("kv-2", peers, sm, d, SECRET, CONFIG, addresses={n: ("127.0.0.1", free_port()) for n in peers})
+    try:
+        assert node.core.membership == replaced
+        assert node.core.snap_index == 10
+    finally:
+        node.stop()
+        sm.close()
+    again = LogStore(d / "raft.db")
+    try:
+        persisted = again.load()
+        assert persisted.installing is None and persisted.snapshot == (10, 2)
+        assert persisted.snapshot_membership == replaced
+    finally:
+        again.close()
