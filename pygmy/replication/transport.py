@@ -57,10 +57,11 @@ MAX_HELLO = 1 << 16
 ACCEPT_RETRY = 0.05
 #: Connections not welcomed yet (no valid hello so far) that a server holds at once, from one
 #: address and in all. Each holds a thread and a timer for up to HELLO_TIMEOUT, before anyone is
-#: authenticated: beyond these a new one is closed at once, so that a flood of silent connections
-#: costs a few hundred threads, not all the process can have. Per address, so that one flooding
-#: host does not lock out the others. A replica or frontend opens a few at a time (a whole local
-#: cluster, all on 127.0.0.1, a few dozen at its start).
+#: authenticated: past a cap, the oldest such connection (of that address, or of all) is closed
+#: to make room, so that a flood of silent connections costs a few hundred threads, not all the
+#: process can have, and cannot lock out a peer: a peer says its hello within a round trip of
+#: connecting, long before a flood's connections grow oldest. A replica or frontend opens a few at
+#: a time (a whole local cluster, all on 127.0.0.1, a few dozen at its start).
 MAX_UNWELCOMED_PER_HOST = 64
 MAX_UNWELCOMED = 512
 #: At most one warning per this many seconds about connections closed over those caps.
@@ -219,6 +220,16 @@ def _close(sock: socket.socket) -> None:
     sock.close()
 
 
+class _Unwelcomed:
+    """A connection that has not said its hello yet: the socket to close it by (the TLS one once
+    wrapped), where it came from, and whether it was closed to make room for a newer one."""
+
+    __slots__ = ("sock", "host", "evicted")
+
+    def __init__(self, sock: socket.socket, host: str) -> None:
+        self.sock, self.host, self.evicted = sock, host, False
+
+
 class FrameServer:
     """Accepts authenticated connections on its ``channels`` (more may be added before ``start``).
     ``stop()`` closes the listening socket and every connection and joins every thread it started."""
@@ -234,8 +245,9 @@ class FrameServer:
         self.address = self._sock.getsockname()[:2]
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, threading.Thread] = {}
-        #: Connections not welcomed yet, by the address they came from (``MAX_UNWELCOMED``).
-        self._unwelcomed: collections.Counter[str] = collections.Counter()
+        #: Connections not welcomed yet, oldest first, and how many per address (``MAX_UNWELCOMED``).
+        self._unwelcomed: dict[_Unwelcomed, None] = {}
+        self._unwelcomed_from: collections.Counter[str] = collections.Counter()
         #: Connections closed over those caps, and when that was last logged.
         self.over_cap = 0
         self._over_cap_told = (0, -CAP_WARN_EVERY)
@@ -267,21 +279,19 @@ class FrameServer:
                 log.warning("%s: accepting a connection failed: %s", self.name, exc)
                 time.sleep(ACCEPT_RETRY)  # e.g. out of descriptors: let some close first
                 continue
-            host = str(addr[0])
-            thread = threading.Thread(target=self._serve, args=(conn, host), name=f"frames-conn-{self.name}",
+            pending = _Unwelcomed(conn, str(addr[0]))
+            thread = threading.Thread(target=self._serve, args=(conn, pending), name=f"frames-conn-{self.name}",
                                       daemon=True)
             with self._lock:
                 if self._stopping:
                     conn.close()
                     return
-                over = (self._unwelcomed[host] >= MAX_UNWELCOMED_PER_HOST
-                        or self._unwelcomed.total() >= MAX_UNWELCOMED)
-                if not over:
-                    self._unwelcomed[host] += 1
-                    self._conns[conn] = thread
-            if over:
-                self._refuse_over_cap(conn, host)
-                continue
+                evicted = self._make_room(pending.host)
+                self._unwelcomed[pending] = None
+                self._unwelcomed_from[pending.host] += 1
+                self._conns[conn] = thread
+            if evicted:
+                self._close_evicted(evicted, pending.host)
             try:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 _keep_alive(conn)
@@ -290,35 +300,55 @@ class FrameServer:
                 log.warning("%s: a connection could not be served: %s", self.name, exc)
                 with self._lock:
                     self._conns.pop(conn, None)
-                self._welcomed(host)
+                self._welcomed(pending)
                 _close(conn)
 
-    def _refuse_over_cap(self, conn: socket.socket, host: str) -> None:
-        """Close a connection over the caps at once, unread; say so now and then, not per connection."""
-        _close(conn)
-        self.over_cap += 1
+    def _make_room(self, host: str) -> list[_Unwelcomed]:
+        """With the lock held, before a connection from ``host`` is counted: the oldest connections
+        not welcomed yet that must go for it to fit under the caps, no longer counted."""
+        out = []
+        if self._unwelcomed_from[host] >= MAX_UNWELCOMED_PER_HOST:
+            out.append(self._forget(next(p for p in self._unwelcomed if p.host == host)))
+        if len(self._unwelcomed) >= MAX_UNWELCOMED:
+            out.append(self._forget(next(iter(self._unwelcomed))))
+        for p in out:
+            p.evicted = True
+        return out
+
+    def _forget(self, pending: _Unwelcomed) -> _Unwelcomed:
+        """With the lock held: ``pending`` is no longer counted as waiting for its hello."""
+        del self._unwelcomed[pending]
+        self._unwelcomed_from[pending.host] -= 1
+        if self._unwelcomed_from[pending.host] <= 0:
+            del self._unwelcomed_from[pending.host]
+        return pending
+
+    def _close_evicted(self, evicted: list[_Unwelcomed], newcomer: str) -> None:
+        """Close connections made room for (their threads end on it); say so now and then, not each time."""
+        with self._lock:
+            socks = [p.sock for p in evicted]  # the current one: a TLS wrap after this sees ``evicted``
+        for sock in socks:
+            _close(sock)
+        self.over_cap += len(evicted)
         told, at = self._over_cap_told
         now = time.monotonic()
         if now - at >= CAP_WARN_EVERY:
-            log.warning("%s: closed %d connection(s) unread, the latest from %s: more than %d from one address "
-                        "or %d in all had not said hello yet", self.name, self.over_cap - told, host,
-                        MAX_UNWELCOMED_PER_HOST, MAX_UNWELCOMED)
+            log.warning("%s: closed %d connection(s) that had not said hello, the oldest first, to make room for "
+                        "newer ones (the latest from %s): more than %d from one address or %d in all were waiting",
+                        self.name, self.over_cap - told, newcomer, MAX_UNWELCOMED_PER_HOST, MAX_UNWELCOMED)
             self._over_cap_told = (self.over_cap, now)
 
-    def _welcomed(self, host: str) -> None:
-        """``host``'s connection is no longer waiting for its hello (welcomed, refused or gone)."""
+    def _welcomed(self, pending: _Unwelcomed) -> None:
+        """``pending`` no longer waits for its hello (welcomed, refused, gone or made room for)."""
         with self._lock:
-            self._unwelcomed[host] -= 1
-            if self._unwelcomed[host] <= 0:
-                del self._unwelcomed[host]
+            if pending in self._unwelcomed:
+                self._forget(pending)
 
-    def _serve(self, conn: socket.socket, host: str) -> None:
+    def _serve(self, conn: socket.socket, pending: _Unwelcomed) -> None:
         cert: tls.Peer | None = None
-        waiting = True  # counted in ``_unwelcomed`` until welcomed or gone
         # The handshake and the hello within HELLO_TIMEOUT in all, however slowly they trickle in
         # (the socket's timeout bounds each read only): then the connection is closed under them.
-        current = [conn]
-        overdue = threading.Timer(HELLO_TIMEOUT, lambda: _close(current[0]))
+        overdue = threading.Timer(HELLO_TIMEOUT, lambda: _close(pending.sock))
         overdue.daemon = True
         try:
             overdue.start()
@@ -326,10 +356,10 @@ class FrameServer:
             if self.identity is not None:
                 raw = conn
                 conn = self.identity.server_context().wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
-                current[0] = conn
                 with self._lock:  # stop() must close the TLS socket now: ``raw`` is detached from its descriptor
                     self._conns[conn] = self._conns.pop(raw)
-                    if self._stopping:
+                    pending.sock = conn  # (and so must a timer or an eviction)
+                    if self._stopping or pending.evicted:
                         return
                 conn.do_handshake()  # plain text, another CA, no certificate: an SSLError here
                 cert = tls.peer_of(conn)
@@ -360,8 +390,7 @@ class FrameServer:
                 return
             assert channel is not None
             overdue.cancel()  # (if it is firing at this very moment, the write below fails: the hello took 2 s)
-            waiting = False
-            self._welcomed(host)
+            self._welcomed(pending)
             conn.sendall(_WELCOME)
             if channel.hello is not None:
                 channel.hello(peer, hello)
@@ -389,8 +418,7 @@ class FrameServer:
             closing = _AFTER_REPLY.get()
             if closing is not None:
                 closing.owner = 0
-            if waiting:
-                self._welcomed(host)
+            self._welcomed(pending)
             with self._lock:
                 self._conns.pop(conn, None)
             _close(conn)

@@ -630,11 +630,12 @@ def test_a_connection_opened_for_a_call_takes_no_longer_than_the_caller_has_left
         silent.close()
 
 
-def test_silent_connections_past_the_caps_are_closed_at_once_and_others_still_get_in(
+def test_past_the_caps_the_oldest_silent_connection_makes_room_and_a_peer_always_gets_in(
         echo, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Connections that have not said hello hold a thread each: past a cap per address and one in
-    all, a new one is closed unread, without holding up a peer from another address; the places
-    come back as those connections end or are welcomed."""
+    """Connections that have not said hello hold a thread each: past a cap per address or one in
+    all, the oldest of them is closed for the newcomer. So a flood costs a bounded number of
+    threads, and a peer (which says its hello at once) is never locked out by it, even from the
+    flooding address."""
     import pygmy.replication.transport as transport
 
     server, seen = echo
@@ -659,21 +660,35 @@ def test_silent_connections_past_the_caps_are_closed_at_once_and_others_still_ge
                 return False
         return time.monotonic() - started < transport.HELLO_TIMEOUT / 2
 
+    def still_open(s: socket.socket) -> bool:
+        s.setblocking(False)
+        try:
+            return s.recv(1) != b""
+        except BlockingIOError:
+            return True
+        except ConnectionResetError:
+            return False
+        finally:
+            s.settimeout(2)
+
+    def waiting() -> int:
+        with server._lock:
+            return len(server._unwelcomed)
+
     with contextlib.ExitStack() as stack:
-        silent = [stack.enter_context(connect("127.0.0.1")) for _ in range(3)]
-        wait_for(lambda: server._unwelcomed["127.0.0.1"] == 3, "three silent connections held")
-        with connect("127.0.0.1") as fourth:
-            assert closed_at_once(fourth)
-        with connect("127.0.0.2") as other:  # another address is not locked out by the first
-            assert welcomed(other)
-        more = [stack.enter_context(connect("127.0.0.2")) for _ in range(2)]
-        wait_for(lambda: server._unwelcomed.total() == 5, "five silent connections held")
-        with connect("127.0.0.3") as third:  # the cap in all
-            assert closed_at_once(third)
-        assert server.over_cap == 2
-        for s in silent + more:
+        first = [stack.enter_context(connect("127.0.0.1")) for _ in range(3)]
+        wait_for(lambda: waiting() == 3, "three silent connections held")
+        with connect("127.0.0.1") as peer:  # its address is full of silent ones: the oldest makes room
+            assert welcomed(peer)
+        assert closed_at_once(first[0]) and still_open(first[1]) and still_open(first[2])
+        more = [stack.enter_context(connect("127.0.0.2")) for _ in range(3)]
+        wait_for(lambda: waiting() == 5, "five silent connections held")
+        last = stack.enter_context(connect("127.0.0.3"))  # the cap in all: the oldest of all makes room
+        assert closed_at_once(first[1]) and still_open(first[2]) and still_open(last)
+        assert all(still_open(s) for s in more) and server.over_cap == 2
+        for s in [*first, *more, last]:
             s.close()
-        wait_for(lambda: not server._unwelcomed, "the silent connections' places given back")
+        wait_for(lambda: waiting() == 0 and not server._unwelcomed_from, "the silent connections' places given back")
         with connect("127.0.0.1") as again:
             assert welcomed(again)
     assert [frame["n"] for _, frame in seen] == [1, 1]
