@@ -505,64 +505,75 @@ def refuse_unfinished(config: ClusterConfig, reset_state: bool) -> None:
                                    "(or start afresh with --reset)")
 
 
-def _restored_expectation(config: ClusterConfig) -> dict[str, Any] | None:
-    """What a restore left for ``pygmy up`` to check (its index and digest per tier), if anything."""
+def _restored_expectation(config: ClusterConfig) -> tuple[dict[str, Any], bool] | None:
+    """What a restore left for ``pygmy up`` to check (index and digest per tier), and whether its
+    files were checked already (then replicas have run on them since); None if nothing."""
     marker = restored_marker(config)
-    return json.loads(marker.read_text()) if marker.exists() else None
+    if not marker.exists():
+        return None
+    facts = json.loads(marker.read_text())
+    return {tier: facts[tier] for tier in ("catalog", "order")}, bool(facts.get("files_checked"))
 
 
 def check_restored_files(config: ClusterConfig, say: Say) -> None:
-    """Before a restored cluster starts: every replica's state file holds exactly the archive's
-    state (its index, and its digest, maintained and recomputed from its rows). Checked on the
-    files, not on the running replicas: once they run, writes may come at once (a client's buy, key
-    expiry, a restock), and the state moves on from the archive's."""
+    """Before a restored cluster first starts: every replica's state file holds exactly the
+    archive's state (its index, and its digest, maintained and recomputed from its rows). Checked on
+    the files, not on the running replicas: once they run, writes may come at once (a client's buy,
+    key expiry, a restock), and the state moves on from the archive's. Once passed, the marker says
+    so before any replica runs: a start cut short after that (^C before ``ready``) is checked by
+    ``check_restored`` alone next time, its replicas' state having moved on."""
     expected = _restored_expectation(config)
-    if expected is None:
+    if expected is None or expected[1]:
         return
-    for tier, want in expected.items():
+    for tier, want in expected[0].items():
         kind = CatalogState if tier == "catalog" else OrderState
         for name in config.peers(tier):
             path = config.replica_dir(name) / "state.db"
             if not path.exists():
                 raise launcher.LaunchError(f"{name} has no state file ({path}): restore again with --force")
-            state = kind(path)
-            try:
+            state: CatalogState | OrderState | None = None
+            try:  # opened as its replica will open it (a database of an older version migrated alike)
+                state = kind(path)
                 applied, kept, rows = state.full_digest()
-            except sqlite3.Error as exc:
-                raise launcher.LaunchError(f"{name}'s state file cannot be read: {exc}") from None
+            except (sqlite3.Error, OSError) as exc:
+                raise launcher.LaunchError(f"{name}'s state file {path} cannot be read: {exc}") from None
             finally:
-                _closed(state)
+                if state is not None:
+                    _closed(state)
             if (applied, kept, rows) != (want["index"], want["digest"], want["digest"]):
                 raise launcher.LaunchError(
                     f"{name} does not hold the restored state: index {applied}, digest {kept}, rows {rows}; "
                     f"expected index {want['index']} and digest {want['digest']}")
         say(f"{tier}: every replica's state file holds the restored state (digest {want['digest']})")
+    marker = restored_marker(config)
+    tmp = marker.with_suffix(".tmp")
+    tmp.write_text(json.dumps({**expected[0], "files_checked": True}))
+    os.replace(tmp, marker)
 
 
 def check_restored(config: ClusterConfig, say: Say) -> None:
     """Before a restored cluster is called ready: every replica of each tier runs from the
-    archive's state (whose files ``check_restored_files`` checked before they started): it answers
-    ``/verify`` with its maintained digest equal to its rows' and an applied index at least the
-    archive's. Raises ``launcher.LaunchError`` after ``RESTORE_CHECK`` seconds otherwise."""
+    archive's state (whose files ``check_restored_files`` checked before they first ran): it is up,
+    not failed, at the archive's index or later. Then the marker goes. Raises
+    ``launcher.LaunchError`` after ``RESTORE_CHECK`` seconds otherwise."""
     expected = _restored_expectation(config)
     if expected is None:
         return
-    auth = {"Authorization": f"Bearer {config.secret()}"}
     deadline = time.monotonic() + RESTORE_CHECK
     with requests.Session() as s:
-        for tier, want in expected.items():
+        for tier, want in expected[0].items():
             for name, url in config.peers(tier).items():
                 while True:
                     try:
-                        v = s.get(f"{url}/verify", headers=auth, timeout=(1, 30), **config.tool_tls()).json()
-                        seen = f"index {v['applied_index']}, digest {v['state_digest']}, rows {v['recomputed']}"
-                        if v["ok"] and v["applied_index"] >= want["index"]:
+                        v = s.get(f"{url}/status", timeout=(1, 5), **config.tool_tls()).json()
+                        seen = f"index {v['applied_index']}, role {v['role']}, error {v['error']}"
+                        if v["error"] is None and v["applied_index"] >= want["index"]:
                             break
-                    except (requests.RequestException, ValueError, KeyError) as exc:
+                    except (requests.RequestException, ValueError, KeyError, TypeError) as exc:
                         seen = str(exc)[:120]
                     if time.monotonic() > deadline:
-                        raise launcher.LaunchError(f"{name} does not run from the restored state: {seen}, expected "
-                                                   f"an index of {want['index']} or more, its digest its rows'")
+                        raise launcher.LaunchError(f"{name} does not run from the restored state: {seen}; expected "
+                                                   f"an index of {want['index']} or more")
                     time.sleep(0.2)
             say(f"{tier}: every replica runs from the restored state")
     restored_marker(config).unlink()

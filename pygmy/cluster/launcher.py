@@ -494,6 +494,10 @@ class Faults:
 
 def up(config: ClusterConfig, reset_state: bool = False, out: object = sys.stdout) -> int:
     """Run the whole cluster in the foreground until SIGINT/SIGTERM; print ``ready <url>`` when usable."""
+    if not reset_state:
+        # First: the replicas to check for, start and stop are the members ``pygmy member`` or a
+        # restore recorded, not those the flags derive (they had started only the flags' ones).
+        keep_members(config)
     names = config.names()
 
     def say(line: str) -> None:
@@ -520,8 +524,7 @@ def up(config: ClusterConfig, reset_state: bool = False, out: object = sys.stdou
     if reset_state:
         reset(config)
     else:
-        keep_members(config)
-        check_restored_files(config, say)  # a restored data dir, before its replicas run
+        check_restored_files(config, say)  # a restored data dir, before its replicas first run
     prepare_seed(config, books, say)
     del books
     config.secret(create=True)

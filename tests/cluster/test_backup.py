@@ -255,9 +255,12 @@ def test_a_scheduled_backup_under_way_ends_when_stopped_and_leaves_no_copies(
     assert any("stopped" in line for line in said), said
 
 
-def test_up_checks_each_restored_replicas_state_file_before_it_runs(tmp_path: Path, cut: dict[str, Path]) -> None:
+def test_up_checks_each_restored_replicas_state_file_before_it_first_runs(tmp_path: Path, cut: dict[str, Path]) -> None:
     """The archive's state in every replica's file, or ``pygmy up`` refuses to start them: checked on
-    the files, since once running a replica's state may move on at once (a buy, key expiry)."""
+    the files, since once running a replica's state may move on at once (a buy, key expiry). Once
+    they passed, a start cut short before ``ready`` does not make the next one refuse."""
+    import json
+
     from pygmy.cluster.launcher import LaunchError
     from pygmy.kit.config import ClusterConfig
 
@@ -269,18 +272,32 @@ def test_up_checks_each_restored_replicas_state_file_before_it_runs(tmp_path: Pa
     at = {tier: {"index": facts[tier]["index"]} for tier in ("catalog", "order")}
     backup.write_archive(cut["folder"], old, archive, at, settled, time.time(), time.monotonic())
     config = ClusterConfig(data_dir=str(tmp_path / "data"))
-    expected = backup.restore(archive, config)
+    index = backup.restore(archive, config)["catalog"]["index"]
+    marker = backup.restored_marker(config)
+    written = marker.read_text()
     said: list[str] = []
-    backup.check_restored_files(config, said.append)
-    assert len(said) == 2 and backup.restored_marker(config).exists()  # removed only once they run
     follower = config.replica_dir("catalog-2") / "state.db"
+    good = follower.read_bytes()
     state = CatalogState(follower)  # one more buy in one copy: its digest and index move on
-    state.apply(expected["catalog"]["index"] + 1, decrement("late", item=5))
+    state.apply(index + 1, decrement("late", item=5))
     state.close_all()
     with pytest.raises(LaunchError, match="catalog-2 does not hold the restored state"):
+        backup.check_restored_files(config, said.append)
+    follower.write_bytes(b"not a database")
+    with pytest.raises(LaunchError, match="catalog-2's state file .* cannot be read"):
         backup.check_restored_files(config, said.append)
     follower.unlink()
     with pytest.raises(LaunchError, match="catalog-2 has no state file"):
         backup.check_restored_files(config, said.append)
-    backup.restored_marker(config).unlink()  # no restore: nothing to check
+    assert marker.read_text() == written and said == []
+    follower.write_bytes(good)
+    backup.check_restored_files(config, said.append)
+    assert len(said) == 2 and json.loads(marker.read_text())["files_checked"]  # removed only once they run
+    for name in config.peers("catalog"):  # they ran (a new leader's entry), and the start was cut short
+        state = CatalogState(config.replica_dir(name) / "state.db")
+        state.apply(index + 1, None)
+        state.close_all()
+    backup.check_restored_files(config, said.append)  # the next start checks the running replicas only
+    assert len(said) == 2
+    marker.unlink()  # no restore: nothing to check
     backup.check_restored_files(config, said.append)

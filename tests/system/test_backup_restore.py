@@ -210,6 +210,16 @@ def test_a_store_restored_into_other_replica_counts_holds_the_backup_whole(scene
     finally:
         c.stop()
     assert not (c.data_dir / "run" / "restored.json").exists()  # checked before it was called ready
+    # Started again by a plain `pygmy up` (whose flags say 3 + 3): the members the restore recorded.
+    again = Cluster(c.data_dir, c.port_base, [])
+    again.start()
+    try:
+        status = requests.get(again.url + "/status", timeout=5).json()
+        assert [r["name"] for r in status["catalog"]["replicas"]] == ["catalog-1"]
+        assert len(status["order"]["replicas"]) == 3
+        assert requests.get(f"{again.url}/lookup/5", timeout=5).json()["stock"] == stock - 2
+    finally:
+        again.stop()
 
 
 def test_a_restored_cluster_bought_from_while_it_starts_still_starts(scene: dict[str, Any]) -> None:
