@@ -51,6 +51,9 @@ Without the variables below it does nothing.
   ``<tier> sender`` (or ``<tier> receiver``), the first replica of that tier to have sent (received)
   three chunks of a snapshot stream deletes the file and SIGKILLs its own process group right
   there: a stream cut short at either end, a partial file left on the receiver.
+- ``PYGMY_TEST_CRASH_INSTALL=<file>``: when the file names a tier, the first replica of that tier to
+  restore its state from a snapshot it was sent deletes the file and SIGKILLs its own process group
+  right after the restore, before its log store records the install: at start it must finish it.
 - ``PYGMY_TEST_CRASH_APPLIED_UNANNOUNCED=<file>``: when the file names a tier, the next leader of
   that tier to apply committed entries in a turn with no new entries (apply first, then send: the
   new commit index, or nothing while it waits for the next entry to carry it) deletes the file and
@@ -370,6 +373,18 @@ def _crash_mid_snapshot(flag: str) -> None:
     snapshots.Incoming.chunk = receiving
 
 
+def _crash_install(flag: str) -> None:
+    from pygmy.replication.statemachine import SQLiteStateMachine
+
+    restore = SQLiteStateMachine.restore
+
+    def crashing(self, index, path):  # type: ignore[no-untyped-def]
+        restore(self, index, path)
+        _die_if_named(flag, os.path.basename(os.path.dirname(self.path)))  # <data>/<name>/state.db
+
+    SQLiteStateMachine.restore = crashing
+
+
 def _crash_unpersisted(flag: str) -> None:
     from pygmy.replication.node import ReplicaNode
 
@@ -568,6 +583,8 @@ if os.environ.get("PYGMY_TEST_CRASH_MID_BATCH"):
     _crash_mid_batch(os.environ["PYGMY_TEST_CRASH_MID_BATCH"])
 if os.environ.get("PYGMY_TEST_CRASH_MID_SNAPSHOT"):
     _crash_mid_snapshot(os.environ["PYGMY_TEST_CRASH_MID_SNAPSHOT"])
+if os.environ.get("PYGMY_TEST_CRASH_INSTALL"):
+    _crash_install(os.environ["PYGMY_TEST_CRASH_INSTALL"])
 if os.environ.get("PYGMY_TEST_CRASH_APPLIED_UNANNOUNCED"):
     _crash_applied_unannounced(os.environ["PYGMY_TEST_CRASH_APPLIED_UNANNOUNCED"])
 if os.environ.get("PYGMY_TEST_CRASH_UNPERSISTED"):

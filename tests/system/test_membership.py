@@ -23,7 +23,9 @@ frontend learns the members without a restart. Refused changes change nothing.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,8 +33,9 @@ from typing import Any
 
 import pytest
 import requests
-from harness import BackgroundLoad, Cluster, free_port_base, wait_for
+from harness import BackgroundLoad, Cluster, cluster_env, free_port_base, wait_for
 
+from pygmy.cluster import launcher
 from pygmy.verify import chaos_check, hosts
 from pygmy.verify.chaos import final_state, leader_of
 
@@ -119,8 +122,13 @@ def test_replicas_and_leaders_are_replaced_online_under_load(cluster: Cluster, t
         load.buys_acked(3)
     finally:
         history = load.finish()
+    judge(c, load, history, windows, tmp_path / "run", members)
 
-    run = tmp_path / "run"
+
+def judge(c: Cluster, load: BackgroundLoad, history: Any, windows: list[dict[str, Any]], run: Path,
+          members: dict[str, set[str]]) -> None:
+    """From outside (``chaos_check``): every acknowledged buy an order on every order replica, none
+    doubled, stock adding up on every catalog replica, one index and digest per tier, Porcupine."""
     run.mkdir()
     history.save(run / "history.json")
     (run / "nemesis.json").write_text(json.dumps({"windows": windows, "errors": []}))
@@ -134,3 +142,57 @@ def test_replicas_and_leaders_are_replaced_online_under_load(cluster: Cluster, t
     assert load.errors == [], load.errors[:5]
     counts = result["by_outcome"]
     assert counts.get("buy/ok", 0) >= 10 and counts.get("update/ok", 0) >= 10, counts
+
+
+def test_a_replica_killed_installing_a_snapshot_after_a_replacement_keeps_the_configuration(tmp_path: Path) -> None:
+    """A catalog follower is down while the other follower is replaced (catalog-4 in its place).
+    Back, it is past what the leader keeps and gets the state as a snapshot, and is SIGKILLed right
+    after restoring its state from it, before its log store records the install (a hook,
+    tests/mutations/sitecustomize.py). Restarted, it finishes the install with the snapshot's
+    configuration on its disk: before, with none, and it fell back to the members it was started
+    with (stale wherever those are given once, as in a container). Then judged from outside."""
+    flag = tmp_path / "crash-install"
+    env = cluster_env(PYGMY_TEST_CRASH_INSTALL=str(flag), PYGMY_RAFT_KEEP_ENTRIES="30", PYGMY_RAFT_COMPACT_SLACK="10")
+    c = Cluster(tmp_path / "d", free_port_base(), [], env)
+    c.start(reset=True)
+    try:
+        op = hosts.Operator(c.data_dir, c.env)
+        load = BackgroundLoad([c.url], c.admin_token(), ITEMS, writers=2, readers=2, buyers=2, searchers=0,
+                              order_readers=1)
+        windows: list[dict[str, Any]] = []
+        load.start()
+        try:
+            load.buys_acked(5)
+            lead = str(wait_for("a catalog leader", lambda: leader_of(c.cluster_config(), "catalog")))
+            victim, old = [n for n in ("catalog-1", "catalog-2", "catalog-3") if n != lead]
+            start = time.monotonic_ns()
+            c.kill(victim)
+            hosts.replace(op, "catalog", old, "catalog-4", hosts.free_address("127.0.0.6"), c.restart)
+            c.kill(old)
+            load.buys_acked(60)  # past what the leader keeps (with the updates): only a snapshot brings it back
+            flag.write_text("catalog")
+            with contextlib.suppress(AssertionError):
+                c.restart(victim)  # (it may die of the hook before its start-up is over: as meant)
+            wait_for("the install cut short by the hook", lambda: not flag.exists(), 30)
+            wait_for(f"{victim} gone", lambda: not launcher.running(c.cluster_config(), victim), 10)
+            windows.append({"kind": "install-crash", "detail": f"{old} -> catalog-4, {victim} killed installing",
+                            "start": start, "end": time.monotonic_ns()})
+            load.buys_acked(3)
+        finally:
+            history = load.finish()
+        c.restart(victim)  # with nothing written meanwhile: its log store is as its start left it
+        voters = {lead, victim, "catalog-4"}
+        raft = c.data_dir / victim / "raft.db"
+        conn = sqlite3.connect(f"{raft.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            meta = dict(conn.execute("SELECT key, value FROM raft_meta").fetchall())
+        finally:
+            conn.close()
+        assert "installing_index" not in meta and meta.get("snapshot_membership"), meta
+        assert set(json.loads(meta["snapshot_membership"])["voters"]) == voters
+        wait_for(f"{victim} caught up", lambda: any(m["name"] == victim and m["caught_up"]
+                                                     for m in op.members("catalog")["members"]), 30)
+        members = {"catalog": voters, "order": {"order-1", "order-2", "order-3"}}
+        judge(c, load, history, windows, tmp_path / "run", members)
+    finally:
+        c.stop()
