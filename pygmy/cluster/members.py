@@ -27,8 +27,18 @@ _ELSEWHERE = (421, 503)
 _TRANSIENT = ("pending", "transferring")
 
 
+#: The refusal each change gets when it is made already: after an attempt whose outcome is unknown
+#: (no answer, or 503), it may be that attempt's doing (``_made_already``).
+_MADE_ALREADY = {"add": "duplicate", "promote": "not_learner", "remove": "unknown"}
+
+
 class MemberError(RuntimeError):
-    """The change was refused, or no leader answered: ``pygmy member`` says why and exits 1."""
+    """The change was refused, or no leader answered: ``pygmy member`` says why and exits 1.
+    ``kind``: the refusal's; ``uncertain``: an attempt before it may have been made (no answer)."""
+
+    def __init__(self, message: str, kind: str | None = None, uncertain: bool = False) -> None:
+        super().__init__(message)
+        self.kind, self.uncertain = kind, uncertain
 
 
 def call(config: ClusterConfig, tier: str, method: str, path: str, body: dict[str, Any] | None = None,
@@ -41,6 +51,7 @@ def call(config: ClusterConfig, tier: str, method: str, path: str, body: dict[st
     deadline = time.monotonic() + timeout
     urls = list(config.peers(tier).values())
     last = "no replica answered"
+    uncertain = False  # a request may have reached the leader without our hearing its outcome
     with requests.Session() as s:
         while True:
             queue = list(urls)
@@ -48,24 +59,26 @@ def call(config: ClusterConfig, tier: str, method: str, path: str, body: dict[st
                 url = queue.pop(0)
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise MemberError(f"{tier}: {last}")
+                    raise MemberError(f"{tier}: {last}", uncertain=uncertain)
                 try:
                     r = s.request(method, url + path, json=body, headers={**auth, "X-Request-Timeout-Ms": str(
                         int(min(left, 6.0) * 1000))}, timeout=(0.5, min(left, 6.0) + 1), **config.tool_tls())
                     answer = r.json()
                 except (requests.RequestException, ValueError) as exc:
                     last = f"{url}: {type(exc).__name__}"
+                    uncertain = uncertain or (method != "GET" and not isinstance(exc, requests.ConnectTimeout))
                     continue
                 error = answer.get("error", {}) if isinstance(answer, dict) else {}
                 if r.status_code == 200:
                     return answer
                 last = f"{r.status_code}: {error.get('message', r.text[:200])}"
+                uncertain = uncertain or (method != "GET" and r.status_code == 503)
                 if r.status_code == 421 and error.get("leader_url"):
                     queue.insert(0, error["leader_url"])  # the leader, if it is one we do not know
                     if error["leader_url"] not in urls:
                         urls.append(error["leader_url"])
                 elif r.status_code not in _ELSEWHERE and not (r.status_code == 409 and error.get("kind") in retry_kinds):
-                    raise MemberError(last)
+                    raise MemberError(last, error.get("kind"), uncertain)
             time.sleep(0.2)
 
 
@@ -75,6 +88,35 @@ def record(config: ClusterConfig, tier: str, membership: dict[str, Any]) -> None
     config.members = {**config.members, tier: {n: membership["urls"][n] for n in names if n in membership["urls"]}}
     config.tier_learners = {**config.tier_learners, tier: list(membership["learners"])}
     config.save()
+
+
+def _made_already(config: ClusterConfig, tier: str, action: str, name: str, url: str | None,
+                  refused: MemberError) -> dict[str, Any]:
+    """After an attempt whose outcome is unknown, a refusal saying the change is made already
+    (added, a voter, not a member) means that attempt made it: the configuration the leader has
+    now, once it is committed. Otherwise ``refused`` is raised: a change made by someone else, or
+    with another URL, is still refused."""
+    if not refused.uncertain or refused.kind != _MADE_ALREADY[action]:
+        raise refused
+    deadline = time.monotonic() + 10
+    while True:
+        view = call(config, tier, "GET", "/members")
+        members = {m["name"]: m for m in view["members"]}
+        if action == "add":
+            made = name in members and members[name]["url"] == (url or "").rstrip("/")
+        elif action == "promote":
+            made = members.get(name, {}).get("role") == "voter"
+        else:
+            made = name not in members
+        if not made:
+            raise refused
+        if not view["pending"]:
+            return {"voters": sorted(n for n, m in members.items() if m["role"] == "voter"),
+                    "learners": sorted(n for n, m in members.items() if m["role"] != "voter"),
+                    "urls": {n: m["url"] for n, m in members.items()}}
+        if time.monotonic() > deadline:
+            raise MemberError(f"{tier}: {action} {name} was made, but has not committed yet") from None
+        time.sleep(0.2)
 
 
 def _check(tier: str, name: str | None) -> None:
@@ -106,19 +148,22 @@ def run(config: ClusterConfig, action: str, tier: str, name: str | None, url: st
             print(f"  {m['name']:12} {m['role']:8} {m['url']:28} lag {m['lag']}{state}", file=out)
         return 0
     assert name is not None
-    if action == "add":
-        if not url:
-            raise MemberError("add needs the new replica's URL, e.g. http://10.0.0.4:8104")
-        conf = call(config, tier, "POST", "/members", {"name": name, "url": url.rstrip("/")})
-        what = f"added {name} to {tier} as a learner at {url}; start it: pygmy start {name}"
-    elif action == "promote":
-        # With --wait, while it catches up (``lagging``), ask again.
-        conf = call(config, tier, "POST", f"/members/{name}/promote", timeout=max(10.0, wait),
-                    retry_kinds=("lagging",) if wait > 0 else ())
-        what = f"promoted {name} to a voter of {tier}"
-    else:
-        conf = call(config, tier, "DELETE", f"/members/{name}", timeout=max(10.0, wait))
-        what = f"removed {name} from {tier}"
+    if action == "add" and not url:
+        raise MemberError("add needs the new replica's URL, e.g. http://10.0.0.4:8104")
+    try:
+        if action == "add":
+            assert url is not None
+            conf = call(config, tier, "POST", "/members", {"name": name, "url": url.rstrip("/")})
+        elif action == "promote":
+            # With --wait, while it catches up (``lagging``), ask again.
+            conf = call(config, tier, "POST", f"/members/{name}/promote", timeout=max(10.0, wait),
+                        retry_kinds=("lagging",) if wait > 0 else ())
+        else:
+            conf = call(config, tier, "DELETE", f"/members/{name}", timeout=max(10.0, wait))
+    except MemberError as refused:  # an earlier attempt that went unanswered may have made it
+        conf = _made_already(config, tier, action, name, url, refused)
+    what = {"add": f"added {name} to {tier} as a learner at {url}; start it: pygmy start {name}",
+            "promote": f"promoted {name} to a voter of {tier}", "remove": f"removed {name} from {tier}"}[action]
     if record_changes:
         record(config, tier, conf)
     print(json.dumps(conf, indent=2) if as_json else
