@@ -1111,8 +1111,13 @@ class ReplicaNode:
         against lowering too soon, to the core and to the peer connections' connect budgets."""
         self._retune_at = now + RETUNE_EVERY
         rtts = self._rtt.rtts(now)
-        needed = (len(self.peers) // 2 + 1) - 1
-        timing = self._timing_hold.update(now, derive(rtts, needed, self.config.tick_ms) if self.config.adapt else Timing())
+        # The pace is the voters': the address book also names learners, members it was started
+        # with and replicas it heard from, none of which makes a majority.
+        voters = self.core.membership.voters
+        needed = len(voters) // 2 + 1 - (self.name in voters)
+        paced = {p: rtt for p, rtt in rtts.items() if p in voters}
+        timing = self._timing_hold.update(now, derive(paced, needed, self.config.tick_ms) if self.config.adapt
+                                          else Timing())
         if timing != self._timing:
             self._timing = timing
             self.core.set_timing(timing)

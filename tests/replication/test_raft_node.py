@@ -765,3 +765,33 @@ def test_an_install_finished_after_a_crash_keeps_the_snapshots_configuration(tmp
         assert persisted.snapshot_membership == replaced
     finally:
         again.close()
+
+
+def test_the_timers_follow_the_round_trips_of_the_voters_a_majority_needs(tmp_path: Path, monkeypatch) -> None:
+    """After a replacement the address book still names the members a replica was started with (and
+    learners, and replicas it heard from): the pace is set by the voters, as many of them as make a
+    majority with this one, not by a count of that book nor by round trips to non-voters."""
+    from pygmy.replication import node as node_module
+    from pygmy.replication.core import Timing
+
+    peers = {f"kv-{i}": f"http://127.0.0.1:{free_port()}" for i in range(1, 6)}
+    voters = Membership(frozenset({"kv-1", "kv-2", "kv-3"}), urls={n: peers[n] for n in ("kv-1", "kv-2", "kv-3")})
+    d = tmp_path / "kv-1"
+    sm = KV(d / "state.db")
+    for i in range(1, 6):
+        sm.apply(i, {"k": "a", "add": 1})
+    store = LogStore(d / "raft.db")
+    store.save(HardState(1, None, 5, 0), snapshot=(5, 1), membership=voters)
+    store.close()
+    node = ReplicaNode("kv-1", peers, sm, d, SECRET, CONFIG, addresses={n: ("127.0.0.1", free_port()) for n in peers})
+    asked: list[tuple[dict, int]] = []
+    monkeypatch.setattr(node_module, "derive", lambda rtts, needed, tick_ms: asked.append((rtts, needed)) or Timing())
+    rtts = {"kv-2": (0.001, 0.002), "kv-3": (0.3, 0.4), "kv-4": (0.0001, 0.0002), "kv-5": (0.0001, 0.0002)}
+    monkeypatch.setattr(node._rtt, "rtts", lambda now: rtts)
+    try:
+        assert node.core.membership == voters
+        node._retune(time.monotonic())
+        assert asked == [({"kv-2": (0.001, 0.002), "kv-3": (0.3, 0.4)}, 1)]
+    finally:
+        node.stop()
+        sm.close()
