@@ -1062,10 +1062,20 @@ class RaftCore:
     def _end_transfer(self) -> None:
         self.lead_transferee, self._timeout_now_sent = None, False
 
+    def handover_target(self) -> tuple[int, str] | None:
+        """The other voter a hand-over goes to, with how much of our log it holds: one that answered
+        a message sent within the election window before one that did not (a voter that died while
+        caught up would be told to campaign, and the tier would wait out an election timeout for
+        nothing), then the one holding most of our log, then the name."""
+        window = self._window()
+        best = max(((self.now - pr.last_heard <= window, pr.match, p) for p, pr in self._prs.items()
+                    if p in self.membership.voters and p != self.id), default=None)
+        return None if best is None else (best[1], best[2])
+
     def _hand_over_removed(self) -> None:
-        """A leader whose removal committed steps down; the voter holding most of its log is told
-        to campaign now rather than wait out an election timeout."""
-        best = max(((pr.match, p) for p, pr in self._prs.items() if p in self.membership.voters), default=None)
+        """A leader whose removal committed steps down; the voter ``handover_target`` names is told
+        to campaign now, if it holds all our log, rather than wait out an election timeout."""
+        best = self.handover_target()
         self._become_follower(self.term, None)
         if best is not None and best[0] == self.last_index:
             self._send(Message(TIMEOUT_NOW, self.id, best[1], self.term))

@@ -713,7 +713,7 @@ class ReplicaNode:
         return self.in_turn(look)
 
     def transfer_leadership(self, to: str | None, timeout: float) -> str | None:
-        """Hand leadership to voter ``to`` (None: the voter holding most of our log), and wait up to
+        """Hand leadership to voter ``to`` (None: ``RaftCore.handover_target``'s), and wait up to
         ``timeout`` for another to lead; the new leader's name (None if none is known yet).
         Raises MembershipRefused (nothing done) or NotLeader."""
 
@@ -722,11 +722,10 @@ class ReplicaNode:
                 raise NotLeader(*(self._leader_tuple() or (None, None)))
             target = to
             if target is None:
-                others = [(p.match, n) for n in core.membership.voters - {core.id}
-                          if (p := core.progress(n)) is not None]
-                if not others:
+                best = core.handover_target()
+                if best is None:
                     raise MembershipRefused("invalid", f"{core.id} is the only voter")
-                target = max(others)[1]
+                target = best[1]
             core.transfer_leadership(target)
             return target
 

@@ -383,6 +383,24 @@ def test_a_server_being_removed_gets_its_removal_again_after_a_lost_append() -> 
     assert not victim.core.is_voter()
 
 
+def test_a_hand_over_without_a_named_target_goes_to_a_voter_that_answers() -> None:
+    """An idle tier: every voter holds all the log, one of them has died. A hand-over to "the
+    voter holding most of the log" goes to one that answered within the election window, not to
+    the dead one (the greater name, which won the tie before): a new leader within a window."""
+    c = Cluster(3, seed=31)
+    leader = settled(c)
+    assert c.commit_everywhere()
+    alive, dead = sorted(n.name for n in c.nodes.values() if n is not leader)
+    c.crash(dead)
+    c.tick(60)  # idle, longer than the window: it answers nothing
+    assert leader.core.is_leader() and leader.core.progress(dead).match == leader.core.last_index
+    assert leader.core.handover_target() == (leader.core.last_index, alive)
+    c.process(leader)
+    leader.core.transfer_leadership(alive)
+    c.process(leader)
+    assert c.wait_for(lambda: c.nodes[alive].core.is_leader(), SIM_CONFIG.election_ticks_min)
+
+
 def test_a_leader_outside_our_configuration_is_followed() -> None:
     """A voter that missed the entry adding the leader (it was behind) must still take its
     appends, or it could never learn that configuration (Raft dissertation, 4.1)."""
