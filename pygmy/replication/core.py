@@ -985,14 +985,20 @@ class RaftCore:
         Raises ``MembershipRefused`` (nothing appended)."""
         return self._change(self.membership.with_learner(name, url))
 
+    def caught_up(self, name: str, max_lag: int) -> bool:
+        """Whether this leader's follower ``name`` holds all but at most ``max_lag`` of our entries
+        and answered a message sent within the election window: what ``promote`` asks of a learner."""
+        pr = self._prs.get(name)
+        return pr is not None and pr.match + max_lag >= self.last_index and self.now - pr.last_heard <= self._window()
+
     def promote(self, name: str, max_lag: int) -> int:
         """Make learner ``name`` a voter, only if it is caught up: it holds all but at most
-        ``max_lag`` of our entries and answered within the shortest election timeout. A voter that
+        ``max_lag`` of our entries and answered within the election window (``caught_up``). A voter that
         lags would hold the majority back (with one server down, a 3->4 change needs it to commit)."""
         new = self.membership.promoted(name)
         self._check_change()
         pr = self._prs.get(name)
-        if pr is None or pr.match + max_lag < self.last_index or self.now - pr.last_heard > self._window():
+        if not self.caught_up(name, max_lag):
             behind = self.last_index - (pr.match if pr else 0)
             heard = "never answered" if pr is None or pr.last_heard < 0 else \
                 f"last answered {self.now - pr.last_heard} ticks ago"

@@ -693,7 +693,7 @@ class ReplicaNode:
     def members(self) -> dict[str, Any]:
         """The leader's view of the configuration: each member's role, URL and how far its log is
         behind ours (``lag``, entries) and whether it could be promoted now (``caught_up``)."""
-        lag_max, timeout = self.config.promote_max_lag, self.config.election_ticks_min
+        lag_max = self.config.promote_max_lag
 
         def look(core: RaftCore) -> dict[str, Any]:
             if not core.is_leader():
@@ -703,10 +703,9 @@ class ReplicaNode:
             for name in sorted(m.members):
                 pr = core.progress(name)
                 lag = 0 if name == core.id else core.last_index - (pr.match if pr else 0)
-                heard = name == core.id or (pr is not None and core.now - pr.last_heard <= timeout)
                 out.append({"name": name, "url": self.peers.get(name, ""),
                             "role": "voter" if name in m.voters else "learner",
-                            "lag": lag, "caught_up": lag <= lag_max and heard})
+                            "lag": lag, "caught_up": name == core.id or core.caught_up(name, lag_max)})
             return {"leader": core.id, "term": core.term, "last_index": core.last_index,
                     "pending": core.membership_pending(), "members": out}
 
