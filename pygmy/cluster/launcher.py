@@ -503,7 +503,8 @@ def up(config: ClusterConfig, reset_state: bool = False, out: object = sys.stdou
     def say(line: str) -> None:
         print(f"pygmy up: {line}", file=sys.stderr, flush=True)
 
-    busy = {n: pid for n in names if (pid := running(config, n))}
+    # Every service of the data dir, also one `pygmy member` added that ``--reset`` would delete.
+    busy = {n: pid for n in service_names(config) if (pid := running(config, n))}
     if busy:
         listed = ", ".join(f"{n} (pid {pid})" for n, pid in busy.items())
         raise LaunchError(f"already running in {config.root}: {listed} (stop it first)")

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import requests
+import urllib3
 
 from pygmy.kit.config import ClusterConfig, parse_name
 
@@ -66,13 +67,13 @@ def call(config: ClusterConfig, tier: str, method: str, path: str, body: dict[st
                     answer = r.json()
                 except (requests.RequestException, ValueError) as exc:
                     last = f"{url}: {type(exc).__name__}"
-                    uncertain = uncertain or (method != "GET" and not isinstance(exc, requests.ConnectTimeout))
+                    uncertain = uncertain or (method != "GET" and _may_have_arrived(exc))
                     continue
                 error = answer.get("error", {}) if isinstance(answer, dict) else {}
                 if r.status_code == 200:
                     return answer
                 last = f"{r.status_code}: {error.get('message', r.text[:200])}"
-                uncertain = uncertain or (method != "GET" and r.status_code == 503)
+                uncertain = uncertain or (method != "GET" and error.get("kind") == "outcome_unknown")
                 if r.status_code == 421 and error.get("leader_url"):
                     queue.insert(0, error["leader_url"])  # the leader, if it is one we do not know
                     if error["leader_url"] not in urls:
@@ -80,6 +81,18 @@ def call(config: ClusterConfig, tier: str, method: str, path: str, body: dict[st
                 elif r.status_code not in _ELSEWHERE and not (r.status_code == 409 and error.get("kind") in retry_kinds):
                     raise MemberError(last, error.get("kind"), uncertain)
             time.sleep(0.2)
+
+
+def _may_have_arrived(exc: BaseException) -> bool:
+    """Whether a request that failed so may have reached the replica (a read timed out, a connection
+    dropped before the answer): not if no connection was made, nor if the answer was not JSON."""
+    if isinstance(exc, ValueError | requests.ConnectTimeout):
+        return False
+    if isinstance(exc, requests.ConnectionError):
+        cause = exc.args[0] if exc.args else None
+        cause = getattr(cause, "reason", cause)  # (urllib3's MaxRetryError wraps what happened)
+        return not isinstance(cause, urllib3.exceptions.NewConnectionError | urllib3.exceptions.ConnectTimeoutError)
+    return True
 
 
 def record(config: ClusterConfig, tier: str, membership: dict[str, Any]) -> None:
@@ -100,7 +113,10 @@ def _made_already(config: ClusterConfig, tier: str, action: str, name: str, url:
         raise refused
     deadline = time.monotonic() + 10
     while True:
-        view = call(config, tier, "GET", "/members")
+        try:
+            view = call(config, tier, "GET", "/members", timeout=max(1.0, deadline - time.monotonic()))
+        except MemberError:
+            raise refused from None  # not known to be made: the refusal stands
         members = {m["name"]: m for m in view["members"]}
         if action == "add":
             made = name in members and members[name]["url"] == (url or "").rstrip("/")

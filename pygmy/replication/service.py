@@ -273,7 +273,7 @@ class ReplicaRuntime:
         def remove_member(name: str) -> Response:
             name = self._member_name(name)
             if name == self.name and self.node.is_leader():
-                # The leader hands over first, to the voter holding most of its log; the caller
+                # The leader hands over first (``RaftCore.handover_target``); the caller
                 # follows the 421 and asks the new leader, which removes this one.
                 if name not in self._current_members():
                     fail(404, f"{name!r} is not a member", kind="unknown")
@@ -369,7 +369,8 @@ class ReplicaRuntime:
             return 421, error_body(421, f"{self.name} is not the {self.tier} leader",
                                    leader=exc.leader_name, leader_url=exc.leader_url)
         return 503, error_body(503, f"{self.name}: write not committed in time (no majority?); "
-                                    "its outcome is unknown: retry with the same idempotency key")
+                                    "its outcome is unknown: retry with the same idempotency key",
+                               kind="outcome_unknown")
 
     def drain(self, timeout: float = 10.0) -> int:
         """Refuse new frame requests and wait, at most ``timeout`` seconds, for those being served to

@@ -57,11 +57,12 @@ MAX_HELLO = 1 << 16
 ACCEPT_RETRY = 0.05
 #: Connections not welcomed yet (no valid hello so far) that a server holds at once, from one
 #: address and in all. Each holds a thread and a timer for up to HELLO_TIMEOUT, before anyone is
-#: authenticated: past a cap, the oldest such connection (of that address, or of all) is closed
-#: to make room, so that a flood of silent connections costs a few hundred threads, not all the
-#: process can have, and cannot lock out a peer: a peer says its hello within a round trip of
-#: connecting, long before a flood's connections grow oldest. A replica or frontend opens a few at
-#: a time (a whole local cluster, all on 127.0.0.1, a few dozen at its start).
+#: authenticated: past a cap, the oldest such connection of that address (past the cap in all, of
+#: the address that holds the most) is closed to make room, so that a flood of silent connections
+#: costs a few hundred threads, not all the process can have, and a peer, which holds few and says
+#: its hello within a round trip of connecting, is not the one closed unless its own address floods.
+#: A replica or frontend opens a few at a time (a whole local cluster, all on 127.0.0.1, a few
+#: dozen at its start).
 MAX_UNWELCOMED_PER_HOST = 64
 MAX_UNWELCOMED = 512
 #: At most one warning per this many seconds about connections closed over those caps.
@@ -309,8 +310,9 @@ class FrameServer:
         out = []
         if self._unwelcomed_from[host] >= MAX_UNWELCOMED_PER_HOST:
             out.append(self._forget(next(p for p in self._unwelcomed if p.host == host)))
-        if len(self._unwelcomed) >= MAX_UNWELCOMED:
-            out.append(self._forget(next(iter(self._unwelcomed))))
+        if len(self._unwelcomed) >= MAX_UNWELCOMED:  # the oldest of the address that holds the most
+            busiest = self._unwelcomed_from.most_common(1)[0][0]
+            out.append(self._forget(next(p for p in self._unwelcomed if p.host == busiest)))
         for p in out:
             p.evicted = True
         return out
@@ -327,9 +329,9 @@ class FrameServer:
         """Close connections made room for (their threads end on it); say so now and then, not each time."""
         with self._lock:
             socks = [p.sock for p in evicted]  # the current one: a TLS wrap after this sees ``evicted``
+            self.over_cap += len(evicted)
         for sock in socks:
             _close(sock)
-        self.over_cap += len(evicted)
         told, at = self._over_cap_told
         now = time.monotonic()
         if now - at >= CAP_WARN_EVERY:
@@ -395,8 +397,8 @@ class FrameServer:
             if channel.hello is not None:
                 channel.hello(peer, hello)
             conn.settimeout(None)  # a quiet peer is not a dead one; a new connection replaces it
-            pending = _AfterReply()
-            _AFTER_REPLY.set(pending)  # this thread serves only this connection
+            later = _AfterReply()
+            _AFTER_REPLY.set(later)  # this thread serves only this connection
             while True:
                 frame = read_frame(stream)
                 if frame is None:
@@ -406,7 +408,7 @@ class FrameServer:
                     if reply is not None:
                         conn.sendall(encode(reply))
                 finally:
-                    pending.run()
+                    later.run()
         except (OSError, ValueError, AttributeError) as exc:
             log.debug("%s: connection ended: %s", self.name, exc)
         except Exception:

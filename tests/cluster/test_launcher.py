@@ -438,3 +438,21 @@ def test_pause_of_a_group_that_is_gone_raises_process_lookup_error() -> None:
     proc.wait()
     with pytest.raises(ProcessLookupError):
         launcher.pause(proc.pid)
+
+
+def test_up_with_reset_refuses_while_a_replica_added_by_pygmy_member_runs(tmp_path: Path, monkeypatch) -> None:
+    """``--reset`` derives the members from the flags, but a replica ``pygmy member`` added (its
+    directory and pid file in the data dir) that still runs is found, and nothing is deleted."""
+    config = ClusterConfig(data_dir=str(tmp_path / "d"))
+    (config.root / "catalog-4").mkdir(parents=True)
+    (config.root / "catalog-4" / "state.db").write_text("kept")
+    monkeypatch.setattr(launcher, "running", lambda config, name: 4242 if name == "catalog-4" else None)
+
+    def never(*args: object) -> None:
+        raise AssertionError("went on past the check")
+
+    monkeypatch.setattr(launcher, "reset", never)  # (nothing is deleted nor started, whatever happens)
+    monkeypatch.setattr(launcher, "spawn", never)
+    with pytest.raises(launcher.LaunchError, match=r"already running .*catalog-4 \(pid 4242\)"):
+        launcher.up(config, reset_state=True)
+    assert (config.root / "catalog-4" / "state.db").read_text() == "kept"

@@ -11,6 +11,7 @@ from flask import Flask, jsonify, request
 from harness import StandIn
 
 from pygmy.cluster import members
+from pygmy.cluster.local import free_port
 from pygmy.kit.config import ClusterConfig
 
 NEW = "http://127.0.0.9:9104"
@@ -42,6 +43,10 @@ def cluster(tmp_path: Path, url: str) -> ClusterConfig:
     return config
 
 
+#: A change's answer when it may have been made: not committed in time.
+UNKNOWN = (503, {"error": {"code": 503, "kind": "outcome_unknown", "message": "its outcome is unknown"}})
+
+
 def refusal(kind: str) -> tuple[int, dict[str, Any]]:
     return 409, {"error": {"code": 409, "kind": kind, "message": f"refused: {kind}"}}
 
@@ -54,7 +59,7 @@ VIEW = {"leader": "catalog-1", "term": 2, "last_index": 9, "pending": False, "me
 def test_an_add_whose_first_attempt_went_unanswered_is_recorded_once_the_leader_has_it(tmp_path: Path) -> None:
     """The first POST is answered 503 (its outcome unknown: it may have been made); the retry is
     refused as a duplicate: the leader's configuration says it was made, so it is recorded."""
-    standin, asked = leader([(503, {"error": {"code": 503, "message": "outcome unknown"}}), refusal("duplicate")],
+    standin, asked = leader([UNKNOWN, refusal("duplicate")],
                             VIEW)
     try:
         config = cluster(tmp_path, standin.url)
@@ -73,7 +78,7 @@ def test_a_duplicate_is_still_refused_when_nothing_was_left_unanswered_or_the_ur
         tmp_path: Path, first: int | None) -> None:
     """Without an unanswered attempt, a duplicate is the operator's mistake; with one, a name
     present at another URL is someone else's replica: refused either way, nothing recorded."""
-    answers = ([] if first is None else [(first, {"error": {"code": first, "message": "x"}})]) + [refusal("duplicate")]
+    answers = ([] if first is None else [UNKNOWN]) + [refusal("duplicate")]
     standin, _ = leader(answers, VIEW)
     try:
         config = cluster(tmp_path, standin.url)
@@ -87,7 +92,7 @@ def test_a_duplicate_is_still_refused_when_nothing_was_left_unanswered_or_the_ur
 
 def test_a_promote_and_a_remove_made_by_an_unanswered_attempt_are_recorded(tmp_path: Path) -> None:
     promoted = {**VIEW, "members": [{**m, "role": "voter"} for m in VIEW["members"]]}
-    standin, _ = leader([(503, {"error": {"code": 503, "message": "x"}}), refusal("not_learner")], promoted)
+    standin, _ = leader([UNKNOWN, refusal("not_learner")], promoted)
     try:
         config = cluster(tmp_path, standin.url)
         assert members.run(config, "promote", "catalog", "catalog-4", None, 0, False, io.StringIO()) == 0
@@ -95,10 +100,29 @@ def test_a_promote_and_a_remove_made_by_an_unanswered_attempt_are_recorded(tmp_p
     finally:
         standin.stop()
     removed = {**VIEW, "members": VIEW["members"][:1]}
-    standin, _ = leader([(503, {"error": {"code": 503, "message": "x"}}), refusal("unknown")], removed)
+    standin, _ = leader([UNKNOWN, refusal("unknown")], removed)
     try:
         config = cluster(tmp_path, standin.url)
         assert members.run(config, "remove", "catalog", "catalog-4", None, 0, False, io.StringIO()) == 0
         assert ClusterConfig.load(str(config.root)).members["catalog"] == {"catalog-1": "http://x1"}
+    finally:
+        standin.stop()
+
+
+def test_a_change_that_never_reached_a_leader_leaves_its_refusal_standing(tmp_path: Path) -> None:
+    """A replica that refused the connection, or a 503 that is not "outcome unknown" (no leader
+    known, not ready), proposed nothing: a refusal after it is the operator's to read, even where
+    the leader's configuration happens to look as asked (promoting a voter)."""
+    promoted = {**VIEW, "members": [{**m, "role": "voter"} for m in VIEW["members"]]}
+    not_ready = (503, {"error": {"code": 503, "message": "catalog-1 is not ready"}})
+    standin, asked = leader([not_ready, refusal("not_learner")], promoted)
+    try:
+        config = cluster(tmp_path, standin.url)
+        dead = f"http://127.0.0.1:{free_port()}"  # a replica lost for good: nothing listens
+        config.members = {"catalog": {"catalog-3": dead, "catalog-1": standin.url}}
+        config.save()
+        with pytest.raises(members.MemberError, match="refused: not_learner"):
+            members.run(config, "promote", "catalog", "catalog-4", None, 0, False, io.StringIO())
+        assert "GET" not in asked
     finally:
         standin.stop()

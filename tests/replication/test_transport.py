@@ -632,10 +632,10 @@ def test_a_connection_opened_for_a_call_takes_no_longer_than_the_caller_has_left
 
 def test_past_the_caps_the_oldest_silent_connection_makes_room_and_a_peer_always_gets_in(
         echo, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Connections that have not said hello hold a thread each: past a cap per address or one in
-    all, the oldest of them is closed for the newcomer. So a flood costs a bounded number of
-    threads, and a peer (which says its hello at once) is never locked out by it, even from the
-    flooding address."""
+    """Connections that have not said hello hold a thread each: past a cap per address, the oldest
+    of that address is closed for the newcomer; past the cap in all, the oldest of the address that
+    holds the most. So a flood costs a bounded number of threads, and a peer (which says its hello
+    at once, and holds few) is not locked out by it, even from the flooding address."""
     import pygmy.replication.transport as transport
 
     server, seen = echo
@@ -683,9 +683,11 @@ def test_past_the_caps_the_oldest_silent_connection_makes_room_and_a_peer_always
         assert closed_at_once(first[0]) and still_open(first[1]) and still_open(first[2])
         more = [stack.enter_context(connect("127.0.0.2")) for _ in range(3)]
         wait_for(lambda: waiting() == 5, "five silent connections held")
-        last = stack.enter_context(connect("127.0.0.3"))  # the cap in all: the oldest of all makes room
-        assert closed_at_once(first[1]) and still_open(first[2]) and still_open(last)
-        assert all(still_open(s) for s in more) and server.over_cap == 2
+        # The cap in all: the oldest of the address that holds the most makes room (not first[1],
+        # older, from an address holding fewer: as a peer's would be).
+        last = stack.enter_context(connect("127.0.0.3"))
+        assert closed_at_once(more[0]) and still_open(first[1]) and still_open(first[2]) and still_open(last)
+        assert all(still_open(s) for s in more[1:]) and server.over_cap == 2
         for s in [*first, *more, last]:
             s.close()
         wait_for(lambda: waiting() == 0 and not server._unwelcomed_from, "the silent connections' places given back")

@@ -180,16 +180,23 @@ def test_a_replica_killed_installing_a_snapshot_after_a_replacement_keeps_the_co
             load.buys_acked(3)
         finally:
             history = load.finish()
-        c.restart(victim)  # with nothing written meanwhile: its log store is as its start left it
         voters = {lead, victim, "catalog-4"}
         raft = c.data_dir / victim / "raft.db"
-        conn = sqlite3.connect(f"{raft.resolve().as_uri()}?mode=ro", uri=True)
-        try:
-            meta = dict(conn.execute("SELECT key, value FROM raft_meta").fetchall())
-        finally:
-            conn.close()
-        assert "installing_index" not in meta and meta.get("snapshot_membership"), meta
-        assert set(json.loads(meta["snapshot_membership"])["voters"]) == voters
+
+        def meta() -> dict[str, str]:
+            conn = sqlite3.connect(f"{raft.resolve().as_uri()}?mode=ro", uri=True)
+            try:
+                return dict(conn.execute("SELECT key, value FROM raft_meta").fetchall())
+            finally:
+                conn.close()
+
+        killed = meta()  # what the kill left: the install begun, with the snapshot's configuration
+        assert killed.get("installing_index") and killed.get("installing_membership"), killed
+        assert set(json.loads(killed["installing_membership"])["voters"]) == voters
+        c.restart(victim)  # with nothing written meanwhile: its log store is as its start left it
+        started = meta()
+        assert "installing_index" not in started and started.get("snapshot_membership"), started
+        assert set(json.loads(started["snapshot_membership"])["voters"]) == voters
         wait_for(f"{victim} caught up", lambda: any(m["name"] == victim and m["caught_up"]
                                                      for m in op.members("catalog")["members"]), 30)
         members = {"catalog": voters, "order": {"order-1", "order-2", "order-3"}}
