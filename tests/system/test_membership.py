@@ -152,7 +152,7 @@ def test_a_replica_killed_installing_a_snapshot_after_a_replacement_keeps_the_co
     configuration on its disk: before, with none, and it fell back to the members it was started
     with (stale wherever those are given once, as in a container). Then judged from outside."""
     flag = tmp_path / "crash-install"
-    env = cluster_env(PYGMY_TEST_CRASH_INSTALL=str(flag), PYGMY_RAFT_KEEP_ENTRIES="30", PYGMY_RAFT_COMPACT_SLACK="10")
+    env = cluster_env(PYGMY_TEST_CRASH_INSTALL=str(flag), PYGMY_RAFT_KEEP_ENTRIES="10", PYGMY_RAFT_COMPACT_SLACK="5")
     c = Cluster(tmp_path / "d", free_port_base(), [], env)
     c.start(reset=True)
     try:
@@ -169,7 +169,7 @@ def test_a_replica_killed_installing_a_snapshot_after_a_replacement_keeps_the_co
             c.kill(victim)
             hosts.replace(op, "catalog", old, "catalog-4", hosts.free_address("127.0.0.6"), c.restart)
             c.kill(old)
-            load.buys_acked(60)  # past what the leader keeps (with the updates): only a snapshot brings it back
+            load.buys_acked(20)  # past what the leader keeps (with the updates): only a snapshot brings it back
             flag.write_text("catalog")
             with contextlib.suppress(AssertionError):
                 c.restart(victim)  # (it may die of the hook before its start-up is over: as meant)
