@@ -7,8 +7,8 @@ archive restored with ``pygmy restore`` into a fresh data dir, with nothing else
 - how long the backup takes, and the size of each tier's copy and of the archive;
 - the buys' throughput and p50/p99 latency in the seconds before the backup and while it runs;
 - how long ``pygmy restore`` takes until it says ready: the archive checked (``--verify``'s checks),
-  every replica's state written, the cluster started, and every replica's digest, recomputed from
-  its rows, found equal to the archive's.
+  every replica's state written, every replica's digest recomputed from the rows of its state file
+  and found equal to the archive's, then the cluster started.
 
 A store without orders is started with ``pygmy up --books`` and holds only this run's orders. A
 store with orders is BUILT OFFLINE first, with the tiers' own state code and nothing else: the seed

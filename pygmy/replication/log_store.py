@@ -118,8 +118,7 @@ class LogStore:
                 c.execute("DELETE FROM raft_log")
                 self._set(snapshot_index=snapshot[0], snapshot_term=snapshot[1])
                 self._set_membership(membership)
-                c.execute("DELETE FROM raft_meta WHERE key IN ('installing_index', 'installing_term', "
-                          "'installing_membership')")
+                self._clear_install()
             if truncate_from is not None:
                 c.execute("DELETE FROM raft_log WHERE idx >= ?", (truncate_from,))
             c.executemany("INSERT OR REPLACE INTO raft_log(idx, term, command) VALUES (?, ?, ?)", rows)
@@ -144,12 +143,16 @@ class LogStore:
         configuration in force at it: an install finished after that crash writes it as the
         snapshot's, or the replica would fall back to the members it was started with."""
         with transaction(self._conn):
-            self._conn.execute("DELETE FROM raft_meta WHERE key='installing_membership'")
+            self._clear_install()
             self._set(installing_index=index, installing_term=term)
             if membership is not None:
                 self._set(installing_membership=codec.dumps_text(membership.to_dict()))
 
     def abort_install(self) -> None:
+        self._clear_install()
+
+    def _clear_install(self) -> None:
+        """Forget an install's intent, its configuration with it."""
         self._conn.execute("DELETE FROM raft_meta WHERE key IN ('installing_index', 'installing_term', "
                            "'installing_membership')")
 
