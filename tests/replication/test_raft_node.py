@@ -275,8 +275,10 @@ def test_peer_transport_requires_the_secret_and_a_member(cluster: Harness) -> No
         wait_for(lambda: any(kind == "msgs" and any(m.src == other for m in value) for kind, value, _ in delivered),
                  5, "the frame was read")
     msgs = [m for kind, value, _ in delivered if kind == "msgs" for m in value]
-    assert [(m.src, m.type, m.term) for m in msgs if m.src != leader.name or m.term > term] == [(other, "heartbeat", 0)]
-    assert target.term() == term
+    # Only our frame's messages carry term 0 or term + 50: the cluster's own traffic (a pre-vote
+    # answer from ``other`` when a loaded machine delays a heartbeat) is neither.
+    assert [(m.src, m.type, m.term) for m in msgs if m.term in (0, term + 50)] == [(other, "heartbeat", 0)]
+    assert target.term() < term + 50
 
 
 def test_a_follower_counts_no_tick_that_fell_due_before_it_heard_its_leader(cluster: Harness) -> None:
