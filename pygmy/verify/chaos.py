@@ -52,6 +52,12 @@ DRAIN = 8.0
 SETTLE = 5.0
 
 
+def _set_event() -> threading.Event:
+    event = threading.Event()
+    event.set()
+    return event
+
+
 @dataclass
 class ChaosWorkload(Workload):
     """The linearizability workload plus buys retried under one key, keyless buys, searches and
@@ -64,6 +70,8 @@ class ChaosWorkload(Workload):
     #: Books that start with this little stock and whose writers change only the cost: buyers sell
     #: them out, so the run also checks "no oversell" at zero stock under faults (409s).
     scarce: dict[int, int] = field(default_factory=lambda: {6: 20, 7: 20})
+    #: Cleared, buyers start no buy (one under way finishes): a test may need the order tier idle.
+    buying: threading.Event = field(default_factory=_set_event)
 
     def __post_init__(self) -> None:
         auth = {"Authorization": f"Bearer {self.token}"}
@@ -110,6 +118,9 @@ class ChaosWorkload(Workload):
         rng = random.Random(k)
         with requests.Session() as s:
             for i in itertools.count():
+                while not self.buying.wait(0.05):
+                    if self._stop.is_set():
+                        return
                 if self._stop.is_set():
                     return
                 item = self.items[(i + k) % len(self.items)]

@@ -11,8 +11,11 @@ every operation recorded for Porcupine). Then, one tier after the other, on one 
 and on another:
 
 - the catalog leader is SIGKILLed for good and replaced the same way (catalog-4);
-- the order leader, alive, is replaced: a new replica is added and promoted, then ``pygmy member
-  remove`` of the leader makes it hand leadership over before it is removed, and it is stopped.
+- the order leader, alive, is replaced: a new replica is added and promoted, then killed while the
+  tier is idle (buys paused): every voter holds the whole log, so the new one, whose name is the
+  greatest, is the one a hand-over by log and name would pick. ``pygmy member remove`` of the
+  leader makes it hand leadership over, to a live voter, before it is removed; it is stopped and
+  the new replica started again.
 
 Everything is judged from outside by ``pygmy.verify.chaos_check``, as the fault tests are: every
 acknowledged buy is an order on every order replica, none doubled, stock adds up book by book on
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -36,22 +40,65 @@ import requests
 from harness import BackgroundLoad, Cluster, cluster_env, free_port_base, wait_for
 
 from pygmy.cluster import launcher
+from pygmy.order.app import ORPHAN_AGE, SCAN_EVERY
 from pygmy.verify import chaos_check, hosts
 from pygmy.verify.chaos import final_state, leader_of
 
 ITEMS = list(range(1, 8))
 
 
-def replace(c: Cluster, op: hosts.Operator, tier: str, old: str, new: str, host: str, kill_first: bool) -> None:
+def replace(c: Cluster, op: hosts.Operator, load: BackgroundLoad, tier: str, old: str, new: str, host: str,
+            kill_first: bool) -> None:
     """``old`` out, ``new`` in (``pygmy.verify.hosts.replace``: add, start, promote once caught up,
     remove), ``old`` SIGKILLed first, for good, or, alive, stopped once removed."""
     if kill_first:
         c.kill(old)
-    hosts.replace(op, tier, old, new, hosts.free_address(host), c.restart)
-    if not kill_first:
-        c.kill(old)
+        hosts.replace(op, tier, old, new, hosts.free_address(host), c.restart)
+    else:
+        hand_over_past_a_dead_voter(c, op, load, tier, old, new, host)
     roles = op.roles(tier)
     assert old not in roles and roles[new] == "voter" and len(roles) == 3, roles
+
+
+def hand_over_past_a_dead_voter(c: Cluster, op: hosts.Operator, load: BackgroundLoad, tier: str, old: str, new: str,
+                                host: str) -> None:
+    """The leader ``old`` replaced by ``new``, with a hand-over that must pass over a dead voter:
+    ``new`` added, caught up and promoted, then SIGKILLed once every voter holds the whole log (buys
+    paused), and the leader removed a few election windows later. A leader that handed over by log
+    and name alone would tell the dead ``new`` to campaign, and the tier would wait out an election
+    timeout for nothing (``RaftCore.handover_target``). Then ``old`` is stopped and ``new`` started
+    again, a voter of three."""
+    op.change("add", tier, new, hosts.free_address(host))
+    c.restart(new)
+    hosts.wait_until(f"{new} caught up as a learner", lambda: any(
+        m["name"] == new and m["caught_up"] for m in op.members(tier)["members"]), 60)
+    op.change("promote", tier, new, "--wait", "60")
+    load.buying.clear()
+    try:
+        # Idle: the buys under way answered, and the orphan scan's entry for their keys made (it
+        # records what it read every SCAN_EVERY s, once a key is ORPHAN_AGE old); then nothing
+        # appends, and every voter holds the same log.
+        quiet, seen = ORPHAN_AGE + SCAN_EVERY + 1, {"index": -1, "since": 0.0}
+
+        def idle() -> bool:
+            view = op.members(tier)
+            if view["last_index"] != seen["index"]:
+                seen.update(index=view["last_index"], since=time.monotonic())
+            return time.monotonic() - seen["since"] >= quiet and all(m["lag"] == 0 for m in view["members"])
+
+        hosts.wait_until(f"the {tier} tier idle, every voter holding the whole log", idle, 60, every=1)
+        c.kill(new)
+        time.sleep(3 * c.replica_get(old, "/status").json()["timers"]["election_ms"] / 1000)
+        left = op.change("remove", tier, old, "--wait", "60")
+    finally:
+        load.buying.set()
+    assert set(left["voters"]) == set(c.cluster_config().peers(tier)) - {old} and new in left["voters"], left
+    told = re.findall(r"handing leadership over to ([\w-]+)", (c.data_dir / "logs" / f"{old}.log").read_text())
+    assert told and new not in told, f"{old} handed leadership over to {told}"
+    c.kill(old)
+    c.restart(new)
+    hosts.wait_until(f"{new} back, caught up", lambda: any(
+        m["name"] == new and m["caught_up"] for m in op.members(tier)["members"]), 60)
 
 
 @pytest.fixture
@@ -109,7 +156,7 @@ def test_replicas_and_leaders_are_replaced_online_under_load(cluster: Cluster, t
         for tier, old, new, host, kill_first in STEPS[who]:
             old = old or str(wait_for(f"a {tier} leader", lambda tier=tier: leader_of(c.cluster_config(), tier)))
             start = time.monotonic_ns()
-            replace(c, op, tier, old, new, host, kill_first)
+            replace(c, op, load, tier, old, new, host, kill_first)
             windows.append({"kind": f"replace-{tier}", "detail": f"{old} -> {new}", "start": start,
                             "end": time.monotonic_ns()})
             expected[tier] = expected[tier] - {old} | {new}
