@@ -5,6 +5,8 @@ Needs root, iproute2 and iptables (``.ci/run`` installs them); skipped with the 
 
 from __future__ import annotations
 
+import json
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -130,3 +132,24 @@ def test_hosts_added_later_are_on_the_bridge_and_leave_nothing_behind(net: nemes
         for p in servers:
             p.kill()
             p.wait()
+
+
+def test_each_toxiproxy_call_takes_a_connection_of_its_own(tmp_path: Path) -> None:
+    """Toxiproxy's server closes a connection idle for some seconds, and a call sent on a kept-alive
+    one as it closes fails with nothing done: a fault's undo was lost so once, under the whole suite.
+    So no call reuses a connection (each shows in the server's log from a client port of its own)."""
+    with socket.socket() as s:  # a free port for the API, not the nemesis' (a chaos run may hold it)
+        s.bind(("127.0.0.1", 0))
+        api_port = s.getsockname()[1]
+    log = tmp_path / "toxiproxy.log"
+    proxy = nemesis.Toxiproxy("127.0.0.1", log, api_port=api_port)
+    try:
+        proxy.proxy("p", 0, "127.0.0.1:9")
+        proxy.latency("p", 20, 0)
+        proxy.clear("p")
+        proxy.delete("p")
+    finally:
+        proxy.stop()
+    calls = [json.loads(line) for line in log.read_text().splitlines() if '"handler"' in line]
+    assert [c["method"] for c in calls if c["method"] != "GET"] == ["POST"] * 3 + ["DELETE"] * 3, calls
+    assert len({c["client"] for c in calls}) == len(calls), [c["client"] for c in calls]
