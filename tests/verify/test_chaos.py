@@ -45,7 +45,8 @@ def test_a_quick_run_with_every_fault_finds_no_anomaly(tmp_path: Path) -> None:
 def test_the_checker_catches_an_isolated_leader_serving_stale_reads(tmp_path: Path) -> None:
     env = cluster_env(PYGMY_MUTATION="stale-leader")
     # Isolations of 2-3 s: long enough that a new leader takes writes while the old one still answers.
-    out = chaos.run(20, seed=3, out=tmp_path / "run", kinds=("isolate-catalog-leader",), env=env, hold=(2.0, 3.0))
+    # (20 s gave 7 isolations and every book proved not linearizable: a few are plenty.)
+    out = chaos.run(12, seed=3, out=tmp_path / "run", kinds=("isolate-catalog-leader",), env=env, hold=(2.0, 3.0))
     result = chaos_check.check(out)
     assert not result["ok"], "a leader serving reads while cut off from its peers went unseen"
     assert "linearizable" in result["anomalies_by_kind"], chaos_check.summary(result)
