@@ -27,10 +27,12 @@ run: $(BIN)/pygmy
 # Bytecode compiled once up front: with PYTHONDONTWRITEBYTECODE set (as in some environments) every
 # service process the tests start would otherwise compile the project's modules again (~0.2 s of CPU
 # per process, a few hundred processes per run). Python still reads .pyc files it did not write.
-# Workers: pytest-xdist runs the suite on 3 processes (most tests wait on clusters, not on the CPU);
-# WORKERS=0 runs it in one. Work stealing: a worker that runs out takes tests still queued on a busy
-# one, so the minutes-long system tests (handed out first, tests/conftest.py) do not leave the others
-# idle at the end. scripts/check_prereqs.py names what is missing in the first seconds.
+# Workers: pytest-xdist runs the suite on 3 processes (2 took 12:56 and 4 took 12:01 with two
+# timing failures, against 10:43 for 3, in runs one after another on 2 cores); WORKERS=0 runs it in
+# one. Work stealing: a worker that runs out takes tests still queued on a busy one, so the
+# minutes-long system tests (handed out first, tests/conftest.py) do not leave the others idle at
+# the end. (Giving every worker a share of them at the start was slower: three clusters under load
+# at once on two cores.) scripts/check_prereqs.py names what is missing in the first seconds.
 WORKERS ?= 3
 test: install
 	$(BIN)/ruff check .

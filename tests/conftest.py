@@ -109,34 +109,16 @@ def fresh_cluster(tmp_path: Path) -> Iterator[Cluster]:
 LONG = ("system", "verify", "experiments")
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Long tests first in every worker's share. pytest-xdist's worksteal hands the list out in one
-    contiguous part per worker, then an idle worker takes the back half of the longest queue left.
-    With every long test at the head of the list, they all fell in the first worker's part: it ran
-    them one after another while the others ran the short tests, then took the long ones that were
-    left, so long tests were still starting in the last minutes. Each part now begins with its
-    share of the long tests (every n-th, in their order) and ends with short ones, which are what
-    the idle workers take."""
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Long tests first (in their order), the rest after: xdist hands tests out in this order, and a
+    minutes-long test handed out last would run on alone after every other worker has finished."""
     here = Path(__file__).resolve().parent
 
-    def is_long(item: pytest.Item) -> bool:
+    def rank(item: pytest.Item) -> int:
         path = Path(str(item.path)).resolve()
-        return path.is_relative_to(here) and path.relative_to(here).parts[0] in LONG
+        return 0 if path.is_relative_to(here) and path.relative_to(here).parts[0] in LONG else 1
 
-    long = [i for i in items if is_long(i)]
-    short = [i for i in items if not is_long(i)]
-    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
-    sizes, left = [], len(items)
-    for k in range(workers):  # as worksteal splits the list: len(pending) // nodes left, in turn
-        sizes.append(left // (workers - k))
-        left -= sizes[-1]
-    shares = [long[k::workers] for k in range(workers)]
-    if any(len(share) > size for share, size in zip(shares, sizes, strict=True)):
-        items[:] = long + short
-        return
-    rest = iter(short)
-    items[:] = [i for share, size in zip(shares, sizes, strict=True)
-                for i in share + [next(rest) for _ in range(size - len(share))]]
+    items.sort(key=rank)
 
 
 # -- no silent skips where every test must run -----------------------------------------------------

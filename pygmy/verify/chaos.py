@@ -295,9 +295,11 @@ class _Patient:
 
 
 def run(duration: float, seed: int, out: Path, kinds: tuple[str, ...] = nemesis.KINDS,
-        env: dict[str, str] | None = None, hold: tuple[float, float] | None = None) -> Path:
+        env: dict[str, str] | None = None, hold: tuple[float, float] | None = None,
+        clients: dict[str, int] | None = None) -> Path:
     """One chaos run; writes history.json, nemesis.json and final.json to ``out`` and returns it.
-    ``hold``: how long each fault lasts (s, uniform), if not the nemesis' default."""
+    ``hold``: how long each fault lasts (s, uniform), if not the nemesis' default; ``clients``: how
+    many of each ``ChaosWorkload`` client (``writers``, ``readers``, ...), if not its defaults."""
     missing = nemesis.missing_tools()
     if missing:
         raise RuntimeError(f"the nemesis needs {', '.join(missing)} (network namespaces and iptables)")
@@ -319,7 +321,7 @@ def run(duration: float, seed: int, out: Path, kinds: tuple[str, ...] = nemesis.
             try:
                 cluster.start(reset=True)
                 urls = [config.frontend_url(1), config.frontend_url(2)]
-                load = ChaosWorkload(urls, cluster.admin_token(), items)
+                load = ChaosWorkload(urls, cluster.admin_token(), items, **(clients or {}))
 
                 def pid(name: str) -> int | None:
                     try:
