@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ARGS ?=
 QUICK ?=
 
-.PHONY: install run test lint k8scheck bench lincheck chaos experiments mutation compose-up compose-down compose-test clean
+.PHONY: install run test test-nemesis lint k8scheck bench lincheck chaos experiments mutation compose-up compose-down compose-test clean
 
 # The services' own dependencies only: all that `make run` installs.
 $(BIN)/pygmy: pyproject.toml
@@ -38,7 +38,14 @@ test: install
 	$(BIN)/ruff check .
 	$(BIN)/python scripts/check_prereqs.py
 	$(BIN)/python -m compileall -q -j 0 catalog client experiments frontend order pygmy
-	$(BIN)/pytest -q -n $(WORKERS) --dist worksteal
+	$(BIN)/pytest -q -n $(WORKERS) --dist worksteal -m "not nemesis_run"
+
+# The quick nemesis runs (tests/verify/test_chaos.py): a cluster in network namespaces under every
+# fault kind, and a broken build caught. Minutes of both cores each, beside the suite they pushed
+# make test past its 10 minutes; .ci/run runs them after make test.
+test-nemesis: install
+	$(BIN)/python scripts/check_prereqs.py
+	$(BIN)/pytest -q -n 2 -m nemesis_run
 
 lint: install
 	$(BIN)/ruff check .

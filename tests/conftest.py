@@ -36,6 +36,10 @@ def pytest_configure(config: pytest.Config) -> None:
         "allow_faults(*kinds, logs=()): the faults this test injects on purpose: loop fault kinds a "
         "replica may count (storage, error, sender) and regular expressions for tracebacks its services "
         "may log (matched against '<service>: <logging line> | <exception>')")
+    config.addinivalue_line(
+        "markers",
+        "nemesis_run: a whole cluster in network namespaces under the nemesis (minutes each, both cores): "
+        "left out of make test's 10 minutes, run by make test-nemesis (and .ci/run)")
     _start, _stop, _init = LocalCluster.start, LocalCluster.stop, ReplicaNode.__init__
 
     def start(self: LocalCluster, *args, **kwargs):  # type: ignore[no-untyped-def]

@@ -4,6 +4,9 @@ One clean run with every fault kind must find no anomaly (the host kinds too: a 
 slow and lossy, and one lost for good and replaced by a new host with ``pygmy member``); one run of a deliberately broken build
 (``stale-leader``: a leader that neither checks its lease nor steps down when cut off) must be caught,
 so the checker is shown to fail when a guarantee breaks. ``make chaos`` is the long version.
+
+Each is a few minutes of both cores beside the rest of the suite: they run in ``make test-nemesis``
+(``.ci/run`` runs it after ``make test``), not in ``make test``.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from harness import cluster_env
 
 from pygmy.verify import chaos, chaos_check, nemesis
 
-pytestmark = [pytest.mark.skipif(bool(nemesis.missing_tools()), reason=f"needs {nemesis.missing_tools()}"),
+pytestmark = [pytest.mark.nemesis_run,  # ``make test-nemesis`` (and .ci/run), not ``make test``
+              pytest.mark.skipif(bool(nemesis.missing_tools()), reason=f"needs {nemesis.missing_tools()}"),
               # The nemesis fills disks: replicas count storage faults and log them, nothing else.
               pytest.mark.allow_faults("storage", logs=[r"disk full: database or disk is full"])]
 
