@@ -28,7 +28,8 @@ run: $(BIN)/pygmy
 # service process the tests start would otherwise compile the project's modules again (~0.2 s of CPU
 # per process, a few hundred processes per run). Python still reads .pyc files it did not write.
 # Workers: pytest-xdist runs the suite on 3 processes (2 took 12:56 and 4 took 12:01 with two
-# timing failures, against 10:43 for 3, in runs one after another on 2 cores); WORKERS=0 runs it in
+# timing failures, against 10:43 for 3, in runs one after another on 2 cores, the nemesis runs still
+# in the suite then); WORKERS=0 runs it in
 # one. Work stealing: a worker that runs out takes tests still queued on a busy one, so the
 # minutes-long system tests (handed out first, tests/conftest.py) do not leave the others idle at
 # the end. (Giving every worker a share of them at the start was slower: three clusters under load
@@ -45,6 +46,7 @@ test: install
 # make test past its 10 minutes; .ci/run runs them after make test.
 test-nemesis: install
 	$(BIN)/python scripts/check_prereqs.py
+	$(BIN)/python -m compileall -q -j 0 catalog client experiments frontend order pygmy
 	$(BIN)/pytest -q -n 2 -m nemesis_run
 
 lint: install

@@ -272,8 +272,8 @@ def test_peer_transport_requires_the_secret_and_a_member(cluster: Harness) -> No
         s.sendall(encode({"hello": other, "secret": SECRET, "channel": "raft"}))
         s.sendall(encode({"messages": [bogus, {**bogus, "src": leader.name}, stale]}))  # not who said hello
         # Our frame's message, not merely the leader's next heartbeat (which may come first).
-        wait_for(lambda: any(kind == "msgs" and any(m.src == other for m in value) for kind, value, _ in delivered),
-                 5, "the frame was read")
+        wait_for(lambda: any(kind == "msgs" and any(m.src == other and m.term == 0 for m in value)
+                             for kind, value, _ in delivered), 5, "the frame was read")
     msgs = [m for kind, value, _ in delivered if kind == "msgs" for m in value]
     # Only our frame's messages carry term 0 or term + 50: the cluster's own traffic (a pre-vote
     # answer from ``other`` when a loaded machine delays a heartbeat) is neither.

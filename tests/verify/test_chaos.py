@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.nemesis_run,  # ``make test-nemesis`` (and .ci/run), n
 
 
 def test_a_quick_run_with_every_fault_finds_no_anomaly(tmp_path: Path) -> None:
-    # Half the clients of a chaos run: the whole suite runs beside it on two cores.
+    # Half the clients of a chaos run (ChaosWorkload's defaults): the other nemesis run goes beside it.
     out = chaos.run(40, seed=11, out=tmp_path / "run",
                     clients={"writers": 4, "readers": 2, "buyers": 2, "order_readers": 1})
     result = chaos_check.check(out)

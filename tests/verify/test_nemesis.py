@@ -134,7 +134,7 @@ def test_hosts_added_later_are_on_the_bridge_and_leave_nothing_behind(net: nemes
             p.wait()
 
 
-def test_each_toxiproxy_call_takes_a_connection_of_its_own(tmp_path: Path) -> None:
+def test_each_toxiproxy_call_takes_a_connection_of_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Toxiproxy's server closes a connection idle for some seconds, and a call sent on a kept-alive
     one as it closes fails with nothing done: a fault's undo was lost so once, under the whole suite.
     So no call reuses a connection (each shows in the server's log from a client port of its own)."""
@@ -142,6 +142,7 @@ def test_each_toxiproxy_call_takes_a_connection_of_its_own(tmp_path: Path) -> No
         s.bind(("127.0.0.1", 0))
         api_port = s.getsockname()[1]
     log = tmp_path / "toxiproxy.log"
+    monkeypatch.setenv("LOG_LEVEL", "debug")  # Toxiproxy logs each API call at debug, its default level
     proxy = nemesis.Toxiproxy("127.0.0.1", log, api_port=api_port)
     try:
         proxy.proxy("p", 0, "127.0.0.1:9")
