@@ -27,26 +27,25 @@ run: $(BIN)/pygmy
 # Bytecode compiled once up front: with PYTHONDONTWRITEBYTECODE set (as in some environments) every
 # service process the tests start would otherwise compile the project's modules again (~0.2 s of CPU
 # per process, a few hundred processes per run). Python still reads .pyc files it did not write.
-# Workers: pytest-xdist runs the suite on 3 processes (2 took 12:56 and 4 took 12:01 with two
-# timing failures, against 10:43 for 3, in runs one after another on 2 cores, the nemesis runs still
-# in the suite then); WORKERS=0 runs it in
-# one. Work stealing: a worker that runs out takes tests still queued on a busy one, so the
-# minutes-long system tests (handed out first, tests/conftest.py) do not leave the others idle at
-# the end. (Giving every worker a share of them at the start was slower: three clusters under load
-# at once on two cores.) scripts/check_prereqs.py names what is missing in the first seconds.
+# Workers: pytest-xdist runs the suite on 3 processes (on 2 cores, 2 and 4 were slower, and 4 failed
+# timing tests); WORKERS=0 runs it in one. Work stealing: a worker that runs out takes tests still
+# queued on a busy one, so the minutes-long system tests (handed out first, tests/conftest.py) do
+# not leave the others idle at the end (a share of them to every worker at the start was slower:
+# three clusters under load at once). scripts/check_prereqs.py names what is missing at once.
+COMPILE = $(BIN)/python -m compileall -q -j 0 catalog client experiments frontend order pygmy
 WORKERS ?= 3
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/python scripts/check_prereqs.py
-	$(BIN)/python -m compileall -q -j 0 catalog client experiments frontend order pygmy
+	$(COMPILE)
 	$(BIN)/pytest -q -n $(WORKERS) --dist worksteal -m "not nemesis_run"
 
 # The quick nemesis runs (tests/verify/test_chaos.py): a cluster in network namespaces under every
-# fault kind, and a broken build caught. Minutes of both cores each, beside the suite they pushed
-# make test past its 10 minutes; .ci/run runs them after make test.
+# fault kind, and a broken build caught. They take both cores for a minute or two each, which make
+# test's 10 minutes cannot hold; .ci/run runs them after make test.
 test-nemesis: install
 	$(BIN)/python scripts/check_prereqs.py
-	$(BIN)/python -m compileall -q -j 0 catalog client experiments frontend order pygmy
+	$(COMPILE)
 	$(BIN)/pytest -q -n 2 -m nemesis_run
 
 lint: install

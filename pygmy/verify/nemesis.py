@@ -144,8 +144,8 @@ class Toxiproxy:
         self.proc = subprocess.Popen([str(build_toxiproxy()), "-host", "127.0.0.1", "-port", str(api_port)],
                                      stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.s = requests.Session()
-        # A connection per call: its server closes one idle for some seconds, and a call sent on it
-        # as it closes fails with nothing done (RemoteDisconnected: a fault's undo lost, once).
+        # A connection per call: its server closes a kept-alive one that sent nothing for its read
+        # timeout, and a call sent on it as it closes fails with nothing done (RemoteDisconnected).
         self.s.headers["Connection"] = "close"
         deadline = time.monotonic() + 10
         while True:

@@ -5,8 +5,8 @@ slow and lossy, and one lost for good and replaced by a new host with ``pygmy me
 (``stale-leader``: a leader that neither checks its lease nor steps down when cut off) must be caught,
 so the checker is shown to fail when a guarantee breaks. ``make chaos`` is the long version.
 
-Each is a few minutes of both cores beside the rest of the suite: they run in ``make test-nemesis``
-(``.ci/run`` runs it after ``make test``), not in ``make test``.
+Each takes both cores for a minute or two: they run in ``make test-nemesis`` (``.ci/run`` runs it
+after ``make test``), not in ``make test``, whose 10 minutes on 2 cores could not hold them.
 """
 
 from __future__ import annotations

@@ -6,7 +6,6 @@ Needs root, iproute2 and iptables (``.ci/run`` installs them); skipped with the 
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from pygmy.cluster.local import free_port
 from pygmy.kit.config import ClusterConfig
 from pygmy.verify import nemesis
 
@@ -135,15 +135,13 @@ def test_hosts_added_later_are_on_the_bridge_and_leave_nothing_behind(net: nemes
 
 
 def test_each_toxiproxy_call_takes_a_connection_of_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Toxiproxy's server closes a connection idle for some seconds, and a call sent on a kept-alive
-    one as it closes fails with nothing done: a fault's undo was lost so once, under the whole suite.
-    So no call reuses a connection (each shows in the server's log from a client port of its own)."""
-    with socket.socket() as s:  # a free port for the API, not the nemesis' (a chaos run may hold it)
-        s.bind(("127.0.0.1", 0))
-        api_port = s.getsockname()[1]
+    """Toxiproxy's server closes a kept-alive connection that has sent nothing for its read timeout,
+    and a call sent on it as it closes fails with nothing done: a fault's undo was lost so once, under
+    the whole suite. So no call reuses a connection (each shows in the server's log from a client
+    port of its own)."""
     log = tmp_path / "toxiproxy.log"
     monkeypatch.setenv("LOG_LEVEL", "debug")  # Toxiproxy logs each API call at debug, its default level
-    proxy = nemesis.Toxiproxy("127.0.0.1", log, api_port=api_port)
+    proxy = nemesis.Toxiproxy("127.0.0.1", log, api_port=free_port())  # not the nemesis' (a chaos run may hold it)
     try:
         proxy.proxy("p", 0, "127.0.0.1:9")
         proxy.latency("p", 20, 0)
