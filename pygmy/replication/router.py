@@ -190,7 +190,7 @@ class Sightings:
     def look(self, http: urllib3.PoolManager) -> bool:
         """Ask the leader (as hinted), else every replica, for its ``/status``, and take the
         configuration of the leader of the newest term that answers (else of the replica furthest
-        ahead); if none of them gives one, ask the replicas the deployment's configuration names
+        ahead); a leader within its lease ends the asking; if none of them gives one, ask the replicas the deployment's configuration names
         now (``configured``: every member we knew may have been replaced while we were not
         looking). True if the members changed."""
         members = dict(self.members)
@@ -229,8 +229,11 @@ class Sightings:
             rank = (int(st.get("role") == "leader"), int(st.get("term", 0)), int(st.get("commit_index", 0)))
             if urls and (best is None or rank > best[0]):
                 best = (rank, urls)
-            if rank[0]:
-                break  # the leader's own configuration: the newest any replica can have
+            if rank[0] and st.get("leader_lease") and best is not None and best[1] is urls:
+                # A leader within its lease: no newer term can have begun, so its configuration is
+                # the newest any replica has. One whose lease lapsed may have been deposed without
+                # knowing it (cut off, paused): the others are asked too, and the newest term wins.
+                break
         return None if best is None else best[1]
 
     def forget_leader(self, name: str) -> None:

@@ -23,6 +23,7 @@ class Replica:
 
     def __init__(self, name: str) -> None:
         self.name, self.role, self.term = name, "follower", 1
+        self.lease = True  # a leader's: whether its leader lease holds
         self.conf: dict[str, Any] = {}
         self.answer: tuple[int, dict[str, Any]] = (200, {"by": name})
         self.status_calls = 0
@@ -32,7 +33,7 @@ class Replica:
         def status() -> Any:
             self.status_calls += 1
             return jsonify({"name": name, "role": self.role, "term": self.term, "commit_index": 5,
-                            "membership": self.conf})
+                            "leader_lease": self.role == "leader" and self.lease, "membership": self.conf})
 
         @app.route("/<path:path>", methods=["GET", "POST"])
         def other(path: str) -> Any:
@@ -81,6 +82,28 @@ def test_a_look_at_the_leader_adds_and_drops_replicas(replicas: dict[str, Replic
     finally:
         router.close()
         router.sightings.close()
+
+
+def test_a_leader_whose_lease_lapsed_is_not_believed_over_a_newer_one(replicas: dict[str, Replica]) -> None:
+    """t-1, asked first (the hint), still says it leads in term 1, but its lease has lapsed: it was
+    cut off while t-2 was elected in term 2 and removed t-3. The look goes on to the others, and
+    takes the configuration of the newest term's leader, not the first claim it heard."""
+    r = replicas
+    seen = Sightings()
+    router = TierRouter("t", {n: r[n].url for n in r}, "secret", sightings=seen)
+    try:
+        r["t-1"].role, r["t-1"].lease = "leader", False
+        r["t-1"].conf = configuration(r, ["t-1", "t-2", "t-3"])
+        r["t-2"].role, r["t-2"].term = "leader", 2
+        r["t-2"].conf = configuration(r, ["t-1", "t-2"])
+        seen.leader = "t-1"
+        assert seen.look(urllib3.PoolManager())
+        assert r["t-1"].status_calls == 1 and r["t-2"].status_calls == 1
+        router.follow_members()
+        assert sorted(router.names) == ["t-1", "t-2"]
+    finally:
+        router.close()
+        seen.close()
 
 
 def test_a_write_named_to_an_unknown_leader_finds_it(replicas: dict[str, Replica],
