@@ -5,6 +5,11 @@
 with ``py-spy record --nonblocking --gil`` (only samples holding the GIL: Python CPU, not waits; collapsed stacks and an SVG flame graph per process) and
 prints, per service, the share of samples and the functions with the most samples (inclusive and
 own): what a change to a hot path is measured with before and after (docs/performance.md).
+
+It also prints, per worker thread (from ``/proc/<pid>/task``, named by ``py-spy dump``), its CPU and
+its context switches per operation, voluntary (it blocked: a wait for a frame, a lock, the GIL,
+a disk sync) and not (preempted): where an operation's hand-offs between threads and processes
+are, which py-spy's samples of the interpreter do not show.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,6 +40,47 @@ def workers(c: LocalCluster) -> dict[str, list[int]]:
         kids = Path(f"/proc/{master}/task/{master}/children").read_text().split()
         out[name] = [int(k) for k in kids] or [master]
     return out
+
+
+def thread_counters(pid: int) -> dict[int, tuple[int, int, int]]:
+    """``{thread id: (CPU clock ticks, voluntary, involuntary context switches)}`` of a process so far."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+            stat = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        switches = dict(re.findall(r"^(voluntary|nonvoluntary)_ctxt_switches:\s+(\d+)", status, re.M))
+        out[int(task.name)] = (int(stat[11]) + int(stat[12]), int(switches["voluntary"]), int(switches["nonvoluntary"]))
+    return out
+
+
+def thread_names(spy: str, pid: int) -> dict[int, str]:
+    """``{thread id: Python thread name}`` of a process, from ``py-spy dump``."""
+    dump = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60).stdout
+    return {int(tid): name for tid, name in re.findall(r'^Thread (\d+) \([^)]*\): "([^"]*)"', dump, re.M)}
+
+
+def thread_table(spy: str, before: dict[int, dict[int, tuple[int, int, int]]], pids: dict[int, str],
+                 ops: int) -> list[str]:
+    """Lines: each busy thread's CPU (ms) and context switches per operation since ``before``."""
+    tick_ms = 1000 / os.sysconf("SC_CLK_TCK")
+    rows = []
+    for pid, service in pids.items():
+        try:
+            after, names = thread_counters(pid), thread_names(spy, pid)
+        except OSError:
+            continue
+        for tid, (ticks, vol, invol) in after.items():
+            t0, v0, i0 = before.get(pid, {}).get(tid, (0, 0, 0))
+            cpu, v, i = (ticks - t0) * tick_ms / ops, (vol - v0) / ops, (invol - i0) / ops
+            if cpu >= 0.01 or v + i >= 0.1:
+                rows.append((service, -cpu, names.get(tid, "?"), tid, cpu, v, i))
+    rows.sort()
+    width = max((len(r[2]) for r in rows), default=0)
+    return [f"  {s:<12} {name:<{width}} {tid:>8}  CPU {cpu:6.3f} ms  switches {v:5.2f} + {i:5.2f}"
+            for s, _, name, tid, cpu, v, i in rows]
 
 
 def summarize(raw: Path, top: int) -> tuple[int, list[tuple[str, int]], list[tuple[str, int]]]:
@@ -79,6 +126,8 @@ def main(argv: list[str] | None = None) -> None:
                      str(int(a.seconds)), "--format", "raw", "--output", f"{base}.txt"],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
         cache0 = cache_counters(c)  # the load's own hits and misses, not warm()'s nor the start's flushes
+        pids = {pid: name for name, ps in workers(c).items() for pid in ps}
+        threads0 = {pid: thread_counters(pid) for pid in pids}
         cpu0, t0 = cluster_cpu_s(c), time.monotonic()
         load = LOADS[a.load]
         done = {}
@@ -93,16 +142,20 @@ def main(argv: list[str] | None = None) -> None:
             time.sleep(a.seconds)
         cpu = cluster_cpu_s(c) - cpu0
         wall = time.monotonic() - t0
+        ops = len(done["rec"].op) if done else 0
+        per_thread = thread_table(spy, threads0, pids, ops) if ops else []
         for _, _, proc in recorders:
             proc.wait(timeout=a.seconds + 60)
         cache = {k: v - cache0[k] for k, v in cache_counters(c).items()}
-    ops = len(done["rec"].op) if done else 0
     print(f"load {a.load}: {ops} operations in {wall:.1f} s; cluster CPU {cpu:.2f} s "
           f"({cpu / wall * 100:.0f}% of one core){f', {cpu / ops * 1000:.2f} ms per operation' if ops else ''}")
     looked = cache["hits"] + cache["misses"]
     print(f"frontend cache: {cache['hits']} hits, {cache['misses']} misses"
           f" ({cache['misses'] / max(looked, 1) * 100:.0f}% of reads), {cache['invalidations']} invalidations,"
           f" {cache['flushes']} flushes")
+    if per_thread:
+        print("\nper operation, each worker thread busy in it (switches: voluntary + involuntary):")
+        print("\n".join(per_thread))
     per_service: dict[str, list[Path]] = collections.defaultdict(list)
     for name, base, _ in recorders:
         if Path(f"{base}.txt").exists():
