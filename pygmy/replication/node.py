@@ -690,14 +690,18 @@ class ReplicaNode:
             raise prop.error
         return prop.result
 
-    def members(self) -> dict[str, Any]:
+    def members(self, leased: bool = False) -> dict[str, Any]:
         """The leader's view of the configuration: each member's role, URL and how far its log is
-        behind ours (``lag``, entries) and whether it could be promoted now (``caught_up``)."""
+        behind ours (``lag``, entries) and whether it could be promoted now (``caught_up``).
+        ``leased``: only while its lease holds (else ReadIndexUnavailable): a leader cut off past
+        its lease may have been replaced, its view with it, without knowing it yet."""
         lag_max = self.config.promote_max_lag
 
         def look(core: RaftCore) -> dict[str, Any]:
             if not core.is_leader():
                 raise NotLeader(*(self._leader_tuple() or (None, None)))
+            if leased and core.lease_remaining() <= 0:
+                raise ReadIndexUnavailable(f"{self.name} leads but its lease has lapsed: another may lead now")
             m = core.membership
             out = []
             for name in sorted(m.members):

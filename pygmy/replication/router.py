@@ -189,8 +189,8 @@ class Sightings:
 
     def look(self, http: urllib3.PoolManager) -> bool:
         """Ask the leader (as hinted), else every replica, for its ``/status``, and take the
-        configuration of the leader of the newest term that answers (else of the replica furthest
-        ahead); a leader within its lease ends the asking; if none of them gives one, ask the replicas the deployment's configuration names
+        configuration of a leader within its lease (which ends the asking), else of the newest
+        term's leader or replica furthest ahead that answers; if none of them gives one, ask the replicas the deployment's configuration names
         now (``configured``: every member we knew may have been replaced while we were not
         looking). True if the members changed."""
         members = dict(self.members)
@@ -226,10 +226,15 @@ class Sightings:
                 continue
             names = {*conf.get("voters", ()), *conf.get("learners", ())}
             urls = {n: self.via.get(n, u) for n, u in conf["urls"].items() if n in names and isinstance(u, str)}
-            rank = (int(st.get("role") == "leader"), int(st.get("term", 0)), int(st.get("commit_index", 0)))
+            # A leader within its lease first, then the newest term (a leader whose lease lapsed may
+            # be a deposed one, behind a follower of its successor's term), then a leader over its
+            # own term's followers, then the longest log.
+            leads = st.get("role") == "leader"
+            rank = (int(leads and bool(st.get("leader_lease"))), int(st.get("term", 0)), int(leads),
+                    int(st.get("commit_index", 0)))
             if urls and (best is None or rank > best[0]):
                 best = (rank, urls)
-            if rank[0] and st.get("leader_lease") and best is not None and best[1] is urls:
+            if rank[0] and best is not None and best[1] is urls:
                 # A leader within its lease: no newer term can have begun, so its configuration is
                 # the newest any replica has. One whose lease lapsed may have been deposed without
                 # knowing it (cut off, paused): the others are asked too, and the newest term wins.

@@ -250,7 +250,10 @@ class ReplicaRuntime:
         @app.get("/members")
         @self.guard
         def members() -> Response:
-            return jsonify({"tier": self.tier, **self.node.members()})
+            try:  # what ``pygmy member`` records in cluster.json: never a deposed leader's view
+                return jsonify({"tier": self.tier, **self.node.members(leased=True)})
+            except ReadIndexUnavailable as exc:
+                fail(503, str(exc))
 
         @app.post("/members")
         @self.guard

@@ -797,3 +797,18 @@ def test_the_timers_follow_the_round_trips_of_the_voters_a_majority_needs(tmp_pa
     finally:
         node.stop()
         sm.close()
+
+
+def test_a_leader_past_its_lease_does_not_give_its_view_of_the_members_as_current(
+        cluster: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``GET /members`` (``members(leased=True)``), which ``pygmy member`` records, is refused by a
+    leader whose lease has lapsed: cut off, it may have been replaced without knowing it."""
+    from pygmy.replication.node import ReadIndexUnavailable
+
+    leader = cluster.leader()
+    cluster.until(lambda: leader.core.lease_remaining() > 0)
+    assert leader.members(leased=True)["leader"] == leader.name
+    monkeypatch.setattr(leader.core, "lease_remaining", lambda: 0)
+    with pytest.raises(ReadIndexUnavailable):
+        leader.members(leased=True)
+    assert leader.members()["leader"] == leader.name  # the node's own callers may still look

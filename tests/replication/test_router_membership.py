@@ -106,6 +106,23 @@ def test_a_leader_whose_lease_lapsed_is_not_believed_over_a_newer_one(replicas: 
         seen.close()
 
 
+def test_a_deposed_leader_is_not_believed_over_a_follower_of_a_newer_term(replicas: dict[str, Replica]) -> None:
+    """t-1 still says it leads in term 1, its lease lapsed; t-3 leads in term 2 but does not answer
+    this router: the configuration t-2 holds in term 2 is newer than anything t-1 can show."""
+    r = replicas
+    seen = Sightings()
+    try:
+        r["t-1"].role, r["t-1"].lease = "leader", False
+        r["t-1"].conf = configuration(r, ["t-1", "t-2", "t-3"])
+        r["t-2"].term, r["t-2"].conf = 2, configuration(r, ["t-2", "t-3"])
+        seen.know({"t-1": r["t-1"].url, "t-2": r["t-2"].url, "t-3": "http://127.0.0.1:9"})
+        seen.leader = "t-1"
+        assert seen.look(urllib3.PoolManager())
+        assert sorted(seen.members) == ["t-2", "t-3"]
+    finally:
+        seen.close()
+
+
 def test_a_write_named_to_an_unknown_leader_finds_it(replicas: dict[str, Replica],
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """t-3 was added and leads; the router knows t-1 and t-2 only, which answer 421 naming t-3:
