@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import json
 import os
 import re
 import shutil
+import sqlite3
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -42,8 +46,12 @@ def workers(c: LocalCluster) -> dict[str, list[int]]:
     return out
 
 
-def thread_counters(pid: int) -> dict[int, tuple[int, int, int]]:
-    """``{thread id: (CPU clock ticks, voluntary, involuntary context switches)}`` of a process so far."""
+#: A thread: its id and its start time (clock ticks after boot), so that an id reused is another.
+Tid = tuple[int, int]
+
+
+def thread_counters(pid: int) -> dict[Tid, tuple[int, int, int]]:
+    """``{thread: (CPU clock ticks, voluntary, involuntary context switches)}`` of a process so far."""
     out = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
@@ -52,35 +60,68 @@ def thread_counters(pid: int) -> dict[int, tuple[int, int, int]]:
         except OSError:  # the thread ended meanwhile
             continue
         switches = dict(re.findall(r"^(voluntary|nonvoluntary)_ctxt_switches:\s+(\d+)", status, re.M))
-        out[int(task.name)] = (int(stat[11]) + int(stat[12]), int(switches["voluntary"]), int(switches["nonvoluntary"]))
+        out[(int(task.name), int(stat[19]))] = (int(stat[11]) + int(stat[12]), int(switches["voluntary"]),
+                                                int(switches["nonvoluntary"]))
     return out
 
 
 def thread_names(spy: str, pid: int) -> dict[int, str]:
-    """``{thread id: Python thread name}`` of a process, from ``py-spy dump``."""
-    dump = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60).stdout
-    return {int(tid): name for tid, name in re.findall(r'^Thread (\d+) \([^)]*\): "([^"]*)"', dump, re.M)}
+    """``{thread id: Python thread name}`` of a process, from ``py-spy dump --json`` (empty if it
+    gives none in time)."""
+    try:
+        dump = subprocess.run([spy, "dump", "--json", "--pid", str(pid)], capture_output=True, text=True,
+                              timeout=60).stdout
+        return {int(t["os_thread_id"]): str(t["thread_name"]) for t in json.loads(dump)
+                if t.get("os_thread_id") is not None}
+    except (OSError, subprocess.TimeoutExpired, ValueError, KeyError, TypeError):
+        return {}
 
 
-def thread_table(spy: str, before: dict[int, dict[int, tuple[int, int, int]]], pids: dict[int, str],
-                 ops: int) -> list[str]:
-    """Lines: each busy thread's CPU (ms) and context switches per operation since ``before``."""
+def thread_table(before: dict[int, dict[Tid, tuple[int, int, int]]],
+                 after: dict[int, dict[Tid, tuple[int, int, int]]], names: dict[int, dict[int, str]],
+                 services: dict[int, str], ops: int) -> list[str]:
+    """Lines: each busy thread's CPU (ms) and context switches per operation between the two
+    counts, then their sum. A thread that began meanwhile counts from zero; one that ended is
+    missing from both the lines and the sum."""
     tick_ms = 1000 / os.sysconf("SC_CLK_TCK")
-    rows = []
-    for pid, service in pids.items():
-        try:
-            after, names = thread_counters(pid), thread_names(spy, pid)
-        except OSError:
-            continue
-        for tid, (ticks, vol, invol) in after.items():
-            t0, v0, i0 = before.get(pid, {}).get(tid, (0, 0, 0))
+    rows, total = [], 0.0
+    for pid, service in services.items():
+        for (tid, started), (ticks, vol, invol) in after.get(pid, {}).items():
+            t0, v0, i0 = before.get(pid, {}).get((tid, started), (0, 0, 0))
             cpu, v, i = (ticks - t0) * tick_ms / ops, (vol - v0) / ops, (invol - i0) / ops
+            total += cpu
             if cpu >= 0.01 or v + i >= 0.1:
-                rows.append((service, -cpu, names.get(tid, "?"), tid, cpu, v, i))
+                rows.append((service, -cpu, names.get(pid, {}).get(tid, "?"), tid, cpu, v, i))
     rows.sort()
     width = max((len(r[2]) for r in rows), default=0)
     return [f"  {s:<12} {name:<{width}} {tid:>8}  CPU {cpu:6.3f} ms  switches {v:5.2f} + {i:5.2f}"
-            for s, _, name, tid, cpu, v, i in rows]
+            for s, _, name, tid, cpu, v, i in rows] + [f"  every thread: CPU {total:.3f} ms"]
+
+
+def sync_blocks(where: Path, commits: int = 200) -> float:
+    """Voluntary context switches of one synced SQLite commit alone (WAL, ``synchronous=FULL``, as
+    a replica's log), in ``where``: how often a thread blocks for the disk in a commit, so that a
+    replica thread's switches per operation can be read as syncs and frames."""
+    with tempfile.TemporaryDirectory(dir=where) as tmp:
+        conn = sqlite3.connect(Path(tmp) / "sync.db", isolation_level=None)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+            conn.execute("CREATE TABLE t (i INTEGER, v BLOB)")
+            me = threading.get_native_id()
+
+            def switches() -> int:
+                status = Path(f"/proc/self/task/{me}/status").read_text()
+                return int(re.search(r"^voluntary_ctxt_switches:\s+(\d+)", status, re.M).group(1))  # type: ignore[union-attr]
+
+            first = switches()
+            for i in range(commits):
+                conn.execute("BEGIN")
+                conn.execute("INSERT INTO t VALUES (?, ?)", (i, bytes(200)))
+                conn.execute("COMMIT")
+            return (switches() - first) / commits
+        finally:
+            conn.close()
 
 
 def summarize(raw: Path, top: int) -> tuple[int, list[tuple[str, int]], list[tuple[str, int]]]:
@@ -126,8 +167,8 @@ def main(argv: list[str] | None = None) -> None:
                      str(int(a.seconds)), "--format", "raw", "--output", f"{base}.txt"],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
         cache0 = cache_counters(c)  # the load's own hits and misses, not warm()'s nor the start's flushes
-        pids = {pid: name for name, ps in workers(c).items() for pid in ps}
-        threads0 = {pid: thread_counters(pid) for pid in pids}
+        services = {pid: name for name, ps in workers(c).items() for pid in ps}
+        threads0 = {pid: thread_counters(pid) for pid in services}
         cpu0, t0 = cluster_cpu_s(c), time.monotonic()
         load = LOADS[a.load]
         done = {}
@@ -142,8 +183,14 @@ def main(argv: list[str] | None = None) -> None:
             time.sleep(a.seconds)
         cpu = cluster_cpu_s(c) - cpu0
         wall = time.monotonic() - t0
+        threads1 = {}
+        for pid in services:  # read at once, as the load ends: the names take a py-spy run each
+            with contextlib.suppress(OSError):  # (the worker is gone)
+                threads1[pid] = thread_counters(pid)
+        names = {pid: thread_names(spy, pid) for pid in threads1}
+        per_sync = sync_blocks(c.data_dir)
         ops = len(done["rec"].op) if done else 0
-        per_thread = thread_table(spy, threads0, pids, ops) if ops else []
+        per_thread = thread_table(threads0, threads1, names, services, ops) if ops else []
         for _, _, proc in recorders:
             proc.wait(timeout=a.seconds + 60)
         cache = {k: v - cache0[k] for k, v in cache_counters(c).items()}
@@ -156,6 +203,8 @@ def main(argv: list[str] | None = None) -> None:
     if per_thread:
         print("\nper operation, each worker thread busy in it (switches: voluntary + involuntary):")
         print("\n".join(per_thread))
+        print(f"a synced SQLite commit alone, beside the cluster's data (WAL, synchronous=FULL): "
+              f"{per_sync:.2f} voluntary switches")
     per_service: dict[str, list[Path]] = collections.defaultdict(list)
     for name, base, _ in recorders:
         if Path(f"{base}.txt").exists():
