@@ -68,14 +68,40 @@ def test_without_buys_the_confirmer_records_them_alone_and_a_failure_is_survived
     assert [c["key"] for entry in rt.proposed for c in entry] == ["k2", "k3"]  # recorded on the way out
 
 
+def test_a_confirm_that_came_a_moment_ago_waits_for_the_next_buys_entry(buys: Any,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sequential buyer: each buy's confirm comes as its answer goes, and the next buy's intents
+    entry takes it a moment later. The confirmer, woken by the first, must not propose the second
+    alone just because the first's linger ran out meanwhile: it waits out the second's own."""
+    monkeypatch.setattr(order_app, "CONFIRM_LINGER", 0.5)
+    processor, rt = buys
+    processor._confirmer.start()
+    try:
+        processor._confirm("k1", "t", 1.0, 5.0)
+        processor._confirm_due.set()
+        processor._propose_intents([{"op": "intent", "key": "k2"}])  # takes k1's confirm
+        time.sleep(0.4)
+        processor._confirm("k2", "t", 1.0, 5.0)
+        processor._confirm_due.set()
+        time.sleep(0.2)  # past k1's linger, well within k2's
+        processor._propose_intents([{"op": "intent", "key": "k3"}])  # takes k2's confirm
+        time.sleep(0.5)  # past k2's linger: nothing is left to propose alone
+    finally:
+        processor._stop.set()
+        processor._confirm_due.set()
+        processor._confirmer.join(5)
+    assert [[c["key"] for c in entry] for entry in rt.proposed] == [["k1", "k2"], ["k2", "k3"]]
+
+
 def test_more_confirms_than_an_entry_carries_all_go_out_from_one_wake_up(buys: Any) -> None:
     """The confirmer takes MAX_CONFIRMS an entry; what is left must not wait for a wake-up that no
     buy may bring (the orders would stay pending until the sweep decremented them again)."""
     processor, rt = buys
+    for i in range(order_app.MAX_CONFIRMS + 44):
+        processor._confirm(f"k{i}", "t", 1.0, 5.0)
+    time.sleep(order_app.CONFIRM_LINGER * 2)  # every one has waited its linger: none is left for the next buy
     processor._confirmer.start()
     try:
-        for i in range(order_app.MAX_CONFIRMS + 44):
-            processor._confirm(f"k{i}", "t", 1.0, 5.0)
         processor._confirm_due.set()  # once, as the buys' answer does
         deadline = time.monotonic() + 5
         while sum(len(e) for e in rt.proposed) < order_app.MAX_CONFIRMS + 44:
