@@ -10,7 +10,8 @@ minutes, more than most changes move a figure: blocks seconds apart see the same
 ratio is worth more than two runs minutes apart (docs/performance.md).
 
 ``mix`` is the 40/40/20 search/lookup/buy mix and ``buy`` the 32 buyers of ``writepath`` (4 processes x
-8 threads); ``sequential`` times one buyer's buys (p50) and its cluster's CPU per buy; ``idle`` serves
+8 threads); ``sequential`` times one buyer's buys (p50), its cluster's CPU per buy and the entries the
+order tier's log gained per buy (its commit index); ``idle`` serves
 nothing and takes the cluster's CPU per second (both clusters sit idle through each other's blocks, so
 only the block's own cluster is counted); ``catch-up`` is ``recovery.catch_up`` (a catalog follower
 killed, ``--updates`` committed without it, restarted): the time from its first status answer until it
@@ -58,6 +59,11 @@ def checkout(rev: str | None) -> Iterator[Path]:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], capture_output=True, timeout=60)
 
 
+def order_entries(cl: Any) -> int:
+    """The order tier's commit index (the greatest any replica shows): its log entries so far."""
+    return max(int(r.get("commit_index") or 0) for r in cl.status()["order"]["replicas"])
+
+
 def block(c: LocalCluster, load: str, seconds: float, n: int) -> dict[str, float]:
     """One block of ``load``: throughput (or p50 for ``sequential``) and cluster CPU per operation."""
     if load == "catch-up":  # no CPU figure (module docstring)
@@ -69,9 +75,12 @@ def block(c: LocalCluster, load: str, seconds: float, n: int) -> dict[str, float
         return {"cpu_ms": (cluster_cpu_s(c) - cpu0) / seconds * 1000, "errors": 0}
     if load == "sequential":
         with c.client() as cl:
+            entries0 = order_entries(cl)
             timed = [h.timed(lambda i=i: cl.buy(1 + i % BOOKS)) for i in range(n)]
+            time.sleep(0.1)  # a confirm's linger (20 ms) is over: it is in the log or taken by a buy
+            entries = order_entries(cl) - entries0
         return {"p50_ms": statistics.median(t for t, _ in timed) * 1000,
-                "cpu_ms": (cluster_cpu_s(c) - cpu0) / n * 1000,
+                "cpu_ms": (cluster_cpu_s(c) - cpu0) / n * 1000, "order_entries": entries / n,
                 "errors": sum(1 for _, r in timed if isinstance(r, Exception))}
     b = measured_load(c, LOADS[load], seconds)
     return {"ops_per_s": b["ops_per_s"], "cpu_ms": b["cpu_ms_per_op"] or 0.0, "errors": b["errors"]}
@@ -91,7 +100,8 @@ def run(old: str, new: str | None, load: str, pairs: int, seconds: float, n: int
             for name in ("old", "new") if k % 2 == 0 else ("new", "old"):
                 b = block(clusters[name], load, seconds, n)
                 out[name].append(b)
-                figure = {"sequential": f"{b.get('p50_ms', 0):.2f} ms p50, ", "idle": "",
+                figure = {"sequential": f"{b.get('p50_ms', 0):.2f} ms p50, {b.get('order_entries', 0):.3f} order "
+                                        "entries per buy, ", "idle": "",
                           "catch-up": f"caught up {b.get('catch_up_ms', 0):.0f} ms after answering, "}.get(
                     load, f"{b.get('ops_per_s', 0):.0f} req/s, ")
                 per = "per second" if load == "idle" else "per operation"
@@ -102,6 +112,8 @@ def run(old: str, new: str | None, load: str, pairs: int, seconds: float, n: int
     measures = [(key, label)] if key else []
     if load != "catch-up":
         measures.append(("cpu_ms", "CPU per second" if load == "idle" else "CPU per operation"))
+    if load == "sequential":
+        measures.append(("order_entries", "order entries per buy"))
     ratios = {m: [nb[m] / ob[m] if ob[m] else float("nan") for ob, nb in zip(out["old"], out["new"], strict=True)]
               for m, _ in measures}
     for m, label in measures:
