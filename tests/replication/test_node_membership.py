@@ -15,14 +15,19 @@ from flask import Flask
 from test_raft_node import KV, SECRET, Harness, Switch
 from werkzeug.serving import make_server
 
+from pygmy.cluster.local import _port_slice
 from pygmy.replication.core import MembershipRefused
 from pygmy.replication.node import NotLeader, ReplicaNode
 
 
 def free_pair() -> int:
-    """A port P with P + 50 free too: a replica's HTTP port and its peer port."""
+    """A port P with P + 50 free too: a replica's HTTP port and its peer port. From this process's
+    share of the ports (``_port_slice``): one picked from all of them can be bound here while
+    another xdist worker's cluster starts on it (a ``pygmy up`` of the suite failed once with "port
+    ... is in use", its port in another worker's share)."""
+    low, high = _port_slice()
     for _ in range(200):
-        port = random.randrange(20000, 32000)
+        port = random.randrange(low, high - 50)
         ok = True
         for p in (port, port + 50):
             with socket.socket() as s:
