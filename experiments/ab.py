@@ -11,7 +11,8 @@ ratio is worth more than two runs minutes apart (docs/performance.md).
 
 ``mix`` is the 40/40/20 search/lookup/buy mix and ``buy`` the 32 buyers of ``writepath`` (4 processes x
 8 threads); ``sequential`` times one buyer's buys (p50), its cluster's CPU per buy and the entries the
-order tier's log gained per buy (its commit index); ``idle`` serves
+order tier's log gained per buy (its commit index: an orphan scan's entry or an election's counts
+too, a few thousandths per buy in a block of 200); ``idle`` serves
 nothing and takes the cluster's CPU per second (both clusters sit idle through each other's blocks, so
 only the block's own cluster is counted); ``catch-up`` is ``recovery.catch_up`` (a catalog follower
 killed, ``--updates`` committed without it, restarted): the time from its first status answer until it
@@ -69,19 +70,21 @@ def block(c: LocalCluster, load: str, seconds: float, n: int) -> dict[str, float
     if load == "catch-up":  # no CPU figure (module docstring)
         p = recovery.catch_up(c, n, clients=4, timeout=120 + n / 100)
         return {"catch_up_ms": p["catch_up_after_start_s"] * 1000, "errors": p["update_errors"]}
+    if load == "sequential":
+        with c.client() as cl:
+            entries0 = order_entries(cl)
+            cpu0 = cluster_cpu_s(c)  # the buys' own: not the status calls' nor the sleep's
+            timed = [h.timed(lambda i=i: cl.buy(1 + i % BOOKS)) for i in range(n)]
+            cpu = cluster_cpu_s(c) - cpu0
+            time.sleep(0.1)  # a confirm's linger (20 ms) is over: it is in the log or taken by a buy
+            entries = order_entries(cl) - entries0
+        return {"p50_ms": statistics.median(t for t, _ in timed) * 1000,
+                "cpu_ms": cpu / n * 1000, "order_entries": entries / n,
+                "errors": sum(1 for _, r in timed if isinstance(r, Exception))}
     cpu0 = cluster_cpu_s(c)
     if load == "idle":
         time.sleep(seconds)
         return {"cpu_ms": (cluster_cpu_s(c) - cpu0) / seconds * 1000, "errors": 0}
-    if load == "sequential":
-        with c.client() as cl:
-            entries0 = order_entries(cl)
-            timed = [h.timed(lambda i=i: cl.buy(1 + i % BOOKS)) for i in range(n)]
-            time.sleep(0.1)  # a confirm's linger (20 ms) is over: it is in the log or taken by a buy
-            entries = order_entries(cl) - entries0
-        return {"p50_ms": statistics.median(t for t, _ in timed) * 1000,
-                "cpu_ms": (cluster_cpu_s(c) - cpu0) / n * 1000, "order_entries": entries / n,
-                "errors": sum(1 for _, r in timed if isinstance(r, Exception))}
     b = measured_load(c, LOADS[load], seconds)
     return {"ops_per_s": b["ops_per_s"], "cpu_ms": b["cpu_ms_per_op"] or 0.0, "errors": b["errors"]}
 

@@ -405,7 +405,7 @@ class BuyProcessor:
         """Record a decided outcome, soon: with the next intents, or by the confirmer thread, which
         the caller wakes once for all its confirms (``_confirm_due``, after the buys' answer)."""
         confirm = {"op": "confirm", "key": key, "title": title, "cost": cost, "at": at}
-        with self._confirms_lock:
+        with self._confirms_lock:  # stamped under the lock: the deque stays in order of coming
             self._confirms.append((time.monotonic(), confirm))
 
     def _waiting_confirms(self, came_by: float = float("inf")) -> list[dict[str, Any]]:
@@ -435,19 +435,22 @@ class BuyProcessor:
         """Confirms no intents entry took within CONFIRM_LINGER of their coming, as one log entry:
         one that came a moment ago waits for the next buy's entry, not for an entry of its own
         (drained with older ones, such confirms made a sequential buyer's order tier append 1.14
-        entries per buy). If that fails (no longer leader, no quorum), the orders stay pending until
-        a read or the sweep finishes them again: the catalog's key gives the same answer.
-        Supervised: an error costs that batch, not the thread."""
+        entries per buy). Those that came within half a linger of the due one go with it, so that
+        a burst (the last buys of a load, the sweep's) is one entry, not one per wake-up. If that
+        fails (no longer leader, no quorum), the orders stay pending until a read or the sweep
+        finishes them again: the catalog's key gives the same answer. Supervised: an error costs
+        that batch, not the thread."""
         stopping = False
-        while not stopping:
-            self._confirm_due.wait()
+        while not stopping or self._oldest_confirm() is not None:  # on stop, until none is left
+            if not stopping:
+                self._confirm_due.wait()
             self._confirm_due.clear()  # before looking: a confirm queued after this sets it again
             while (oldest := self._oldest_confirm()) is not None:
                 left = oldest + CONFIRM_LINGER - time.monotonic()
                 if left <= 0 or self._stop.wait(left):
                     break
             stopping = self._stop.is_set()  # on stop, record what is waiting once more, young or not
-            batch = self._waiting_confirms(float("inf") if stopping else time.monotonic() - CONFIRM_LINGER)
+            batch = self._waiting_confirms(float("inf") if stopping else time.monotonic() - CONFIRM_LINGER / 2)
             if self._oldest_confirm() is not None:  # more wait (younger, or past MAX_CONFIRMS): their turn
                 self._confirm_due.set()
             if not batch:

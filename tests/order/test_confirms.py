@@ -71,37 +71,41 @@ def test_without_buys_the_confirmer_records_them_alone_and_a_failure_is_survived
 def test_a_confirm_that_came_a_moment_ago_waits_for_the_next_buys_entry(buys: Any,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A sequential buyer: each buy's confirm comes as its answer goes, and the next buy's intents
-    entry takes it a moment later. The confirmer, woken by the first, must not propose the second
-    alone just because the first's linger ran out meanwhile: it waits out the second's own."""
-    monkeypatch.setattr(order_app, "CONFIRM_LINGER", 0.5)
+    entry takes it a moment later. When an older confirm's linger runs out, the confirmer must not
+    take the one that just came with it: that one waits for the next buy's entry."""
+    monkeypatch.setattr(order_app, "CONFIRM_LINGER", 2.0)
     processor, rt = buys
+    now = time.monotonic()
+    confirm = {"op": "confirm", "title": "t", "cost": 1.0, "at": 5.0}
+    processor._confirms.extend([(now - 2.0, {**confirm, "key": "k1"}), (now, {**confirm, "key": "k2"})])
     processor._confirmer.start()
     try:
-        processor._confirm("k1", "t", 1.0, 5.0)
         processor._confirm_due.set()
-        processor._propose_intents([{"op": "intent", "key": "k2"}])  # takes k1's confirm
-        time.sleep(0.4)
-        processor._confirm("k2", "t", 1.0, 5.0)
-        processor._confirm_due.set()
-        time.sleep(0.2)  # past k1's linger, well within k2's
-        processor._propose_intents([{"op": "intent", "key": "k3"}])  # takes k2's confirm
-        time.sleep(0.5)  # past k2's linger: nothing is left to propose alone
+        deadline = time.monotonic() + 5
+        while not rt.proposed:
+            assert time.monotonic() < deadline, "the due confirm was never proposed"
+            time.sleep(0.01)
+        assert [[c["key"] for c in entry] for entry in rt.proposed] == [["k1"]]
+        processor._propose_intents([{"op": "intent", "key": "k3"}])  # the next buy's entry takes k2's
+        assert [[c["key"] for c in entry] for entry in rt.proposed] == [["k1"], ["k2", "k3"]]
     finally:
         processor._stop.set()
         processor._confirm_due.set()
         processor._confirmer.join(5)
-    assert [[c["key"] for c in entry] for entry in rt.proposed] == [["k1", "k2"], ["k2", "k3"]]
+    assert len(rt.proposed) == 2 and not processor._confirmer.is_alive()
 
 
-def test_more_confirms_than_an_entry_carries_all_go_out_from_one_wake_up(buys: Any) -> None:
+def test_more_confirms_than_an_entry_carries_all_go_out_from_one_wake_up(buys: Any,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The confirmer takes MAX_CONFIRMS an entry; what is left must not wait for a wake-up that no
-    buy may bring (the orders would stay pending until the sweep decremented them again)."""
+    buy may bring (the orders would stay pending until the sweep decremented them again). A burst
+    that came together (within half a linger) goes in as few entries as that allows."""
+    monkeypatch.setattr(order_app, "CONFIRM_LINGER", 1.0)  # the burst's 300 confirms come well within 0.5 s
     processor, rt = buys
-    for i in range(order_app.MAX_CONFIRMS + 44):
-        processor._confirm(f"k{i}", "t", 1.0, 5.0)
-    time.sleep(order_app.CONFIRM_LINGER * 2)  # every one has waited its linger: none is left for the next buy
     processor._confirmer.start()
     try:
+        for i in range(order_app.MAX_CONFIRMS + 44):
+            processor._confirm(f"k{i}", "t", 1.0, 5.0)
         processor._confirm_due.set()  # once, as the buys' answer does
         deadline = time.monotonic() + 5
         while sum(len(e) for e in rt.proposed) < order_app.MAX_CONFIRMS + 44:
@@ -112,6 +116,21 @@ def test_more_confirms_than_an_entry_carries_all_go_out_from_one_wake_up(buys: A
         processor._stop.set()
         processor._confirm_due.set()
         processor._confirmer.join(5)
+
+
+def test_on_stop_every_confirm_waiting_is_proposed(buys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Young or not, and more than one entry carries: the stop's last pass leaves none behind."""
+    monkeypatch.setattr(order_app, "CONFIRM_LINGER", 60.0)
+    processor, rt = buys
+    processor._confirmer.start()
+    for i in range(order_app.MAX_CONFIRMS + 3):
+        processor._confirm(f"k{i}", "t", 1.0, 5.0)
+    processor._confirm_due.set()
+    processor._stop.set()
+    processor._confirm_due.set()
+    processor._confirmer.join(5)
+    assert not processor._confirmer.is_alive()
+    assert [len(e) for e in rt.proposed] == [order_app.MAX_CONFIRMS, 3]
 
 
 def test_a_read_settles_a_pending_order_within_its_own_time(buys: Any) -> None:
