@@ -425,6 +425,27 @@ def test_a_database_from_before_key_windows_keeps_its_keys_and_digest(tmp_path: 
     assert migrated[0].applied_and_digest() == migrated[1].applied_and_digest()
 
 
+def test_a_database_from_before_the_stock_ledger_gets_it_marked_incomplete(tmp_path: Path) -> None:
+    """A books table without ``stock_added``: migrated in place, each book's added copies start at
+    0, and the store says its ledger does not cover its history (``pygmy backup --verify`` then
+    leaves out the stock check it would fail). A new store's ledger is complete."""
+    path = tmp_path / "old.db"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE books (item_number INTEGER PRIMARY KEY, title TEXT NOT NULL, topic TEXT NOT NULL, "
+                 "topic_key TEXT NOT NULL, stock INTEGER NOT NULL CHECK (stock >= 0), "
+                 "cost_cents INTEGER NOT NULL, version INTEGER NOT NULL DEFAULT 0)")
+    conn.execute("INSERT INTO books VALUES (1, 'b1', 't', 't', 7, 250, 3)")
+    conn.commit()
+    conn.close()
+    old = CatalogState(path)
+    assert not old.ledger_complete() and old.ledger() == {1: (7, 0)}
+    assert old.apply(1, update(1, stock_delta=5))["ok"]
+    assert old.ledger() == {1: (12, 5)} and not old.ledger_complete()
+    applied, kept, recomputed = old.full_digest()
+    assert kept == recomputed
+    assert CatalogState(tmp_path / "new.db").ledger_complete()
+
+
 def test_a_replica_started_from_the_built_catalogue_holds_what_seeding_it_would(tmp_path: Path) -> None:
     books = [{"item_number": n, "title": f"b{n}", "topic": f"t{n % 3}", "stock": n, "cost": n / 4} for n in range(1, 300)]
     build_seed(books, tmp_path / "seed" / "catalog.db")

@@ -768,3 +768,41 @@ def test_a_renewal_that_stalls_before_its_lock_does_not_continue_a_lease_a_write
     finally:
         inv._lock = real
         inv.stop()
+
+
+def test_a_hold_a_nearby_worker_missed_counts_with_a_far_one_pushed_from_the_pool(
+        env: Env, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The writer's own thread writes the hold to a nearby worker, which does not acknowledge it;
+    a far one gets it from a pool thread and does. The nearby one's miss must survive the pool's
+    results: it is revoked (its lease waited out), or it would serve what the write changes."""
+    clock, _node, inv, pushes = started(env)
+    for w in ("near", "far"):
+        inv.subscribe(w, f"http://{w}")
+    monkeypatch.setattr(inv, "_start", lambda url, body: (lambda: False) if url == "http://near" else None)
+    with caplog.at_level(logging.WARNING, logger="pygmy.catalog.invalidation"):
+        inv.hold(["book:1"])
+    assert [url for url, _ in pushes.calls] == ["http://far"]
+    assert [r.getMessage() for r in caplog.records] == ["hold not acknowledged by near; waiting out their lease"]
+    assert "near" in inv._revoked and "far" not in inv._revoked
+
+
+def test_a_hold_whose_write_failed_is_not_acknowledged_and_frees_the_connection(worker: str) -> None:
+    """``_Channel.start`` on an open connection whose write fails (reset meanwhile): its
+    acknowledgement is False, the failure is counted, and the next push may go."""
+    channel = inv_mod._Channel(worker, "s3cret", "catalog-1")
+    failures = "pygmy_invalidation_push_failures_total"
+    before = REGISTRY.get_sample_value(failures) or 0.0
+
+    def reset(frame: Any, timeout: float) -> Any:
+        raise ConnectionResetError("reset by peer")
+
+    try:
+        channel.client.is_open = lambda: True  # type: ignore[method-assign]
+        channel.client.start_call = reset  # type: ignore[method-assign]
+        acknowledged = channel.start({"holds": [[1, ["book:1"]]]}, 0.3)
+        assert acknowledged is not None and acknowledged() is False
+        assert REGISTRY.get_sample_value(failures) == before + 1
+        assert channel._combiner.claim(), "the connection was not given back"
+        channel._combiner.unclaim()
+    finally:
+        channel.close()

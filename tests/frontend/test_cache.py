@@ -157,6 +157,34 @@ def test_a_held_key_is_neither_served_nor_stored() -> None:
     assert floors == [8] and c.get_or_fetch("book:1", lambda f: pytest.fail("cached"), usable=True) == "new"
 
 
+def test_a_read_after_the_release_does_not_join_a_read_begun_under_the_hold() -> None:
+    """A read during a hold goes to a replica on its own, as no flight: one begun under the hold
+    may return what was there before the write, and a reader that came after the write finished
+    (after the release) must not be handed that by joining it."""
+    c = ReadCache(capacity=10)
+    c.hold(5, ["book:1"])
+    fetching, finish = threading.Event(), threading.Event()
+
+    def old_read(floor: int) -> tuple[int, str]:
+        fetching.set()
+        finish.wait(5)
+        return 4, "before the write"
+
+    got: dict[str, str] = {}
+    during = threading.Thread(target=lambda: got.update(during=c.get_or_fetch("book:1", old_read, usable=True)))
+    during.start()
+    assert fetching.wait(5)
+    c.release(5, ["book:1"], 8)
+    after = threading.Thread(target=lambda: got.update(
+        after=c.get_or_fetch("book:1", lambda f: (8, "after the write"), usable=True)))
+    after.start()
+    after.join(0.5)  # it fetches on its own at once; joined to the read under the hold, it would wait
+    finish.set()
+    during.join(5)
+    after.join(5)
+    assert got == {"during": "before the write", "after": "after the write"}
+
+
 def test_a_fill_begun_before_a_hold_is_dropped_after_the_release() -> None:
     c = ReadCache(capacity=10)
 
