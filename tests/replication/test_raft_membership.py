@@ -640,3 +640,115 @@ def test_a_live_leader_hands_over_and_is_removed_under_faults() -> None:
         assert {n.name for n in c.members()} == set(c.names) - {old}
         c.check_committed_durable()
     assert handed_over >= 6
+
+
+# -- what a mutation run found untested (docs/testing.md, "Mutation score") -------------------------
+def test_a_removed_leader_tells_the_voter_holding_its_whole_log_to_campaign() -> None:
+    """Once its removal commits, the old leader sends ``timeout_now``, itself as the sender, to the
+    voter that holds all its log: that voter campaigns at once, not after an election timeout."""
+    c = Cluster(3, seed=17)
+    old = settled(c)
+    c.propose(3)
+    assert c.commit_everywhere()
+    told: list[Message] = []
+    send = c.send
+
+    def spy(node: SimNode, messages: list[Message]) -> None:
+        told.extend(m for m in messages if m.type == TIMEOUT_NOW)
+        send(node, messages)
+
+    c.send = spy  # type: ignore[method-assign]
+    change(c, lambda core: core.remove(old.name))
+    assert c.wait_for(lambda: not old.core.is_leader(), 50)
+    (m,) = told
+    assert (m.src, m.term) == (old.name, old.core.term) and m.dst in voters(old) - {old.name}
+    new = elect(c, 50)
+    assert new.name == m.dst
+
+
+def test_a_hand_over_goes_to_a_voter_heard_within_the_window_and_never_to_a_learner() -> None:
+    """``handover_target``: a voter heard exactly a window ago still counts as heard, before one
+    heard a tick earlier (whatever its name); a caught-up learner is never the target."""
+    c = Cluster(3, seed=31)
+    leader = settled(c)
+    c.add_node("n9")
+    assert committed(c, change(c, lambda core: core.add_learner("n9")))
+    assert c.wait_for(lambda: caught_up(c, "n9"), 300)
+    core = leader.core
+    for pr in core._prs.values():  # every one as caught up and as lately heard: the name decides
+        pr.match, pr.last_heard = core.last_index, core.now
+    assert core.handover_target()[1] == max(voters(leader) - {leader.name})  # not n9, the greatest name
+    first, second = sorted(voters(leader) - {leader.name})
+    core._prs[first].last_heard = core.now - core._window()
+    core._prs[second].last_heard = core.now - core._window() - 1
+    assert core.handover_target() == (core._prs[first].match, first)
+
+
+def test_leadership_goes_only_to_another_voter() -> None:
+    c = Cluster(3, seed=32)
+    leader = settled(c)
+    c.add_node("n4")
+    assert committed(c, change(c, lambda core: core.add_learner("n4")))
+    for to in ("n4", leader.name, "n9"):
+        with pytest.raises(MembershipRefused) as refused:
+            leader.core.transfer_leadership(to)
+        assert refused.value.kind == "invalid" and leader.core.lead_transferee is None
+        assert str(refused.value) == f"{to!r} is not another voter"
+    follower = next(n for n in c.nodes.values() if n.name in voters(leader) - {leader.name})
+    with pytest.raises(MembershipRefused) as refused:
+        follower.core.transfer_leadership(leader.name)
+    assert (refused.value.kind, str(refused.value)) == ("not_leader", f"{follower.name} is not the leader")
+    c.partition({leader.name}, set(c.nodes) - {leader.name})  # the transfer cannot finish meanwhile
+    leader.core.transfer_leadership(follower.name)
+    for attempt in (lambda core: core.transfer_leadership(follower.name), lambda core: core.remove("n4")):
+        with pytest.raises(MembershipRefused) as refused:
+            attempt(leader.core)
+        assert (refused.value.kind, str(refused.value)) == (
+            "transferring", f"{leader.name} is handing leadership to {follower.name}")
+
+
+def test_a_learner_heard_just_now_but_too_far_behind_is_not_caught_up() -> None:
+    c = Cluster(3, seed=33)
+    leader = settled(c)
+    c.add_node("n4")
+    assert committed(c, change(c, lambda core: core.add_learner("n4")))
+    assert c.wait_for(lambda: caught_up(c, "n4"), 300)
+    core = leader.core
+    assert core.caught_up("n4", MAX_LAG)
+    core._prs["n4"].match = core.last_index - MAX_LAG - 1
+    core._prs["n4"].last_heard = core.now
+    assert not core.caught_up("n4", MAX_LAG)
+    with pytest.raises(MembershipRefused) as refused:
+        core.promote("n4", MAX_LAG)
+    assert refused.value.kind == "lagging" and "3 entries behind" in str(refused.value)
+
+
+def test_each_change_keeps_the_urls_of_the_members_it_keeps() -> None:
+    m = Membership(frozenset({"a", "b"}), frozenset({"c"}), {"a": "http://a:1", "c": "http://c:1"})
+    assert m.promoted("c").urls == {"a": "http://a:1", "c": "http://c:1"}
+    assert m.without("c").urls == {"a": "http://a:1"} and m.without("b").urls == m.urls
+    assert m.with_learner("d", "").urls == m.urls  # no URL given: none recorded, not an empty one
+    assert m.with_learner("d", "http://d:1").urls == {**m.urls, "d": "http://d:1"}
+    for refused, why in ((lambda: m.without("z"), "'z' is not a member"),
+                         (lambda: m.promoted("z"), "'z' is not a member"),
+                         (lambda: m.promoted("a"), "'a' is a voter already"),
+                         (lambda: m.with_learner("a", None), "'a' is already a member"),
+                         (lambda: Membership(frozenset({"a"})).without("a"), "'a' is the last voter")):
+        with pytest.raises(MembershipRefused) as e:
+            refused()
+        assert why in str(e.value)  # says why
+
+
+def test_a_configuration_just_after_the_snapshot_is_found() -> None:
+    """The entry right after the snapshot's index is the first ``membership_at`` must look at."""
+    c = Cluster(3, seed=34)
+    leader = settled(c)
+    c.propose(2)
+    assert c.commit_everywhere()
+    c.add_node("n4")
+    index = change(c, lambda core: core.add_learner("n4"))
+    assert committed(c, index) and c.commit_everywhere()
+    core = leader.core
+    assert core.compact(index - 1) is not None and core.snap_index == index - 1
+    assert "n4" not in core.snap_membership.members
+    assert "n4" in core.membership_at(core.last_index).members and "n4" in core.membership_at(index).members
