@@ -666,14 +666,20 @@ def test_a_removed_leader_tells_the_voter_holding_its_whole_log_to_campaign() ->
     assert new.name == m.dst
 
 
+def with_a_learner(seed: int, name: str) -> tuple[Cluster, SimNode]:
+    """Three voters and learner ``name``, caught up; the cluster and its leader."""
+    c = Cluster(3, seed=seed)
+    leader = settled(c)
+    c.add_node(name)
+    assert committed(c, change(c, lambda core: core.add_learner(name)))
+    assert c.wait_for(lambda: caught_up(c, name), 300)
+    return c, leader
+
+
 def test_a_hand_over_goes_to_a_voter_heard_within_the_window_and_never_to_a_learner() -> None:
     """``handover_target``: a voter heard exactly a window ago still counts as heard, before one
     heard a tick earlier (whatever its name); a caught-up learner is never the target."""
-    c = Cluster(3, seed=31)
-    leader = settled(c)
-    c.add_node("n9")
-    assert committed(c, change(c, lambda core: core.add_learner("n9")))
-    assert c.wait_for(lambda: caught_up(c, "n9"), 300)
+    c, leader = with_a_learner(31, "n9")
     core = leader.core
     for pr in core._prs.values():  # every one as caught up and as lately heard: the name decides
         pr.match, pr.last_heard = core.last_index, core.now
@@ -708,11 +714,7 @@ def test_leadership_goes_only_to_another_voter() -> None:
 
 
 def test_a_learner_heard_just_now_but_too_far_behind_is_not_caught_up() -> None:
-    c = Cluster(3, seed=33)
-    leader = settled(c)
-    c.add_node("n4")
-    assert committed(c, change(c, lambda core: core.add_learner("n4")))
-    assert c.wait_for(lambda: caught_up(c, "n4"), 300)
+    c, leader = with_a_learner(33, "n4")
     core = leader.core
     assert core.caught_up("n4", MAX_LAG)
     core._prs["n4"].match = core.last_index - MAX_LAG - 1
