@@ -438,12 +438,22 @@ def test_a_database_from_before_the_stock_ledger_gets_it_marked_incomplete(tmp_p
     conn.commit()
     conn.close()
     old = CatalogState(path)
-    assert not old.ledger_complete() and old.ledger() == {1: (7, 0)}
-    assert old.apply(1, update(1, stock_delta=5))["ok"]
-    assert old.ledger() == {1: (12, 5)} and not old.ledger_complete()
-    applied, kept, recomputed = old.full_digest()
-    assert kept == recomputed
-    assert CatalogState(tmp_path / "new.db").ledger_complete()
+    try:
+        assert not old.ledger_complete() and old.ledger() == {1: (7, 0)}
+        assert old.apply(1, update(1, stock_delta=5))["ok"]
+        assert old.ledger() == {1: (12, 5)} and not old.ledger_complete()
+        applied, kept, recomputed = old.full_digest()
+        assert kept == recomputed
+    finally:
+        old.close()
+    again = CatalogState(path)  # as ``pygmy backup --verify`` opens a copy: the mark is kept
+    new = CatalogState(tmp_path / "new.db")
+    try:
+        assert not again.ledger_complete() and again.ledger() == {1: (12, 5)}
+        assert new.ledger_complete()
+    finally:
+        again.close()
+        new.close()
 
 
 def test_a_replica_started_from_the_built_catalogue_holds_what_seeding_it_would(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from harness import FakeLeadership
-from prometheus_client import REGISTRY
+from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
 import pygmy.catalog.invalidation as inv_mod
 from pygmy.catalog.invalidation import LEASE, Invalidator
@@ -776,22 +776,32 @@ def test_a_hold_a_nearby_worker_missed_counts_with_a_far_one_pushed_from_the_poo
     a far one gets it from a pool thread and does. The nearby one's miss must survive the pool's
     results: it is revoked (its lease waited out), or it would serve what the write changes."""
     clock, _node, inv, pushes = started(env)
-    for w in ("near", "far"):
-        inv.subscribe(w, f"http://{w}")
-    monkeypatch.setattr(inv, "_start", lambda url, body: (lambda: False) if url == "http://near" else None)
+    inv.subscribe("near", "http://near")
+    inv.subscribe("far", "http://far", rtt=0.5)  # its push timeout is past PUSH_TIMEOUT: a pool thread's
+    started_for: list[str] = []
+
+    def start(url: str, body: dict[str, Any]) -> Callable[[], bool]:
+        started_for.append(url)
+        return lambda: False  # written, never acknowledged
+
+    monkeypatch.setattr(inv, "_start", start)
     with caplog.at_level(logging.WARNING, logger="pygmy.catalog.invalidation"):
         inv.hold(["book:1"])
-    assert [url for url, _ in pushes.calls] == ["http://far"]
+    assert started_for == ["http://near"] and [url for url, _ in pushes.calls] == ["http://far"]
     assert [r.getMessage() for r in caplog.records] == ["hold not acknowledged by near; waiting out their lease"]
     assert "near" in inv._revoked and "far" not in inv._revoked
+    assert woke(clock) == pytest.approx(LEASE)  # the write waited out the lease the nearby one held
 
 
-def test_a_hold_whose_write_failed_is_not_acknowledged_and_frees_the_connection(worker: str) -> None:
+def test_a_hold_whose_write_failed_is_not_acknowledged_and_frees_the_connection(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """``_Channel.start`` on an open connection whose write fails (reset meanwhile): its
     acknowledgement is False, the failure is counted, and the next push may go."""
-    channel = inv_mod._Channel(worker, "s3cret", "catalog-1")
-    failures = "pygmy_invalidation_push_failures_total"
-    before = REGISTRY.get_sample_value(failures) or 0.0
+    failures = Counter("failures", "push failures", registry=CollectorRegistry())
+    monkeypatch.setattr(inv_mod, "PUSH_FAILURES", failures)
+    channel = inv_mod._Channel("tcp://127.0.0.1:9", "s3cret", "catalog-1")
+    frames = "pygmy_invalidation_batch_size_count"
+    sent_before = REGISTRY.get_sample_value(frames) or 0.0
 
     def reset(frame: Any, timeout: float) -> Any:
         raise ConnectionResetError("reset by peer")
@@ -799,10 +809,11 @@ def test_a_hold_whose_write_failed_is_not_acknowledged_and_frees_the_connection(
     try:
         channel.client.is_open = lambda: True  # type: ignore[method-assign]
         channel.client.start_call = reset  # type: ignore[method-assign]
-        acknowledged = channel.start({"holds": [[1, ["book:1"]]]}, 0.3)
-        assert acknowledged is not None and acknowledged() is False
-        assert REGISTRY.get_sample_value(failures) == before + 1
-        assert channel._combiner.claim(), "the connection was not given back"
-        channel._combiner.unclaim()
+        with caplog.at_level(logging.ERROR, logger="pygmy.catalog.invalidation"):
+            acknowledged = channel.start({"holds": [[1, ["book:1"]]]}, 0.3)
+            assert acknowledged is not None and acknowledged() is False
+        assert failures._value.get() == 1 and caplog.records == []  # a failure, not a bug
+        assert (REGISTRY.get_sample_value(frames) or 0.0) == sent_before  # no frame went out
+        assert channel.close_if_idle(), "the connection was not given back"
     finally:
         channel.close()

@@ -7,6 +7,7 @@ import os
 import subprocess
 import threading
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ def test_a_threads_blocks_are_counted_and_shown_per_operation() -> None:
         assert slept.wait(10)
         after = {pid: profile.thread_counters(pid)}
     finally:
+        go.set()
         end.set()
         t.join()
     (me,) = [k for k in after[pid] if k[0] == tid[0]]
@@ -67,26 +69,30 @@ def test_thread_names_come_from_py_spys_json_dump(monkeypatch: pytest.MonkeyPatc
         assert "--json" in args
         return subprocess.CompletedProcess(args, 0, stdout=json.dumps(dump))
 
-    monkeypatch.setattr(profile.subprocess, "run", run)
+    def stand_in(run: Any) -> Any:  # profile's subprocess module, its ``run`` replaced: no one else's
+        return types.SimpleNamespace(run=run, TimeoutExpired=subprocess.TimeoutExpired)
+
+    monkeypatch.setattr(profile, "subprocess", stand_in(run))
     assert profile.thread_names("py-spy", 1) == {25347: "combiner_0"}
 
     def hangs(args: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
         raise subprocess.TimeoutExpired(args, kw["timeout"])
 
-    monkeypatch.setattr(profile.subprocess, "run", hangs)
+    monkeypatch.setattr(profile, "subprocess", stand_in(hangs))
     assert profile.thread_names("py-spy", 1) == {}
 
 
 def _filesystem(path: Path) -> str:
     """The type of the filesystem ``path`` is on, from /proc/mounts (its longest mount point)."""
+    where = str(path.resolve())
     mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines()]
-    return max(((m, t) for m, t in mounts if str(path.resolve()).startswith(m)), key=lambda mt: len(mt[0]))[1]
+    return max(((m, t) for m, t in mounts if where == m or where.startswith(m.rstrip("/") + "/")),
+               key=lambda mt: len(mt[0]))[1]
 
 
 def test_a_synced_commit_blocks_for_the_disk(tmp_path: Path) -> None:
     blocks = profile.sync_blocks(tmp_path, commits=20)
-    if _filesystem(tmp_path) in ("tmpfs", "ramfs"):
-        assert blocks >= 0  # a sync in memory waits for no disk
-    else:
-        assert blocks > 0
     assert list(tmp_path.iterdir()) == []  # its database is gone
+    if _filesystem(tmp_path) not in ("ext4", "ext3", "xfs", "btrfs", "f2fs"):
+        pytest.skip(f"{tmp_path} is on {_filesystem(tmp_path)}: a sync there may wait for no disk")
+    assert blocks > 0

@@ -170,18 +170,25 @@ def test_a_read_after_the_release_does_not_join_a_read_begun_under_the_hold() ->
         finish.wait(5)
         return 4, "before the write"
 
+    def new_read(floor: int) -> tuple[int, str]:
+        fetched_after.set()
+        return 8, "after the write"
+
     got: dict[str, str] = {}
+    fetched_after = threading.Event()
     during = threading.Thread(target=lambda: got.update(during=c.get_or_fetch("book:1", old_read, usable=True)))
+    after = threading.Thread(target=lambda: got.update(after=c.get_or_fetch("book:1", new_read, usable=True)))
     during.start()
-    assert fetching.wait(5)
-    c.release(5, ["book:1"], 8)
-    after = threading.Thread(target=lambda: got.update(
-        after=c.get_or_fetch("book:1", lambda f: (8, "after the write"), usable=True)))
-    after.start()
-    after.join(0.5)  # it fetches on its own at once; joined to the read under the hold, it would wait
-    finish.set()
-    during.join(5)
-    after.join(5)
+    try:
+        assert fetching.wait(5)
+        c.release(5, ["book:1"], 8)
+        after.start()
+        assert fetched_after.wait(5), "the read after the release joined the one begun under the hold"
+    finally:
+        finish.set()
+        during.join(5)
+        if after.ident is not None:  # started
+            after.join(5)
     assert got == {"during": "before the write", "after": "after the write"}
 
 

@@ -73,11 +73,11 @@ def test_a_confirm_that_came_a_moment_ago_waits_for_the_next_buys_entry(buys: An
     """A sequential buyer: each buy's confirm comes as its answer goes, and the next buy's intents
     entry takes it a moment later. When an older confirm's linger runs out, the confirmer must not
     take the one that just came with it: that one waits for the next buy's entry."""
-    monkeypatch.setattr(order_app, "CONFIRM_LINGER", 2.0)
+    monkeypatch.setattr(order_app, "CONFIRM_LINGER", 60.0)  # margins of 30 s and more, whatever the machine
     processor, rt = buys
     now = time.monotonic()
     confirm = {"op": "confirm", "title": "t", "cost": 1.0, "at": 5.0}
-    processor._confirms.extend([(now - 2.0, {**confirm, "key": "k1"}), (now, {**confirm, "key": "k2"})])
+    processor._confirms.extend([(now - 60.0, {**confirm, "key": "k1"}), (now, {**confirm, "key": "k2"})])
     processor._confirmer.start()
     try:
         processor._confirm_due.set()

@@ -15,7 +15,7 @@ from flask import Flask
 from test_raft_node import KV, SECRET, Harness, Switch
 from werkzeug.serving import make_server
 
-from pygmy.cluster.local import _port_slice
+from pygmy.cluster.local import _handed_out, _port_slice
 from pygmy.replication.core import MembershipRefused
 from pygmy.replication.node import NotLeader, ReplicaNode
 
@@ -35,7 +35,8 @@ def free_pair() -> int:
                     s.bind(("127.0.0.1", p))
                 except OSError:
                     ok = False
-        if ok:
+        if ok and not {port, port + 50} & _handed_out:
+            _handed_out.update({port, port + 50})  # not bound until the replica starts: never twice
             return port
     raise RuntimeError("no free port pair")
 

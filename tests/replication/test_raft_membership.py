@@ -662,7 +662,7 @@ def test_a_removed_leader_tells_the_voter_holding_its_whole_log_to_campaign() ->
     assert c.wait_for(lambda: not old.core.is_leader(), 50)
     (m,) = told
     assert (m.src, m.term) == (old.name, old.core.term) and m.dst in voters(old) - {old.name}
-    new = elect(c, 50)
+    new = elect(c, SIM_CONFIG.election_ticks_min)  # sooner than any election timeout would bring one
     assert new.name == m.dst
 
 
@@ -691,6 +691,8 @@ def test_a_hand_over_goes_to_a_voter_heard_within_the_window_and_never_to_a_lear
 
 
 def test_leadership_goes_only_to_another_voter() -> None:
+    """A transfer to a learner, to itself or to a stranger is refused as invalid; by a follower, as
+    not the leader; during a transfer, any transfer or change is refused as transferring."""
     c = Cluster(3, seed=32)
     leader = settled(c)
     c.add_node("n4")
@@ -701,9 +703,10 @@ def test_leadership_goes_only_to_another_voter() -> None:
         assert refused.value.kind == "invalid" and leader.core.lead_transferee is None
         assert str(refused.value) == f"{to!r} is not another voter"
     follower = next(n for n in c.nodes.values() if n.name in voters(leader) - {leader.name})
-    with pytest.raises(MembershipRefused) as refused:
-        follower.core.transfer_leadership(leader.name)
-    assert (refused.value.kind, str(refused.value)) == ("not_leader", f"{follower.name} is not the leader")
+    for attempt in (lambda core: core.transfer_leadership(leader.name), lambda core: core.remove("n4")):
+        with pytest.raises(MembershipRefused) as refused:
+            attempt(follower.core)
+        assert (refused.value.kind, str(refused.value)) == ("not_leader", f"{follower.name} is not the leader")
     c.partition({leader.name}, set(c.nodes) - {leader.name})  # the transfer cannot finish meanwhile
     leader.core.transfer_leadership(follower.name)
     for attempt in (lambda core: core.transfer_leadership(follower.name), lambda core: core.remove("n4")):
@@ -717,12 +720,20 @@ def test_a_learner_heard_just_now_but_too_far_behind_is_not_caught_up() -> None:
     c, leader = with_a_learner(33, "n4")
     core = leader.core
     assert core.caught_up("n4", MAX_LAG)
-    core._prs["n4"].match = core.last_index - MAX_LAG - 1
-    core._prs["n4"].last_heard = core.now
+    pr = core._prs["n4"]
+    pr.last_heard = core.now - core._window()  # heard exactly a window ago: still in time
+    assert core.caught_up("n4", MAX_LAG)
+    pr.match, pr.last_heard = core.last_index - MAX_LAG - 1, core.now - 5
     assert not core.caught_up("n4", MAX_LAG)
     with pytest.raises(MembershipRefused) as refused:
         core.promote("n4", MAX_LAG)
-    assert refused.value.kind == "lagging" and "3 entries behind" in str(refused.value)
+    assert refused.value.kind == "lagging"
+    assert str(refused.value) == f"n4 is not caught up: {MAX_LAG + 1} entries behind (at most {MAX_LAG}), " \
+                                 "last answered 5 ticks ago"
+    pr.last_heard = -1
+    with pytest.raises(MembershipRefused) as refused:
+        core.promote("n4", MAX_LAG)
+    assert str(refused.value).endswith("entries behind (at most 2), never answered")
 
 
 def test_each_change_keeps_the_urls_of_the_members_it_keeps() -> None:
