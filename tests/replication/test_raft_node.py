@@ -635,6 +635,12 @@ def test_a_follower_told_of_commits_late_is_told_at_once_when_it_serves_a_read(t
     try:
         leader = h.leader(timeout=15)
         follower = next(n for n in h.nodes.values() if n is not leader)
+        # It knows the leader (a heartbeat or an append reached it): on a loaded machine a read
+        # asked right after the election found it knowing none ("kv-2 knows no leader").
+        deadline = time.monotonic() + 15
+        while follower.leader() is None:
+            assert time.monotonic() < deadline, "the follower never heard of the leader"
+            time.sleep(0.01)
         untold = 0
         for i in range(3):
             leader.propose({"k": "late", "add": 1}, timeout=2)
