@@ -434,8 +434,8 @@ class BuyProcessor:
     def _confirm_loop(self) -> None:
         """Confirms no intents entry took within CONFIRM_LINGER of their coming, as one log entry:
         one that came a moment ago waits for the next buy's entry, not for an entry of its own
-        (drained with older ones, such confirms made a sequential buyer's order tier append 1.14
-        entries per buy). Those that came within half a linger of the due one go with it, so that
+        (drained with older ones, such confirms cost a sequential buyer's order tier extra entries:
+        docs/replication.md). Those that came within half a linger of the due one go with it, so that
         a burst (the last buys of a load, the sweep's) is one entry, not one per wake-up. If that
         fails (no longer leader, no quorum), the orders stay pending until a read or the sweep
         finishes them again: the catalog's key gives the same answer. Supervised: an error costs

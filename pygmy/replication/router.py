@@ -190,9 +190,9 @@ class Sightings:
     def look(self, http: urllib3.PoolManager) -> bool:
         """Ask the leader (as hinted), else every replica, for its ``/status``, and take the
         configuration of a leader within its lease (which ends the asking), else of the newest
-        term's leader or replica furthest ahead that answers; if none of them gives one, ask the replicas the deployment's configuration names
-        now (``configured``: every member we knew may have been replaced while we were not
-        looking). True if the members changed."""
+        term's leader or replica furthest ahead that answers; if none of them gives one, ask the
+        replicas the deployment's configuration names now (``configured``: every member we knew
+        may have been replaced while we were not looking). True if the members changed."""
         members = dict(self.members)
         order = ([self.leader] if self.leader in members else []) + [n for n in members if n != self.leader]
         best = self._best(http, members, order)
