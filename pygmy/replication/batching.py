@@ -5,7 +5,9 @@ a frontend worker (one frame for the holds and releases of many writes) and the 
 decrements (one catalog request, one log entry, for the buys in flight). No thread of its own: a
 caller that finds no batch in flight sends everything queued so far, itself included, and hands
 each caller its own result; callers arriving meanwhile queue for the next batch. So a lone caller
-pays nothing extra, and under load the batch grows with the concurrency.
+pays nothing extra, and under load the batch grows with the concurrency. A combiner may also
+``linger``: while the batch before carried several items, the next waits a little for more before
+it goes (group commit's delay), where a batch costs much more than an item in it.
 
 A caller that cannot wait (Gunicorn's event loop, answering a buy without a thread of its own:
 ``pygmy/cluster/worker.py``) ``submit``s its item with a callback instead. Its batches are sent by one
@@ -29,6 +31,10 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+#: How recent the batch before must be for a lingering combiner to call the way busy: a burst
+#: that ended longer ago than this leaves no one to wait for.
+LINGER_RECENT = 0.1
 
 
 class CombinerTimeout(Exception):
@@ -61,9 +67,17 @@ class Combiner(Generic[T, R]):
     """``send(items) -> results`` (one result per item, in order) runs for a batch of callers at a time.
     If it raises, every caller of that batch gets the exception."""
 
-    def __init__(self, send: Callable[[list[T]], list[R]], max_batch: int = 256) -> None:
+    def __init__(self, send: Callable[[list[T]], list[R]], max_batch: int = 256, linger: float = 0.0,
+                 siblings: int = 2) -> None:
+        """``linger``: group commit's delay (PostgreSQL's ``commit_delay`` with ``commit_siblings``):
+        a batch waits up to that long for more items before it goes, but only while the way is
+        busy, that is, while the batch before it carried at least ``siblings`` items and ended
+        under ``LINGER_RECENT`` ago. A lone caller never waits; under load a batch costs the
+        same whatever it carries, so fewer, larger batches cost less per item."""
         self._send = send
         self.max_batch = max_batch
+        self.linger, self.siblings = linger, siblings
+        self._last_size, self._last_end = 0, float("-inf")  # the batch before: how many, ended when
         self._cond = threading.Condition()
         self._queue: list[_Slot[T, R]] = []
         self._busy = False
@@ -148,6 +162,7 @@ class Combiner(Generic[T, R]):
         items still queued are withdrawn and told so at once: no helper would send them now."""
         with self._cond:
             self._stopped = True
+            self._cond.notify_all()  # a lingering batch goes now
             helper = self._helper
             withdrawn = [s for s in self._queue if s.callback is not None]
             self._queue = [s for s in self._queue if s.callback is None]
@@ -177,6 +192,8 @@ class Combiner(Generic[T, R]):
         """Send the next batch from the queue (the lock held, released while it is sent); items
         whose time ran out while queued are withdrawn (told so if submitted), not sent. ``adopt``: the helper sends
         it, in the context its first submitted item came with."""
+        self._busy = True
+        self._linger()
         now = time.monotonic()
         expired = [s for s in self._queue if s.deadline <= now]
         if expired:
@@ -184,7 +201,6 @@ class Combiner(Generic[T, R]):
             for slot in expired:  # under the lock: an owner that wakes now finds it withdrawn, not queued
                 slot.error = CombinerTimeout("not sent in time; withdrawn", sent=False)
                 slot.done = True
-        self._busy = True
         batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
         for slot in batch:
             slot.sent = True
@@ -201,8 +217,19 @@ class Combiner(Generic[T, R]):
         finally:
             self._cond.acquire()
             self._busy = False
+            self._last_size, self._last_end = len(batch), time.monotonic()
             self._cond.notify_all()
             self._kick()
+
+    def _linger(self) -> None:
+        """Wait ``linger`` (the lock released, the way kept) if the batch before says others are
+        calling. Arrivals queue meanwhile, as behind any batch."""
+        now = time.monotonic()
+        if self.linger <= 0 or self._last_size < self.siblings or now - self._last_end > LINGER_RECENT:
+            return
+        until = now + self.linger
+        while not self._stopped and (left := until - time.monotonic()) > 0:
+            self._cond.wait(left)
 
     def _run(self, batch: list[_Slot[T, R]]) -> None:
         try:

@@ -335,3 +335,83 @@ def test_stop_tells_a_submitted_item_still_queued_that_it_was_not_sent() -> None
     release.set()
     caller.join(5)
     assert sent == [["first"]]
+
+
+def _submit_and_wait(c: Combiner[int, int], items: list[int], pause: float = 0.0) -> dict[int, Any]:
+    """Submit ``items`` (``pause`` between them) and return each one's outcome once all are told."""
+    told: dict[int, Any] = {}
+    done = threading.Event()
+
+    def tell(i: int) -> Callable[[Any], None]:
+        def callback(outcome: Any) -> None:
+            told[i] = outcome
+            if len(told) == len(items):
+                done.set()
+        return callback
+
+    for n, i in enumerate(items):
+        if n:
+            time.sleep(pause)
+        c.submit(i, 30, tell(i))
+    assert done.wait(30), f"told only {told}"
+    return told
+
+
+def test_a_lingering_combiner_waits_for_company_only_after_a_batch_of_several() -> None:
+    """After a batch of two, the next batch waits ``linger`` and carries what came meanwhile; after
+    a batch of one (a lone caller), it goes at once, alone."""
+    batches: list[list[int]] = []
+    c: Combiner[int, int] = Combiner(lambda items: (batches.append(items), [-i for i in items])[1], linger=2.0)
+    try:
+        assert c.call_many([1, 2], [5, 5]) == [-1, -2]  # one batch of two: the way is busy
+        assert _submit_and_wait(c, [3, 4], pause=0.2) == {3: -3, 4: -4}
+        assert batches == [[1, 2], [3, 4]], "4 came 0.2 s after 3, within the linger: one batch"
+        assert _submit_and_wait(c, [5, 6], pause=0.2) == {5: -5, 6: -6}
+        # The batch before carried two, so 5 lingered too and took 6.
+        assert batches[2:] == [[5, 6]]
+        c.call(7, 5)  # after the batch of two, 7 lingers alone: the batch before it was [5, 6]
+        # After a batch of one, nobody waits: 8 is sent alone, before 9 comes.
+        assert _submit_and_wait(c, [8, 9], pause=0.5) == {8: -8, 9: -9}
+        assert batches[3:] == [[7], [8], [9]]
+    finally:
+        c.stop()
+
+
+def test_a_lone_caller_never_lingers_and_a_quiet_spell_ends_the_busy_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a linger of ten minutes, a lone caller's calls all return at once (no batch of two came
+    before them); and a batch of two long ago (beyond ``LINGER_RECENT``) does not make the next wait."""
+    from pygmy.replication import batching
+
+    c: Combiner[int, int] = Combiner(lambda items: [-i for i in items], linger=600.0)
+    results: list[int] = []
+
+    def calls() -> None:
+        results.extend(c.call(i, 30) for i in range(5))
+        assert c.call_many([1, 2], [30, 30]) == [-1, -2]
+        monkeypatch.setattr(batching, "LINGER_RECENT", 0.0)  # that batch is now "long ago"
+        results.append(c.call(3, 30))
+
+    caller = threading.Thread(target=calls, daemon=True)
+    caller.start()
+    caller.join(30)
+    assert not caller.is_alive(), "a call lingered"
+    assert results == [0, -1, -2, -3, -4, -3]
+    c.stop()
+
+
+def test_stopping_a_lingering_combiner_ends_the_wait_and_withdraws_what_is_queued() -> None:
+    batches: list[list[int]] = []
+    c: Combiner[int, int] = Combiner(lambda items: (batches.append(items), [-i for i in items])[1], linger=600.0)
+    assert c.call_many([1, 2], [30, 30]) == [-1, -2]
+    told: list[Any] = []
+    c.submit(3, 30, told.append)  # the helper lingers with it
+    deadline = time.monotonic() + 10
+    while not c._busy:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    stopper = threading.Thread(target=c.stop)
+    stopper.start()
+    stopper.join(30)
+    assert not stopper.is_alive(), "stop waited out the linger"
+    assert len(told) == 1 and isinstance(told[0], CombinerTimeout) and not told[0].sent
+    assert batches == [[1, 2]]
