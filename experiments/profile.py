@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--warm", action="store_true", help="read every book and topic first, as make bench's warm mix")
-    p.add_argument("--out", type=Path, default=Path("results/profile"))
+    p.add_argument("--out", type=Path, default=h.RESULTS / "profile",
+                   help="where py-spy's raw profiles go (not kept in git)")
     a = p.parse_args(argv)
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     procs, threads = (int(x) for x in a.clients.split("x"))

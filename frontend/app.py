@@ -66,7 +66,7 @@ ORDER_FIELDS = ("order_number", "item_number", "title", "quantity", "cost", "tot
 #: How long a worker's next batch of buys waits for more while the batch before carried two or
 #: more (``Combiner``'s linger): a batch costs several ms of CPU over the seven processes whatever
 #: it carries, so where buys come together fewer, larger batches leave the CPU to everything
-#: else; a lone buyer never waits. docs/performance.md, "Buys that wait for company", has the
+#: else; a buyer alone (each batch of one) never waits. docs/performance.md, "Buys that wait for company", has the
 #: measurements behind the figure.
 BUY_LINGER = 0.02
 #: What a buy hears when its time ran out before it was sent to the order leader: nothing was done.

@@ -7,7 +7,8 @@ caller that finds no batch in flight sends everything queued so far, itself incl
 each caller its own result; callers arriving meanwhile queue for the next batch. So a lone caller
 pays nothing extra, and under load the batch grows with the concurrency. A combiner may also
 ``linger``: while the batch before carried several items, the next waits a little for more before
-it goes (group commit's delay), where a batch costs much more than an item in it.
+it goes (group commit's delay), where a batch costs much more than an item in it; a caller that
+only ever follows batches of one still pays nothing extra.
 
 A caller that cannot wait (Gunicorn's event loop, answering a buy without a thread of its own:
 ``pygmy/cluster/worker.py``) ``submit``s its item with a callback instead. Its batches are sent by one
@@ -70,14 +71,16 @@ class Combiner(Generic[T, R]):
     def __init__(self, send: Callable[[list[T]], list[R]], max_batch: int = 256, linger: float = 0.0,
                  siblings: int = 2) -> None:
         """``linger``: group commit's delay (PostgreSQL's ``commit_delay`` with ``commit_siblings``):
-        a batch waits up to that long for more items before it goes, but only while the way is
-        busy, that is, while the batch before it carried at least ``siblings`` items and ended
-        under ``LINGER_RECENT`` ago. A lone caller never waits; under load a batch costs the
-        same whatever it carries, so fewer, larger batches cost less per item."""
+        a batch waits that long for more items before it goes, but only while others are calling,
+        that is, while the batch before it carried at least ``siblings`` items and ended under
+        ``LINGER_RECENT`` ago; never into the last ``linger`` of a queued item's time, and not once
+        ``max_batch`` items are queued. A caller that only follows batches of one never waits;
+        where a batch costs much the same whatever it carries, fewer, larger ones cost less per item."""
         self._send = send
         self.max_batch = max_batch
         self.linger, self.siblings = linger, siblings
         self._last_size, self._last_end = 0, float("-inf")  # the batch before: how many, ended when
+        self._lingering = False  # a batch waits for company: arrivals wake it (their deadlines count)
         self._cond = threading.Condition()
         self._queue: list[_Slot[T, R]] = []
         self._busy = False
@@ -107,6 +110,7 @@ class Combiner(Generic[T, R]):
         waiting = set(range(len(slots)))
         with self._cond:
             self._queue.extend(slots)
+            self._arrived()
             while True:
                 now = time.monotonic()
                 for i in list(waiting):
@@ -137,6 +141,7 @@ class Combiner(Generic[T, R]):
             if self._stopped:
                 raise RuntimeError("the combiner is stopped")
             self._queue.append(slot)
+            self._arrived()
             self._kick()
 
     def claim(self) -> bool:
@@ -162,7 +167,7 @@ class Combiner(Generic[T, R]):
         items still queued are withdrawn and told so at once: no helper would send them now."""
         with self._cond:
             self._stopped = True
-            self._cond.notify_all()  # a lingering batch goes now
+            self._cond.notify_all()  # a lingering batch ends its wait (its submitted items withdrawn below)
             helper = self._helper
             withdrawn = [s for s in self._queue if s.callback is not None]
             self._queue = [s for s in self._queue if s.callback is None]
@@ -222,14 +227,27 @@ class Combiner(Generic[T, R]):
             self._kick()
 
     def _linger(self) -> None:
-        """Wait ``linger`` (the lock released, the way kept) if the batch before says others are
-        calling. Arrivals queue meanwhile, as behind any batch."""
-        now = time.monotonic()
-        if self.linger <= 0 or self._last_size < self.siblings or now - self._last_end > LINGER_RECENT:
+        """Wait (the lock released, the way kept) for company if the batch before says others are
+        calling: ``linger`` at most, and never into the last ``linger`` of any queued item's time,
+        so that a short deadline is not spent here. Arrivals queue meanwhile, as behind any batch."""
+        started = time.monotonic()
+        if self.linger <= 0 or self._last_size < self.siblings or started - self._last_end > LINGER_RECENT:
             return
-        until = now + self.linger
-        while not self._stopped and (left := until - time.monotonic()) > 0:
-            self._cond.wait(left)
+        self._lingering = True
+        try:
+            while not self._stopped and len(self._queue) < self.max_batch:
+                soonest = min((s.deadline for s in self._queue), default=float("inf"))
+                left = min(started + self.linger, soonest - self.linger) - time.monotonic()
+                if left <= 0:
+                    return
+                self._cond.wait(left)
+        finally:
+            self._lingering = False
+
+    def _arrived(self) -> None:
+        """Items were queued (the lock held): a lingering batch looks again at their count and times."""
+        if self._lingering:
+            self._cond.notify_all()
 
     def _run(self, batch: list[_Slot[T, R]]) -> None:
         try:

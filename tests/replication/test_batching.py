@@ -337,8 +337,9 @@ def test_stop_tells_a_submitted_item_still_queued_that_it_was_not_sent() -> None
     assert sent == [["first"]]
 
 
-def _submit_and_wait(c: Combiner[int, int], items: list[int], pause: float = 0.0) -> dict[int, Any]:
-    """Submit ``items`` (``pause`` between them) and return each one's outcome once all are told."""
+def _submit_and_wait(c: Combiner[int, int], items: list[int], pause: float = 0.0, wait: float = 30) -> dict[int, Any]:
+    """Submit ``items`` (``pause`` between them, each with ``wait``) and return each one's outcome
+    once all are told (within 30 s)."""
     told: dict[int, Any] = {}
     done = threading.Event()
 
@@ -352,14 +353,17 @@ def _submit_and_wait(c: Combiner[int, int], items: list[int], pause: float = 0.0
     for n, i in enumerate(items):
         if n:
             time.sleep(pause)
-        c.submit(i, 30, tell(i))
+        c.submit(i, wait, tell(i))
     assert done.wait(30), f"told only {told}"
     return told
 
 
-def test_a_lingering_combiner_waits_for_company_only_after_a_batch_of_several() -> None:
+def test_a_lingering_combiner_waits_for_company_only_after_a_batch_of_several(monkeypatch: pytest.MonkeyPatch) -> None:
     """After a batch of two, the next batch waits ``linger`` and carries what came meanwhile; after
     a batch of one (a lone caller), it goes at once, alone."""
+    from pygmy.replication import batching
+
+    monkeypatch.setattr(batching, "LINGER_RECENT", 600.0)  # a slow thread start is still "recent"
     batches: list[list[int]] = []
     c: Combiner[int, int] = Combiner(lambda items: (batches.append(items), [-i for i in items])[1], linger=2.0)
     try:
@@ -378,33 +382,40 @@ def test_a_lingering_combiner_waits_for_company_only_after_a_batch_of_several() 
 
 
 def test_a_lone_caller_never_lingers_and_a_quiet_spell_ends_the_busy_way(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With a linger of ten minutes, a lone caller's calls all return at once (no batch of two came
-    before them); and a batch of two long ago (beyond ``LINGER_RECENT``) does not make the next wait."""
+    """With a linger of ten minutes (and callers of an hour's time, which it would keep clear of),
+    a lone caller's calls all return at once (no batch of two came before them); and a batch of
+    two long ago (beyond ``LINGER_RECENT``) does not make the next wait."""
     from pygmy.replication import batching
 
     c: Combiner[int, int] = Combiner(lambda items: [-i for i in items], linger=600.0)
     results: list[int] = []
 
     def calls() -> None:
-        results.extend(c.call(i, 30) for i in range(5))
-        assert c.call_many([1, 2], [30, 30]) == [-1, -2]
+        results.extend(c.call(i, 3600) for i in range(5))
+        assert c.call_many([1, 2], [3600, 3600]) == [-1, -2]
         monkeypatch.setattr(batching, "LINGER_RECENT", 0.0)  # that batch is now "long ago"
-        results.append(c.call(3, 30))
+        results.append(c.call(3, 3600))
 
     caller = threading.Thread(target=calls, daemon=True)
-    caller.start()
-    caller.join(30)
-    assert not caller.is_alive(), "a call lingered"
-    assert results == [0, -1, -2, -3, -4, -3]
-    c.stop()
+    try:
+        caller.start()
+        caller.join(30)
+        assert not caller.is_alive(), "a call lingered"
+        assert results == [0, -1, -2, -3, -4, -3]
+    finally:
+        c.stop()
 
 
-def test_stopping_a_lingering_combiner_ends_the_wait_and_withdraws_what_is_queued() -> None:
+def test_stopping_a_lingering_combiner_ends_the_wait_and_withdraws_what_is_queued(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from pygmy.replication import batching
+
+    monkeypatch.setattr(batching, "LINGER_RECENT", 600.0)
     batches: list[list[int]] = []
     c: Combiner[int, int] = Combiner(lambda items: (batches.append(items), [-i for i in items])[1], linger=600.0)
     assert c.call_many([1, 2], [30, 30]) == [-1, -2]
     told: list[Any] = []
-    c.submit(3, 30, told.append)  # the helper lingers with it
+    c.submit(3, 3600, told.append)  # the helper lingers with it (600 s: an hour's item allows it)
     deadline = time.monotonic() + 10
     while not c._busy:
         assert time.monotonic() < deadline
@@ -415,3 +426,31 @@ def test_stopping_a_lingering_combiner_ends_the_wait_and_withdraws_what_is_queue
     assert not stopper.is_alive(), "stop waited out the linger"
     assert len(told) == 1 and isinstance(told[0], CombinerTimeout) and not told[0].sent
     assert batches == [[1, 2]]
+
+
+def test_a_lingering_batch_keeps_clear_of_its_items_deadlines_and_goes_when_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wait ends a ``linger`` before the soonest queued item's time runs out: an item with 2.5 s
+    left and a linger of 2 s waits 0.5 s, and goes without the item that comes 1.5 s later. With
+    ``max_batch`` items queued it goes at once, whatever the linger."""
+    from pygmy.replication import batching
+
+    monkeypatch.setattr(batching, "LINGER_RECENT", 600.0)
+    batches: list[list[int]] = []
+    c: Combiner[int, int] = Combiner(lambda items: (batches.append(items), [-i for i in items])[1], linger=2.0)
+    told: dict[int, Any] = {}
+    try:
+        assert c.call_many([1, 2], [30, 30]) == [-1, -2]
+        c.submit(3, 2.5, lambda r: told.__setitem__(3, r))
+        time.sleep(1.5)
+        assert _submit_and_wait(c, [4]) == {4: -4}
+        assert told == {3: -3} and batches == [[1, 2], [3], [4]], "3 waited into its last 2 s for 4"
+    finally:
+        c.stop()
+    full: Combiner[int, int] = Combiner(lambda items: (batches.append(items), [-i for i in items])[1],
+                                        max_batch=2, linger=600.0)
+    try:
+        assert full.call_many([1, 2], [30, 30]) == [-1, -2]
+        assert _submit_and_wait(full, [5, 6], wait=3600) == {5: -5, 6: -6}  # told within 30 s: not after 600
+        assert batches[3:] == [[1, 2], [5, 6]]
+    finally:
+        full.stop()
