@@ -111,7 +111,8 @@ def add_cluster_options(p: argparse.ArgumentParser, serve: bool = False) -> None
     p.add_argument("--frontend-read-limit", type=int, help="reads in flight per frontend (default 64)")
     p.add_argument("--frontend-write-tolerance", type=float,
                    help="the write cap follows latency: cut while buys take more than this many times their "
-                        "latency below the cap, e.g. 3 (default 0: a fixed cap)")
+                        "latency below the cap plus the 20 ms a buy may wait for company, e.g. 3 (default 0: "
+                        "a fixed cap)")
     p.add_argument("--replica-write-limit", type=int, help="writes in flight per replica (default 64)")
     p.add_argument("--replica-read-limit", type=int, help="reads in flight per replica (default 48)")
     p.add_argument("--peer-addresses", type=_links, metavar="JSON",

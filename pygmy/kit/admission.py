@@ -190,11 +190,15 @@ class LatencyLimit:
                  stale: int = 40, allowance: float = 0.0) -> None:
         """``allowance``: seconds of latency the service adds on purpose under load (a frontend's
         buys wait for company, ``BUY_LINGER``), on top of ``tolerance`` times the baseline: a lone
-        request sets the baseline without that wait, and a wait by design is not congestion."""
+        request sets the baseline without that wait, and a wait by design is not congestion. A
+        baseline raised by slow windows or a rebase may hold the wait already, and then it is
+        allowed for twice, erring toward admitting."""
         if tolerance <= 1:
             raise ValueError("a latency tolerance must be over 1 (times the baseline latency)")
         if ceiling < 1:
             raise ValueError("a cap on requests in flight must be at least 1")
+        if not 0 <= allowance < float("inf"):  # NaN fails too
+            raise ValueError("a latency allowance must be a finite number of seconds, 0 or more")
         self.ceiling, self.tolerance = ceiling, tolerance
         self.floor = max(1, ceiling // 4 if floor is None else min(floor, ceiling))
         self.window, self.min_samples, self.backoff, self.follow = window, min_samples, backoff, follow

@@ -214,6 +214,11 @@ def test_latency_added_on_purpose_is_allowed_for_and_reaches_the_gate_from_admis
     assert plain.limit == 25, "35 ms is over twice 10 ms: cut again"
     assert allowing.limit == 37, "35 ms is within twice 10 ms plus 20: grown back"
     assert allowing.baseline == pytest.approx(0.010), "the allowance is no part of the baseline"
+    feed(allowing, now, 0.045, 1, reached=True)
+    assert allowing.limit == 34, "45 ms is over twice 10 ms plus 20 (not twice 10 plus 20)"
+    for bad in (-0.001, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="allowance"):
+            LatencyLimit(48, 2.0, allowance=bad)
     app = Admission(lambda e, s: [b""], "svc-a", {"write": 6, "read": 3}, tolerances={"write": 2.0},
                     allowances={"write": 0.020})
     assert app.snapshot()["write"]["allowance_ms"] == 20.0
