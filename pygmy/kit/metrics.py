@@ -8,6 +8,7 @@ both report the whole frontend, not the one worker that happened to answer.
 
 from __future__ import annotations
 
+import glob
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -98,10 +99,30 @@ def instrument(app: Flask, extra: Callable[[], Iterable[Collector]] | None = Non
         return Response(text, mimetype=CONTENT_TYPE_LATEST)
 
 
+class _Collector(multiprocess.MultiProcessCollector):
+    """prometheus-client's multiprocess collector, less the files another worker has just created
+    and not yet sized: read at that instant, an empty file failed the whole scrape (a frontend's
+    ``/status`` answered 500 once while a worker started). Such a file holds no sample yet."""
+
+    def collect(self) -> Iterable[Any]:
+        files = []
+        for path in glob.glob(os.path.join(self._path, "*.db")):
+            try:
+                if os.path.getsize(path) >= _HEADER:
+                    files.append(path)
+            except FileNotFoundError:  # a dead worker's live gauges, removed since the glob
+                pass
+        return self.merge(files, accumulate=True)
+
+
+#: A multiprocess file's header: the bytes used (4) and padding (4), written when it is sized.
+_HEADER = 8
+
+
 def registry_for_scrape() -> CollectorRegistry:
     registry = CollectorRegistry()
     if os.environ.get(ENV):
-        multiprocess.MultiProcessCollector(registry)
+        _Collector(registry)
     else:  # single process (tests, tools): the default registry has everything
         from prometheus_client import REGISTRY
 
