@@ -63,12 +63,6 @@ BOOK_FIELDS = ("item_number", "title", "topic", "stock", "cost")
 #: Books per search answer unless ``limit`` says otherwise, and the most ``limit`` may ask for.
 SEARCH_LIMIT, SEARCH_MAX = 100, 1000
 ORDER_FIELDS = ("order_number", "item_number", "title", "quantity", "cost", "total")
-#: How long a worker's next batch of buys waits for more while the batch before carried two or
-#: more (``Combiner``'s linger): a batch costs several ms of CPU over the seven processes whatever
-#: it carries, so where buys come together fewer, larger batches leave the CPU to everything
-#: else; a buyer alone (each batch of one) never waits. docs/performance.md, "Buys that wait for company", has the
-#: measurements behind the figure.
-BUY_LINGER = 0.02
 #: What a buy hears when its time ran out before it was sent to the order leader: nothing was done.
 EXPIRED = Reply(504, {"error": {"code": 504, "message": "the buy's time budget was spent before it was sent"}},
                 "frontend")
@@ -149,9 +143,9 @@ def buy_item(item: str, key: str | None, data: dict[str, Any]) -> dict[str, Any]
 def create_app(config: ClusterConfig, k: int = 1) -> Flask:
     name = f"frontend-{k}"
     secret = config.secret()
-    # A cap that follows the buys' latency allows for their wait for company (BUY_LINGER).
+    # A cap that follows the buys' latency allows for their wait for company (frontend_buy_linger).
     app = create_base_app(name, limits=config.limits("frontend"), tolerances=config.tolerances("frontend"),
-                          allowances={"write": BUY_LINGER})
+                          allowances={"write": config.frontend_buy_linger})
     # What one router finds of a stopped replica or of the leader, the others of its tier use
     # (``Sightings``): the lease renewals' find of a new catalog leader sends the reads there too.
     seen = {t: Sightings(via=config.router_urls.get(name, {}), configured=lambda t=t: config.peers_now(name, t))
@@ -210,7 +204,7 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
         metrics.BUY_BATCH.labels(name, "buys").observe(len(items))
         return buy_frames.write_batch(items, config.buy_deadline, EXPIRED)
 
-    buys: Combiner[tuple[dict[str, Any], float], Reply] = Combiner(send_buys, linger=BUY_LINGER)
+    buys: Combiner[tuple[dict[str, Any], float], Reply] = Combiner(send_buys, linger=config.frontend_buy_linger)
     app.extensions["pygmy_buys"] = buys  # stopped with the worker (pygmy/cluster/serve.py)
 
     def call(fn: Any, *args: Any, **kw: Any) -> Reply:

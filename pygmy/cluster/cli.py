@@ -74,6 +74,7 @@ SETTINGS: dict[str, tuple[str, Any, str]] = {
     "frontend_read_limit": ("frontend_read_limit", int, "PYGMY_FRONTEND_READ_LIMIT"),
     "replica_write_limit": ("replica_write_limit", int, "PYGMY_REPLICA_WRITE_LIMIT"),
     "frontend_write_tolerance": ("frontend_write_tolerance", float, "PYGMY_FRONTEND_WRITE_TOLERANCE"),
+    "frontend_buy_linger": ("frontend_buy_linger", float, "PYGMY_FRONTEND_BUY_LINGER"),
     "replica_read_limit": ("replica_read_limit", int, "PYGMY_REPLICA_READ_LIMIT"),
     "peer_addresses": ("peer_addresses", _links, "PYGMY_PEER_ADDRESSES"),
     "router_urls": ("router_urls", _links, "PYGMY_ROUTER_URLS"),
@@ -113,6 +114,9 @@ def add_cluster_options(p: argparse.ArgumentParser, serve: bool = False) -> None
                    help="the write cap follows latency: cut while buys take more than this many times their "
                         "latency below the cap plus the 20 ms a buy may wait for company, e.g. 3 (default 0: "
                         "a fixed cap)")
+    p.add_argument("--frontend-buy-linger", type=float, metavar="SECONDS",
+                   help="how long a frontend worker's next batch of buys waits for more while the one before "
+                        "carried two or more (default 0.02; 0: never)")
     p.add_argument("--replica-write-limit", type=int, help="writes in flight per replica (default 64)")
     p.add_argument("--replica-read-limit", type=int, help="reads in flight per replica (default 48)")
     p.add_argument("--peer-addresses", type=_links, metavar="JSON",
@@ -169,6 +173,8 @@ def check_settings(config: ClusterConfig) -> ClusterConfig:
         raise SystemExit("pygmy: every --*-limit must be at least 1")
     if not (config.frontend_write_tolerance == 0 or config.frontend_write_tolerance > 1):
         raise SystemExit("pygmy: --frontend-write-tolerance must be 0 (a fixed cap) or over 1")
+    if not 0 <= config.frontend_buy_linger <= 1:  # NaN fails too
+        raise SystemExit("pygmy: --frontend-buy-linger must be 0 to 1 s")
     bad_links = config.check_links()
     if bad_links:
         raise SystemExit("pygmy: " + "; ".join(bad_links))

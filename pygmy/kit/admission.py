@@ -189,7 +189,7 @@ class LatencyLimit:
                  min_samples: int = 4, backoff: float = 0.9, follow: float = 0.05, settle: int = 3,
                  stale: int = 40, allowance: float = 0.0) -> None:
         """``allowance``: seconds of latency the service adds on purpose under load (a frontend's
-        buys wait for company, ``BUY_LINGER``), on top of ``tolerance`` times the baseline: a lone
+        buys wait for company, ``ClusterConfig.frontend_buy_linger``), on top of ``tolerance`` times the baseline: a lone
         request sets the baseline without that wait, and a wait by design is not congestion. A
         baseline raised by slow windows or a rebase may hold the wait already, and then it is
         allowed for twice, erring toward admitting."""

@@ -81,6 +81,14 @@ class ClusterConfig:
     #: default): a fixed cap, which served more buys at a surge here with reads as fast
     #: (docs/performance.md, "Overload").
     frontend_write_tolerance: float = 0.0
+    #: Seconds a frontend worker's next batch of buys waits for more while the batch before carried
+    #: two or more (``pygmy.replication.batching.Combiner``'s linger; 0: never). A batch costs
+    #: several ms of CPU over the seven processes whatever it carries, and on this project's
+    #: 2-core machine two buyers already fill the cores, so there fewer, larger batches leave the
+    #: CPU to everything else; a buyer alone (each batch of one) never waits. Where a few buyers
+    #: do not fill the machine, the wait is added to their buys: measure, and lower it.
+    #: docs/performance.md, "Buys that wait for company".
+    frontend_buy_linger: float = 0.02
     #: How long the frontend keeps retrying a buy (same idempotency key) across a failover.
     buy_deadline: float = 5.0
     #: Seconds an idempotency key is remembered (buys, and the catalog's decrements and updates):

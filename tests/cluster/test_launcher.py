@@ -347,6 +347,7 @@ def test_up_ignores_the_settings_of_one_service(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("setting", "says"), [
     ({"PYGMY_RAFT_LEASE_TICKS": "30"}, "need lease_ticks < election_ticks_min"),
     ({"PYGMY_RAFT_HEARTBEAT_TICKS": "40"}, "need 1 <= heartbeat_ticks < election_ticks_min"),
+    ({"PYGMY_FRONTEND_BUY_LINGER": "-0.01"}, "--frontend-buy-linger must be 0 to 1 s"),
 ])
 def test_up_refuses_unsafe_raft_settings_before_starting_anything(tmp_path: Path, setting: dict[str, str],
                                                                   says: str) -> None:
@@ -380,6 +381,18 @@ def test_pygmy_member_in_a_container_takes_the_tiers_from_the_environment(tmp_pa
         joined = resolve(args, use_cluster_file=True, serve=True)
         assert joined.peers("catalog")["catalog-4"] == "http://c4:8000" and joined.learners("catalog") == ["catalog-4"]
         assert resolve(args, use_cluster_file=False).learners("catalog") == []  # pygmy up ignores it
+
+
+def test_the_buys_linger_is_set_by_option_or_environment(tmp_path: Path) -> None:
+    from pygmy.cluster.cli import build_parser, resolve
+
+    parser = build_parser()
+    assert resolve(parser.parse_args(["up", "--data-dir", str(tmp_path)]), False).frontend_buy_linger == 0.02
+    off = parser.parse_args(["up", "--data-dir", str(tmp_path), "--frontend-buy-linger", "0"])
+    assert resolve(off, False).frontend_buy_linger == 0.0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYGMY_FRONTEND_BUY_LINGER", "0.005")
+        assert resolve(parser.parse_args(["up", "--data-dir", str(tmp_path)]), False).frontend_buy_linger == 0.005
 
 
 SPINNERS = """
