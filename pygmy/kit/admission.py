@@ -158,7 +158,7 @@ class LatencyLimit:
     A fixed cap does not notice when the machine is full: under a surge every admitted buy holds a
     place for as long as the CPU it queues for makes it take, reads queue for the same CPU, and the
     cap is reached at the latency of a saturated machine. This one is cut by a tenth each window
-    whose median latency is over ``tolerance`` times the ``baseline`` (plus an ``allowance``) *and* in which the cap was
+    whose median latency is over ``tolerance`` times the ``baseline`` *and* in which the cap was
     reached (so that load the cap did not hold back, such as closed-loop clients, which cannot
     overload anything, is never shed for being slow), and grows by one each window at or under it,
     up to the configured cap (``ceiling``): it never admits more than the fixed cap would, nor
@@ -187,22 +187,15 @@ class LatencyLimit:
 
     def __init__(self, ceiling: int, tolerance: float, *, floor: int | None = None, window: float = 0.05,
                  min_samples: int = 4, backoff: float = 0.9, follow: float = 0.05, settle: int = 3,
-                 stale: int = 40, allowance: float = 0.0) -> None:
-        """``allowance``: seconds of latency the service adds on purpose under load (a frontend's
-        buys wait for company, ``ClusterConfig.frontend_buy_linger``), on top of ``tolerance`` times the baseline: a lone
-        request sets the baseline without that wait, and a wait by design is not congestion. A
-        baseline raised by slow windows or a rebase may hold the wait already, and then it is
-        allowed for twice, erring toward admitting."""
+                 stale: int = 40) -> None:
         if tolerance <= 1:
             raise ValueError("a latency tolerance must be over 1 (times the baseline latency)")
         if ceiling < 1:
             raise ValueError("a cap on requests in flight must be at least 1")
-        if not 0 <= allowance < float("inf"):  # NaN fails too
-            raise ValueError("a latency allowance must be a finite number of seconds, 0 or more")
         self.ceiling, self.tolerance = ceiling, tolerance
         self.floor = max(1, ceiling // 4 if floor is None else min(floor, ceiling))
         self.window, self.min_samples, self.backoff, self.follow = window, min_samples, backoff, follow
-        self.settle, self.stale, self.allowance = settle, stale, allowance
+        self.settle, self.stale = settle, stale
         self.value = float(ceiling)
         self._slow_at_floor = 0  # windows in a row over the tolerance with the cap at its floor
         self.rebases = 0  # times the rule above put the cap back
@@ -238,7 +231,7 @@ class LatencyLimit:
             self.baseline = base = median
         elif not reached:
             self.baseline = base = base + (median - base) * self.follow
-        if median <= self.tolerance * base + self.allowance:
+        if median <= self.tolerance * base:
             self._slow_at_floor = 0
             self.value = min(float(self.ceiling), self.value + 1)
         elif self.limit <= self.floor:
@@ -258,11 +251,11 @@ class Gate:
     ``Board``. With a ``LatencyLimit`` the cap follows the latency of the requests: of this
     process's alone, or, shared, one cap on the board that each worker moves with its own."""
 
-    def __init__(self, limit: int, tolerance: float = 0.0, allowance: float = 0.0) -> None:
+    def __init__(self, limit: int, tolerance: float = 0.0) -> None:
         if limit < 1:
             raise ValueError("a limit on requests in flight must be at least 1")
         self.ceiling = limit
-        self.adaptive = LatencyLimit(limit, tolerance, allowance=allowance) if tolerance else None
+        self.adaptive = LatencyLimit(limit, tolerance) if tolerance else None
         self.in_flight = 0  # this process's
         self._lock = threading.Lock()
         self._board: tuple[Board, str, int] | None = None
@@ -373,14 +366,10 @@ class Admission:
     the answers behind it."""
 
     def __init__(self, app: Callable[..., Any], service: str, limits: dict[str, int],
-                 metrics: RequestMetrics | None = None, tolerances: dict[str, float] | None = None,
-                 allowances: dict[str, float] | None = None) -> None:
-        """``tolerances``: the classes whose cap follows latency (``LatencyLimit``), ``allowances``
-        the latency each of those adds on purpose."""
+                 metrics: RequestMetrics | None = None, tolerances: dict[str, float] | None = None) -> None:
         self.app, self.service = app, service
         self.metrics = metrics or RequestMetrics(service)
-        self.gates = {cls: Gate(limit, (tolerances or {}).get(cls, 0.0), (allowances or {}).get(cls, 0.0))
-                      for cls, limit in limits.items()}
+        self.gates = {cls: Gate(limit, (tolerances or {}).get(cls, 0.0)) for cls, limit in limits.items()}
         self._shed = {cls: SHED.labels(service, cls) for cls in limits}
         self._refusal = {cls: json.dumps({"error": {
             "code": 503, "message": f"{service} is overloaded ({cls}s in flight at their cap): retry after {RETRY_AFTER} s",
@@ -408,15 +397,13 @@ class Admission:
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         """``{class: {"limit", "in_flight"}}``: what the cap applies to (every worker's, if shared);
-        for a cap that follows latency also ``ceiling`` (the configured cap), ``baseline_ms`` and
-        ``allowance_ms`` (judged slow over tolerance x baseline + allowance)."""
+        for a cap that follows latency also ``ceiling`` (the configured cap) and ``baseline_ms``."""
         out: dict[str, dict[str, Any]] = {}
         for cls, g in self.gates.items():
             out[cls] = {"limit": g.limit, "in_flight": g.total()}
             if g.adaptive is not None:
                 base = g.adaptive.baseline
-                out[cls].update(ceiling=g.ceiling, baseline_ms=None if base is None else round(base * 1000, 2),
-                                allowance_ms=round(g.adaptive.allowance * 1000, 2))
+                out[cls].update(ceiling=g.ceiling, baseline_ms=None if base is None else round(base * 1000, 2))
         return out
 
     def answers_early(self) -> bool:

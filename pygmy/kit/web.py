@@ -290,13 +290,11 @@ class CompactJSON(DefaultJSONProvider):
 
 
 def create_base_app(name: str, extra_metrics: Callable[[], Iterable[Collector]] | None = None,
-                    limits: dict[str, int] | None = None, tolerances: dict[str, float] | None = None,
-                    allowances: dict[str, float] | None = None) -> Flask:
+                    limits: dict[str, int] | None = None, tolerances: dict[str, float] | None = None) -> Flask:
     """A Flask app whose every error, including 404/405/413/414/431 and crashes, is a JSON body.
 
     In front of it, admission control (``pygmy/kit/admission.py``): ``limits`` caps the requests in
-    flight per class (``tolerances``: the classes whose cap follows their latency, ``allowances``:
-    the latency each of those adds on purpose), and every
+    flight per class (``tolerances``: the classes whose cap follows their latency), and every
     request's time budget is read from its header. Then the ``Edge``:
     ids, size limits, metrics and the access log of every admitted request.
     """
@@ -304,8 +302,7 @@ def create_base_app(name: str, extra_metrics: Callable[[], Iterable[Collector]] 
     app.json = CompactJSON(app)
     app.request_class = EdgeRequest
     edge = app.extensions["pygmy_edge"] = Edge(app.wsgi_app, name)
-    app.wsgi_app = Admission(edge, name, limits or {}, edge.metrics, tolerances,  # type: ignore[method-assign]
-                             allowances)
+    app.wsgi_app = Admission(edge, name, limits or {}, edge.metrics, tolerances)  # type: ignore[method-assign]
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY
     instrument(app, extra_metrics)
 

@@ -33,8 +33,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 R = TypeVar("R")
 
-#: How recent the batch before must be for a lingering combiner to call the way busy: a burst
-#: that ended longer ago than this leaves no one to wait for.
+#: When a lingering combiner calls the way busy: the batch before carried at least
+#: ``LINGER_SIBLINGS`` items (PostgreSQL's ``commit_siblings``) and ended under ``LINGER_RECENT``
+#: seconds ago (a burst that ended longer ago leaves no one to wait for).
+LINGER_SIBLINGS = 2
 LINGER_RECENT = 0.1
 
 
@@ -68,20 +70,21 @@ class Combiner(Generic[T, R]):
     """``send(items) -> results`` (one result per item, in order) runs for a batch of callers at a time.
     If it raises, every caller of that batch gets the exception."""
 
-    def __init__(self, send: Callable[[list[T]], list[R]], max_batch: int = 256, linger: float = 0.0,
-                 siblings: int = 2) -> None:
+    def __init__(self, send: Callable[[list[T]], list[R]], max_batch: int = 256, linger: float = 0.0) -> None:
         """``linger``: group commit's delay (PostgreSQL's ``commit_delay`` with ``commit_siblings``):
         a batch waits that long for more items before it goes, but only while others are calling,
-        that is, while the batch before it carried at least ``siblings`` items and ended under
+        that is, while the batch before it carried at least ``LINGER_SIBLINGS`` items and ended under
         ``LINGER_RECENT`` ago; never into the last ``linger`` of a queued item's time, and not once
         ``max_batch`` items are queued. A caller that only follows batches of one never waits;
         where a batch costs much the same whatever it carries, fewer, larger ones cost less per item."""
         self._send = send
         self.max_batch = max_batch
-        self.linger, self.siblings = linger, siblings
+        self.linger = linger
         self._last_size, self._last_end = 0, float("-inf")  # the batch before: how many, ended when
-        self._lingering = False  # a batch waits for company: arrivals wake it (their deadlines count)
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)
+        #: On the same lock: what a lingering batch waits on; arrivals and ``stop`` wake it alone.
+        self._company = threading.Condition(lock)
         self._queue: list[_Slot[T, R]] = []
         self._busy = False
         self._helper: ThreadPoolExecutor | None = None  # sends the batches of submitted items
@@ -110,7 +113,7 @@ class Combiner(Generic[T, R]):
         waiting = set(range(len(slots)))
         with self._cond:
             self._queue.extend(slots)
-            self._arrived()
+            self._company.notify()
             while True:
                 now = time.monotonic()
                 for i in list(waiting):
@@ -141,7 +144,7 @@ class Combiner(Generic[T, R]):
             if self._stopped:
                 raise RuntimeError("the combiner is stopped")
             self._queue.append(slot)
-            self._arrived()
+            self._company.notify()
             self._kick()
 
     def claim(self) -> bool:
@@ -167,7 +170,7 @@ class Combiner(Generic[T, R]):
         items still queued are withdrawn and told so at once: no helper would send them now."""
         with self._cond:
             self._stopped = True
-            self._cond.notify_all()  # a lingering batch ends its wait (its submitted items withdrawn below)
+            self._company.notify()  # a lingering batch ends its wait (its submitted items withdrawn below)
             helper = self._helper
             withdrawn = [s for s in self._queue if s.callback is not None]
             self._queue = [s for s in self._queue if s.callback is None]
@@ -231,23 +234,14 @@ class Combiner(Generic[T, R]):
         calling: ``linger`` at most, and never into the last ``linger`` of any queued item's time,
         so that a short deadline is not spent here. Arrivals queue meanwhile, as behind any batch."""
         started = time.monotonic()
-        if self.linger <= 0 or self._last_size < self.siblings or started - self._last_end > LINGER_RECENT:
+        if self.linger <= 0 or self._last_size < LINGER_SIBLINGS or started - self._last_end > LINGER_RECENT:
             return
-        self._lingering = True
-        try:
-            while not self._stopped and len(self._queue) < self.max_batch:
-                soonest = min((s.deadline for s in self._queue), default=float("inf"))
-                left = min(started + self.linger, soonest - self.linger) - time.monotonic()
-                if left <= 0:
-                    return
-                self._cond.wait(left)
-        finally:
-            self._lingering = False
-
-    def _arrived(self) -> None:
-        """Items were queued (the lock held): a lingering batch looks again at their count and times."""
-        if self._lingering:
-            self._cond.notify_all()
+        while not self._stopped and len(self._queue) < self.max_batch:
+            soonest = min((s.deadline for s in self._queue), default=float("inf"))
+            left = min(started + self.linger, soonest - self.linger) - time.monotonic()
+            if left <= 0:
+                return
+            self._company.wait(left)
 
     def _run(self, batch: list[_Slot[T, R]]) -> None:
         try:
