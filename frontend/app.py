@@ -143,9 +143,7 @@ def buy_item(item: str, key: str | None, data: dict[str, Any]) -> dict[str, Any]
 def create_app(config: ClusterConfig, k: int = 1) -> Flask:
     name = f"frontend-{k}"
     secret = config.secret()
-    # A cap that follows the buys' latency allows for their wait for company (frontend_buy_linger).
-    app = create_base_app(name, limits=config.limits("frontend"), tolerances=config.tolerances("frontend"),
-                          allowances={"write": config.frontend_buy_linger})
+    app = create_base_app(name, limits=config.limits("frontend"), tolerances=config.tolerances("frontend"))
     # What one router finds of a stopped replica or of the leader, the others of its tier use
     # (``Sightings``): the lease renewals' find of a new catalog leader sends the reads there too.
     seen = {t: Sightings(via=config.router_urls.get(name, {}), configured=lambda t=t: config.peers_now(name, t))

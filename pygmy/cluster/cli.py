@@ -112,8 +112,7 @@ def add_cluster_options(p: argparse.ArgumentParser, serve: bool = False) -> None
     p.add_argument("--frontend-read-limit", type=int, help="reads in flight per frontend (default 64)")
     p.add_argument("--frontend-write-tolerance", type=float,
                    help="the write cap follows latency: cut while buys take more than this many times their "
-                        "latency below the cap plus the 20 ms a buy may wait for company, e.g. 3 (default 0: "
-                        "a fixed cap)")
+                        "latency below the cap, e.g. 3 (default 0: a fixed cap)")
     p.add_argument("--frontend-buy-linger", type=float, metavar="SECONDS",
                    help="how long a frontend worker's next batch of buys waits for more while the one before "
                         "carried two or more (default 0.02; 0: never)")
