@@ -47,6 +47,9 @@ Without the variables below it does nothing.
   to commit a batch of two or more buys' commands (the catalog's decrements, the order tier's
   intents or confirms) deletes the file and SIGKILLs its own process group before anyone hears of
   it: the batch is in the log, its answers never leave.
+- ``PYGMY_TEST_CRASH_LINGERING=<file>``: when the file says ``frontend``, the first frontend worker
+  whose batch of buys waited for company (``Combiner``'s linger) deletes the file and SIGKILLs its
+  process group right after the wait, before the batch is sent: buys taken, none sent.
 - ``PYGMY_TEST_CRASH_MID_SNAPSHOT=<file>``: snapshots stream in 4 KiB chunks; when the file says
   ``<tier> sender`` (or ``<tier> receiver``), the first replica of that tier to have sent (received)
   three chunks of a snapshot stream deletes the file and SIGKILLs its own process group right
@@ -579,6 +582,25 @@ def _crash_mid_batch(flag: str) -> None:
     ReplicaNode.propose = crashing
 
 
+def _crash_lingering(flag: str) -> None:
+    import time
+
+    from pygmy.replication import batching
+
+    linger = batching.Combiner._linger
+
+    def lingering(self):  # type: ignore[no-untyped-def]
+        waits = (self.linger > 0 and self._last_size >= batching.LINGER_SIBLINGS
+                 and time.monotonic() - self._last_end <= batching.LINGER_RECENT)
+        linger(self)
+        if waits and self._queue:
+            _die_if_named(flag, "frontend-1")  # a frontend's buys: waited, queued, never sent
+
+    batching.Combiner._linger = lingering
+
+
+if os.environ.get("PYGMY_TEST_CRASH_LINGERING"):
+    _crash_lingering(os.environ["PYGMY_TEST_CRASH_LINGERING"])
 if os.environ.get("PYGMY_TEST_CRASH_MID_BATCH"):
     _crash_mid_batch(os.environ["PYGMY_TEST_CRASH_MID_BATCH"])
 if os.environ.get("PYGMY_TEST_CRASH_MID_SNAPSHOT"):
