@@ -762,8 +762,11 @@ class TierRouter(_LeaderSeeker):
 
     # -- cluster view -----------------------------------------------------------------------------
     def statuses(self) -> list[dict[str, Any]]:
-        """Every replica's own ``/status`` (plus ``alive``), fetched in parallel with a short timeout."""
+        """Every replica's own ``/status`` (plus ``alive``), fetched in parallel with a short timeout:
+        of the members as they were when it began (a replacement meanwhile replaces ``peers``
+        whole, and a member it removed must not fail the look; frontend ``/status`` answered 500)."""
         self.follow_members()
+        peers = self.peers
 
         def one(name: str) -> dict[str, Any]:
             try:
@@ -772,6 +775,6 @@ class TierRouter(_LeaderSeeker):
                     return {**reply.body, "alive": True}
             except HopError:
                 pass
-            return {"name": name, "url": self.peers[name], "alive": False}
+            return {"name": name, "url": peers[name], "alive": False}
 
-        return list(self._pool.map(one, self.names))
+        return list(self._pool.map(one, list(peers)))

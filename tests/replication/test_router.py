@@ -15,7 +15,7 @@ from harness import StandIn
 from pygmy.kit.admission import DEADLINE_HEADER
 from pygmy.kit.retry import RetryBudget
 from pygmy.replication import router as router_module
-from pygmy.replication.router import LEADER_HEADER, Reply, TierRouter, TierUnavailable, overloaded
+from pygmy.replication.router import LEADER_HEADER, HopError, Reply, TierRouter, TierUnavailable, overloaded
 
 Behaviour = Callable[[], tuple[int, dict[str, Any]]]
 
@@ -375,3 +375,19 @@ def test_a_connect_takes_no_longer_than_the_deadline_leaves(tier: Any, monkeypat
     assert seen and all(t.connect_timeout <= 0.5 for t in seen), [t.connect_timeout for t in seen]
     # A connect cut short by the deadline says nothing of the link: no budget learned from it.
     assert all(router.attempt_budget(n).connect == 1.0 for n in router.peers)
+
+
+def test_statuses_taken_while_a_member_is_replaced_are_of_the_members_as_they_were() -> None:
+    """A replacement learnt while the replicas' ``/status`` are asked replaces the router's peers:
+    a replica it removed that does not answer is reported as it was known, not a KeyError."""
+    router = TierRouter("t", {"t-1": "http://127.0.0.1:9", "t-2": "http://127.0.0.1:9"}, "secret")
+    try:
+        def call(name: str, *args: Any, **kw: Any) -> Any:
+            router._set_peers({"t-1": "http://127.0.0.1:9", "t-4": "http://127.0.0.1:9"})  # t-2 replaced
+            raise HopError(f"{name}: down")
+
+        router._call = call  # type: ignore[method-assign]
+        assert router.statuses() == [{"name": "t-1", "url": "http://127.0.0.1:9", "alive": False},
+                                     {"name": "t-2", "url": "http://127.0.0.1:9", "alive": False}]
+    finally:
+        router.close()
