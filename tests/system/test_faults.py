@@ -498,6 +498,9 @@ def test_a_frontend_killed_while_its_buys_wait_for_company(tmp_path: Path) -> No
                     assert time.monotonic() < deadline + 30, "no buys acknowledged after the frontend came back"
                     time.sleep(0.1)
             wait_acked(load)
+            while load.reads < 60:  # enough reads for assert_only_failover_errors to mean something
+                assert time.monotonic() < deadline + 60, f"only {load.reads} reads"
+                time.sleep(0.1)
 
         run_faulty_load(c, faults, load, buyers=8)
         assert_only_failover_errors(load)
