@@ -9,6 +9,9 @@ acknowledged buy is an order on every order replica, no order is doubled, stock 
 book on every catalog replica, every replica of a tier has one applied index and one state digest
 (recomputed from its rows), and Porcupine finds the history linearizable.
 
+The same check follows a frontend SIGKILLed while its buys wait for company
+(``PYGMY_TEST_CRASH_LINGERING``): taken by a worker, not yet sent.
+
 And the order matters: a build whose followers acknowledge entries before writing them
 (``PYGMY_MUTATION=ack-before-persist``) loses an acknowledged buy in a scenario that the correct
 build survives.
@@ -29,7 +32,7 @@ import requests
 from harness import BackgroundLoad, Cluster, cluster_env, free_port_base, wait_for
 
 from pygmy.cluster import launcher
-from pygmy.verify import chaos_check
+from pygmy.verify import chaos_check, lincheck
 from pygmy.verify.chaos import final_state, leader_of, replica_status
 
 ITEMS = list(range(1, 8))
@@ -175,6 +178,14 @@ def kills_under_load(crash_cluster, tmp_path: Path, role: str, points: list[tupl
     assert failed == [], failed
     assert [w["kind"] for w in windows] == [f"{role}-{p}" for _, p in points]
     assert all(w["detail"].startswith(t) for w, (t, _) in zip(windows, points, strict=True))
+    check_from_outside(c, tmp_path, load, history, windows)
+
+
+def check_from_outside(c: Cluster, tmp_path: Path, load: BackgroundLoad, history: lincheck.History,
+                       windows: list[dict]) -> None:
+    """Every guarantee, judged from outside by ``chaos_check``: acknowledged buys are orders on
+    every order replica and none is doubled, stock adds up, each tier has one applied index and
+    state digest, and Porcupine finds the history linearizable."""
     run = tmp_path / "run"
     run.mkdir()
     history.save(run / "history.json")
@@ -187,6 +198,33 @@ def kills_under_load(crash_cluster, tmp_path: Path, role: str, points: list[tupl
     assert load.errors == [], load.errors[:5]
     counts = result["by_outcome"]
     assert counts.get("buy/ok", 0) >= 20 and counts.get("lookup/ok", 0) >= 50, counts
+
+
+def test_a_frontend_killed_while_its_buys_wait_for_company(crash_cluster, tmp_path: Path) -> None:
+    """A frontend worker's batch of buys waits for company (``--frontend-buy-linger``) once the
+    batch before it carried several. SIGKILL the frontend right after such a wait, its buys taken
+    and not sent (``PYGMY_TEST_CRASH_LINGERING``): their buyers' connections are cut, they retry
+    with the same keys once it is back (keyless buys stay unknown), and every guarantee holds,
+    Porcupine's included."""
+    flag = tmp_path / "crash-lingering"
+    c = crash_cluster(PYGMY_TEST_CRASH_LINGERING=str(flag))
+    # Eight buyers over two workers: a worker's batches carry several, so the next one waits.
+    load = BackgroundLoad([c.url], c.admin_token(), ITEMS, writers=2, readers=2, buyers=8, searchers=0, order_readers=1)
+    windows: list[dict] = []
+    load.start()
+    try:
+        load.buys_acked(10)
+        flag.write_text("frontend")
+        start = time.monotonic_ns()
+        wait_for("a batch of buys that waited for company", lambda: not flag.exists(), 30)
+        wait_for("frontend-1 dead", lambda: not alive(c, "frontend-1"))
+        c.restart("frontend-1")
+        windows.append({"kind": "frontend-lingering", "detail": "frontend-1", "start": start,
+                        "end": time.monotonic_ns()})
+        load.buys_acked(10)  # buys go on once it is back
+    finally:
+        history = load.finish()
+    check_from_outside(c, tmp_path, load, history, windows)
 
 
 def buy(c: Cluster, item: int, key: str) -> dict:

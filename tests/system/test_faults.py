@@ -473,42 +473,6 @@ def test_a_leader_killed_with_a_batch_committed_and_unanswered(tmp_path: Path, t
         c.stop()
 
 
-def test_a_frontend_killed_while_its_buys_wait_for_company(tmp_path: Path) -> None:
-    """A frontend worker's batch of buys waits for company (``--frontend-buy-linger``) once the
-    batch before it carried several. SIGKILL the frontend right after such a wait, its buys taken
-    and not sent (a test-only hook): their buyers' connections are cut, they retry with the same keys
-    once it is back, every buy happens once, and every invariant holds."""
-    flag = tmp_path / "crash-lingering"
-    c = Cluster(tmp_path / "d", free_port_base(), [], cluster_env(PYGMY_TEST_CRASH_LINGERING=str(flag)))
-    c.start(reset=True)
-    load = Load()
-    try:
-        def faults() -> None:
-            wait_acked(load)
-            with load.fault("frontend-1 killed with buys waiting for company", down=c.url):
-                flag.write_text("frontend")
-                deadline = time.monotonic() + 30
-                while flag.exists():
-                    assert time.monotonic() < deadline, "no batch of buys waited for company"
-                    time.sleep(0.02)
-                wait_dead(c, "frontend-1", deadline)
-                acked = len(load.acked)
-                c.restart("frontend-1")
-                while len(load.acked) < acked + 10:
-                    assert time.monotonic() < deadline + 30, "no buys acknowledged after the frontend came back"
-                    time.sleep(0.1)
-            wait_acked(load)
-            while load.reads < 60:  # enough reads for assert_only_failover_errors to mean something
-                assert time.monotonic() < deadline + 60, f"only {load.reads} reads"
-                time.sleep(0.1)
-
-        run_faulty_load(c, faults, load, buyers=8)
-        assert_only_failover_errors(load)
-        check_invariants(c, load)
-    finally:
-        c.stop()
-
-
 def test_snapshot_streams_cut_by_a_kill_at_either_end(tmp_path: Path) -> None:
     """A follower that missed more than the leader keeps gets the state as a stream of chunks. SIGKILL
     the receiving follower after three chunks (a partial file left on its disk), then, on the next
