@@ -369,24 +369,43 @@ def test_paused_leader_and_whole_cluster_crash(cluster3: Cluster) -> None:
 
 
 def test_minority_leader_acknowledges_nothing(cluster3: Cluster) -> None:
-    """8. With both followers frozen, the leader is cut off from its majority: no write is acknowledged."""
+    """8. With both followers frozen, the leader is cut off from its majority: no write is
+    acknowledged, and once its lease lapses it tells no membership (``GET /members``, what
+    ``pygmy member`` records): 503 while it still believes it leads, 421 once it steps down."""
     c = cluster3
     lead = leader(c, "catalog")
     followers = [f"catalog-{k}" for k in (1, 2, 3) if f"catalog-{k}" != lead]
     secret = {"Authorization": f"Bearer {c.secret()}"}
     before = requests.get(c.replica_url(lead) + "/books/5", headers=secret, timeout=5).json()["stock"]
+    views: list[tuple[int, str]] = []
+
+    def ask_members() -> None:  # beside the writes, from the pause until the leader steps down
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (not views or views[-1][0] != 421):
+            r = requests.get(c.replica_url(lead) + "/members", headers=secret, timeout=5)
+            views.append((r.status_code, r.text[:200]))
+
+    asker = threading.Thread(target=ask_members)
     try:
         for f in followers:
             launcher.pause(group(c, f))  # stopped for certain before the writes are sent
+        asker.start()
         r = requests.post(c.replica_url(lead) + "/books/5/update", json={"stock_delta": 3}, headers=secret,
                           timeout=15)
         assert r.status_code in (421, 503), f"acknowledged without a majority: {r.status_code} {r.text}"
         r = requests.post(c.replica_url(lead) + "/books/5/decrement", json={"quantity": 1, "key": "minority"},
                           headers=secret, timeout=15)
         assert r.status_code in (421, 503), r.text
+        asker.join(30)
     finally:
         for f in followers:
             os.killpg(group(c, f), signal.SIGCONT)
+    statuses = [code for code, _ in views]
+    assert statuses and statuses[-1] == 421, f"the cut-off leader never stepped down: {views[-3:]}"
+    refused = next(i for i, code in enumerate(statuses) if code != 200)
+    assert set(statuses[refused:]) <= {421, 503}, f"a view after a refusal: {views[refused:][:5]}"
+    lapsed = [text for code, text in views if code == 503]
+    assert lapsed and all("lease" in t for t in lapsed), f"no 503 for a lapsed lease before the step-down: {views[-5:]}"
     wait_converged(c)
     with c.client() as client:
         client.update(5, stock_delta=0, cost=1.0)  # writes work again once the majority is back
