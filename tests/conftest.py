@@ -113,16 +113,36 @@ def fresh_cluster(tmp_path: Path) -> Iterator[Cluster]:
 LONG = ("system", "verify", "experiments")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Long tests first (in their order), the rest after: xdist hands tests out in this order, and a
-    minutes-long test handed out last would run on alone after every other worker has finished."""
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Long tests first, spread over the workers. xdist's ``worksteal`` hands each worker one
+    contiguous share of this order at the start (then idle workers steal the tail of the longest
+    queue): with every long test at the head of the whole list, the first worker got nearly all of
+    them and the minutes-long ones ran on at the end. So the long tests are dealt in turn to each
+    worker's share, at its head, and the rest fill each share after them."""
     here = Path(__file__).resolve().parent
 
-    def rank(item: pytest.Item) -> int:
+    def long(item: pytest.Item) -> bool:
         path = Path(str(item.path)).resolve()
-        return 0 if path.is_relative_to(here) and path.relative_to(here).parts[0] in LONG else 1
+        return path.is_relative_to(here) and path.relative_to(here).parts[0] in LONG
 
-    items.sort(key=rank)
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    slow = [i for i in items if long(i)]
+    rest = [i for i in items if not long(i)]
+    if workers <= 1:
+        items[:] = slow + rest
+        return
+    # The shares xdist cuts: worker k takes len(pending) // (workers - k) of what is left.
+    left, sizes = len(items), []
+    for k in range(workers):
+        sizes.append(left // (workers - k))
+        left -= sizes[-1]
+    shares: list[list[pytest.Item]] = [slow[k::workers] for k in range(workers)]
+    for share, size in zip(shares, sizes, strict=True):
+        take = max(0, size - len(share))
+        share.extend(rest[:take])
+        del rest[:take]
+    shares[-1].extend(rest)
+    items[:] = [i for share in shares for i in share]
 
 
 # -- no silent skips where every test must run -----------------------------------------------------

@@ -50,3 +50,22 @@ def test_a_skip_fails_the_run_only_where_every_test_must_run(tmp_path: Path, wor
     assert strict.returncode == 1, strict.stdout + strict.stderr
     assert "PYGMY_NO_SKIP=1: 2 test(s) skipped" in strict.stdout, strict.stdout
     assert "needs a tool this machine lacks" in strict.stdout and "needs a browser" in strict.stdout
+
+
+def test_the_long_tests_lead_each_workers_share() -> None:
+    """xdist's ``worksteal`` cuts the collected order into one contiguous share per worker: each
+    share must start with its turn of the long tests, not the first share with all of them."""
+    from types import SimpleNamespace
+
+    from conftest import pytest_collection_modifyitems
+
+    short = [SimpleNamespace(path=TESTS / "kit" / f"test_{i}.py") for i in range(20)]
+    long = [SimpleNamespace(path=TESTS / "system" / f"test_{i}.py") for i in range(6)]
+    items = short[:10] + long + short[10:]
+    pytest_collection_modifyitems(SimpleNamespace(workerinput={"workercount": 3}), items)  # type: ignore[arg-type]
+    assert sorted(map(id, items)) == sorted(map(id, short + long))  # every test, once
+    shares = [items[:8], items[8:17], items[17:]]  # 26 // 3, then 18 // 2, then the rest: xdist's cut
+    assert [s[:2] for s in shares] == [[long[0], long[3]], [long[1], long[4]], [long[2], long[5]]]
+    one = short[:10] + long + short[10:]
+    pytest_collection_modifyitems(SimpleNamespace(), one)  # type: ignore[arg-type]
+    assert one == long + short  # one process: the long ones first
