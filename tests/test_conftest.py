@@ -52,12 +52,15 @@ def test_a_skip_fails_the_run_only_where_every_test_must_run(tmp_path: Path, wor
     assert "needs a tool this machine lacks" in strict.stdout and "needs a browser" in strict.stdout
 
 
-def test_the_long_tests_lead_each_workers_share() -> None:
+def test_the_long_tests_lead_each_workers_share(pytestconfig: pytest.Config) -> None:
     """xdist's ``worksteal`` cuts the collected order into one contiguous share per worker: each
     share must start with its turn of the long tests, not the first share with all of them."""
     from types import SimpleNamespace
 
-    from conftest import pytest_collection_modifyitems
+    # tests/conftest.py as pytest loaded it (``import conftest`` may find another folder's).
+    ours = next(p for p in pytestconfig.pluginmanager.get_plugins()
+                if getattr(p, "__file__", None) == str(TESTS / "conftest.py"))
+    pytest_collection_modifyitems = ours.pytest_collection_modifyitems
 
     short = [SimpleNamespace(path=TESTS / "kit" / f"test_{i}.py") for i in range(20)]
     long = [SimpleNamespace(path=TESTS / "system" / f"test_{i}.py") for i in range(6)]

@@ -222,6 +222,8 @@ def test_a_frontend_killed_while_its_buys_wait_for_company(crash_cluster, tmp_pa
         windows.append({"kind": "frontend-lingering", "detail": "frontend-1", "start": start,
                         "end": time.monotonic_ns()})
         load.buys_acked(10)  # buys go on once it is back
+        # Enough answered lookups for check_from_outside's count to mean something.
+        wait_for("60 lookups answered", lambda: sum(load.cache.values()) >= 60, 60)
     finally:
         history = load.finish()
     check_from_outside(c, tmp_path, load, history, windows)
