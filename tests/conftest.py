@@ -113,31 +113,38 @@ def fresh_cluster(tmp_path: Path) -> Iterator[Cluster]:
 LONG = ("system", "verify", "experiments")
 
 
+@pytest.hookimpl(trylast=True)  # after ``-m`` and ``-k`` deselected theirs: the shares count what runs
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Long tests first, spread over the workers. xdist's ``worksteal`` hands each worker one
-    contiguous share of this order at the start (then idle workers steal the tail of the longest
-    queue): with every long test at the head of the whole list, the first worker got nearly all of
-    them and the minutes-long ones ran on at the end. So the long tests are dealt in turn to each
-    worker's share, at its head, and the rest fill each share after them."""
+    """Long tests first. Under xdist's ``worksteal``, which hands each worker one contiguous share
+    of this order at the start (idle workers then steal the tail of the longest queue), the long
+    modules are dealt whole, the one with most tests first, each to the share with the fewest long
+    tests so far, at its head; the rest fill each share after them. With every long test at the
+    head of the whole list, the first worker got nearly all of them and the minutes-long ones ran
+    on at the end; dealt one test at a time, a module's fixtures (a cluster each) were built on
+    every worker."""
     here = Path(__file__).resolve().parent
 
     def long(item: pytest.Item) -> bool:
         path = Path(str(item.path)).resolve()
         return path.is_relative_to(here) and path.relative_to(here).parts[0] in LONG
 
-    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
     slow = [i for i in items if long(i)]
     rest = [i for i in items if not long(i)]
-    if workers <= 1:
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    if workers <= 1 or config.getoption("dist", "no") != "worksteal":
         items[:] = slow + rest
         return
+    modules: dict[str, list[pytest.Item]] = {}
+    for item in slow:
+        modules.setdefault(str(item.path), []).append(item)
+    shares: list[list[pytest.Item]] = [[] for _ in range(workers)]
+    for tests in sorted(modules.values(), key=len, reverse=True):
+        min(shares, key=len).extend(tests)
     # The shares xdist cuts: worker k takes len(pending) // (workers - k) of what is left.
-    left, sizes = len(items), []
-    for k in range(workers):
-        sizes.append(left // (workers - k))
-        left -= sizes[-1]
-    shares: list[list[pytest.Item]] = [slow[k::workers] for k in range(workers)]
-    for share, size in zip(shares, sizes, strict=True):
+    left = len(items)
+    for k, share in enumerate(shares):
+        size = left // (workers - k)
+        left -= size
         take = max(0, size - len(share))
         share.extend(rest[:take])
         del rest[:take]

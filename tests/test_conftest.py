@@ -52,23 +52,31 @@ def test_a_skip_fails_the_run_only_where_every_test_must_run(tmp_path: Path, wor
     assert "needs a tool this machine lacks" in strict.stdout and "needs a browser" in strict.stdout
 
 
-def test_the_long_tests_lead_each_workers_share(pytestconfig: pytest.Config) -> None:
+def test_the_long_modules_lead_each_workers_share(pytestconfig: pytest.Config) -> None:
     """xdist's ``worksteal`` cuts the collected order into one contiguous share per worker: each
-    share must start with its turn of the long tests, not the first share with all of them."""
+    share must start with long modules, each module whole (its fixtures built once), not the first
+    share with all of them."""
     from types import SimpleNamespace
 
     # tests/conftest.py as pytest loaded it (``import conftest`` may find another folder's).
     ours = next(p for p in pytestconfig.pluginmanager.get_plugins()
                 if getattr(p, "__file__", None) == str(TESTS / "conftest.py"))
-    pytest_collection_modifyitems = ours.pytest_collection_modifyitems
+
+    def config(workers: int, dist: str) -> SimpleNamespace:
+        return SimpleNamespace(workerinput={"workercount": workers}, getoption=lambda name, default=None: dist)
 
     short = [SimpleNamespace(path=TESTS / "kit" / f"test_{i}.py") for i in range(20)]
-    long = [SimpleNamespace(path=TESTS / "system" / f"test_{i}.py") for i in range(6)]
-    items = short[:10] + long + short[10:]
-    pytest_collection_modifyitems(SimpleNamespace(workerinput={"workercount": 3}), items)  # type: ignore[arg-type]
-    assert sorted(map(id, items)) == sorted(map(id, short + long))  # every test, once
-    shares = [items[:8], items[8:17], items[17:]]  # 26 // 3, then 18 // 2, then the rest: xdist's cut
-    assert [s[:2] for s in shares] == [[long[0], long[3]], [long[1], long[4]], [long[2], long[5]]]
-    one = short[:10] + long + short[10:]
-    pytest_collection_modifyitems(SimpleNamespace(), one)  # type: ignore[arg-type]
-    assert one == long + short  # one process: the long ones first
+    a = [SimpleNamespace(path=TESTS / "system" / "test_a.py") for _ in range(3)]
+    b = [SimpleNamespace(path=TESTS / "system" / "test_b.py") for _ in range(2)]
+    c = [SimpleNamespace(path=TESTS / "verify" / "test_c.py") for _ in range(2)]
+    d = [SimpleNamespace(path=TESTS / "experiments" / "test_d.py")]
+    items = short[:10] + d + c + b + a + short[10:]
+    ours.pytest_collection_modifyitems(config(3, "worksteal"), items)
+    assert sorted(map(id, items)) == sorted(map(id, short + a + b + c + d))  # every test, once
+    shares = [items[:9], items[9:18], items[18:]]  # 28 // 3, then 19 // 2, then the rest: xdist's cut
+    assert [s[:len(m)] for s, m in zip(shares, [a, c, b], strict=True)] == [a, c, b]  # the largest first, whole
+    assert shares[1][2:3] == d  # then to the share with the fewest long tests
+    for dist in ("load", "no"):
+        one = short[:10] + a + short[10:]
+        ours.pytest_collection_modifyitems(config(3 if dist == "load" else 1, dist), one)
+        assert one == a + short  # otherwise simply the long ones first
