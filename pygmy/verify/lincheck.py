@@ -79,6 +79,11 @@ class History:
         with self._lock:
             return sum(op.outcome != "dropped" for op in self._ops)
 
+    def ops(self) -> list[Op]:
+        """Every operation so far, dropped ones included (a test may ask when its failures were)."""
+        with self._lock:
+            return list(self._ops)
+
     def counts(self) -> dict[str, int]:
         """Operations by "kind/outcome", e.g. "buy/ok", "buy/out_of_stock", "update/unknown", "lookup/dropped"."""
         with self._lock:
