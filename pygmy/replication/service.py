@@ -44,7 +44,7 @@ from pygmy.replication.node import (
 )
 from pygmy.replication.router import LEADER_HEADER
 from pygmy.replication.statemachine import StateMachine
-from pygmy.replication.transport import RAFT_PORT_OFFSET, after_reply, raft_address
+from pygmy.replication.transport import RAFT_PORT_OFFSET, after_reply
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +123,10 @@ class ReplicaRuntime:
         self.secret = config.secret()
         self.sm = state_machine
         self.peers = config.peers(tier)
-        # Where this replica dials each peer: the address its URL gives, unless ``peer_addresses``
-        # routes the link elsewhere (a proxy of its own, pygmy/verify/links.py).
-        addresses = {p: config.peer_address(self.name, p) or raft_address(url) for p, url in self.peers.items()}
+        # Where this replica dials each peer: the address its URL gives, now and after any change of
+        # the tier (a name removed and added again elsewhere), unless ``peer_addresses`` routes the
+        # link elsewhere (a proxy of its own, pygmy/verify/links.py): only those are pinned here.
+        addresses = {p: a for p in self.peers if (a := config.peer_address(self.name, p)) is not None}
         self.node = ReplicaNode(
             name=self.name, peers=self.peers, state_machine=state_machine,
             data_dir=config.replica_dir(self.name), secret=self.secret, config=ReplicationConfig.from_env(),

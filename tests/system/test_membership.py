@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import shutil
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -205,6 +206,46 @@ def judge(c: Cluster, load: BackgroundLoad, history: Any, windows: list[dict[str
     assert load.errors == [], load.errors[:5]
     counts = result["by_outcome"]
     assert counts.get("buy/ok", 0) >= 10 and counts.get("update/ok", 0) >= 10, counts
+
+
+def test_a_name_removed_and_added_again_elsewhere_is_reached_by_every_replica(cluster: Cluster, tmp_path: Path) -> None:
+    """A catalog replica is lost for good and replaced under the same name at another address (a
+    new machine that keeps the old one's name): removed, its disk wiped, added again at the new URL,
+    started there. It catches up as a learner, is promoted, and, once the leader is removed (which
+    hands over by log and name: catalog-3's is the greatest), leads, so the others reach it at its
+    new address in both directions. Before, every replica dialled the peers it started with at
+    their first URLs for good: the learner was never reached. Under load, judged from outside."""
+    c, op = cluster, hosts.Operator(cluster.data_dir, cluster.env)
+    name = "catalog-3"
+    load = BackgroundLoad([c.url], c.admin_token(), ITEMS, writers=2, readers=2, buyers=2, searchers=0, order_readers=1)
+    windows: list[dict[str, Any]] = []
+    load.start()
+    try:
+        load.buys_acked(5)
+        start = time.monotonic_ns()
+        op.change("remove", "catalog", name, "--wait", "60")  # a leader hands over first
+        c.kill(name)
+        shutil.rmtree(c.cluster_config().replica_dir(name))
+        url = hosts.free_address("127.0.0.7")
+        added = op.change("add", "catalog", name, url)
+        assert added["urls"][name] == url and name in added["learners"], added
+        c.restart(name)
+        hosts.wait_until(f"{name} caught up at {url}", lambda: any(
+            m["name"] == name and m["caught_up"] for m in op.members("catalog")["members"]), 60)
+        op.change("promote", "catalog", name, "--wait", "60")
+        load.buys_acked(3)
+        lead = str(wait_for("a catalog leader", lambda: leader_of(c.cluster_config(), "catalog")))
+        op.change("remove", "catalog", lead, "--wait", "60")  # hands over to the greatest name
+        c.kill(lead)
+        assert wait_for(f"{name} leading", lambda: leader_of(c.cluster_config(), "catalog") == name, 30)
+        windows.append({"kind": "replace-same-name", "detail": f"{name} at {url}, {lead} removed",
+                        "start": start, "end": time.monotonic_ns()})
+        load.buys_acked(5)  # committed by the new leader with the follower it reaches at its new address
+        voters = set(c.cluster_config().peers("catalog"))
+        assert voters == {name, *({"catalog-1", "catalog-2"} - {lead})}, voters
+    finally:
+        history = load.finish()
+    judge(c, load, history, windows, tmp_path / "run", {"catalog": voters, "order": {"order-1", "order-2", "order-3"}})
 
 
 def test_a_replica_killed_installing_a_snapshot_after_a_replacement_keeps_the_configuration(tmp_path: Path) -> None:
