@@ -413,9 +413,10 @@ class ReplicaNode:
     ) -> None:
         """``peers`` are the replicas' HTTP URLs, the configuration the group starts from with
         ``learners`` among them (a new replica joining a running group names itself); the one in
-        the log, once there is one, replaces it. ``addresses`` are peer transport addresses (default:
-        derived from the URLs, ``transport.raft_address``) and ``listen`` where this one accepts
-        its peers (default: its own address)."""
+        the log, once there is one, replaces it. ``addresses`` pin peer transport addresses for good
+        (a link routed through a proxy); any other peer is dialled where its URL in the current
+        configuration says (``transport.raft_address``), so it is followed when a name is added
+        again elsewhere. ``listen`` is where this one accepts its peers (default: its own address)."""
         if name not in peers:
             raise ValueError(f"{name} is not among the peers {list(peers)}")
         self.name = name
