@@ -427,6 +427,9 @@ class ReplicaNode:
         self._boot_peers = dict(peers)
         self._boot_learners = tuple(learners)
         self._heard_urls: dict[str, str] = {}
+        #: Where each replica said it serves in its latest hello; a flag that one said something new.
+        self._told_urls: dict[str, str] = {}
+        self._told_news = False
         self._peers_lock = threading.Lock()  # the address book is written by turns and by hellos
         self.url = self.peers[name]
         self.sm = state_machine
@@ -507,6 +510,7 @@ class ReplicaNode:
         self._channels = {RAFT_CHANNEL: Channel(self._on_frame, self._admits, self._on_hello,
                                                 roles=frozenset({name.rpartition("-")[0]}))}
         self._membership_seen: Membership | None = None
+        self._leader_seen: str | None = None
         self._stopping = threading.Event()
         self._loop_thread = threading.Thread(target=self._run, name=f"raft-loop-{name}", daemon=True)
         self._notify_thread = threading.Thread(
@@ -1207,7 +1211,8 @@ class ReplicaNode:
                 if rd.snapshot is None or path is not rd.snapshot.data:
                     self._incoming.discard(path)
             self._stepped_snapshots = []
-        if self.core.membership is not self._membership_seen:
+        if self.core.membership is not self._membership_seen or self.core.leader != self._leader_seen \
+                or self._told_news:
             self._sync_members()  # before this turn's messages go out: some may be to a new member
         if self.core.lead_transferee is not None or any(m.type == TIMEOUT_NOW for m in rd.messages):
             # Handing over: from ``timeout_now`` on, the target's voters may elect it at once, so
@@ -1295,15 +1300,27 @@ class ReplicaNode:
         return sender
 
     def _sync_members(self) -> None:
-        """After a turn changed the configuration (and at start): the address book from it, a sender
-        to each member, and none any more to a replica that left it (unless it is our leader) or
-        whose URL changed (a member removed and added again elsewhere)."""
+        """After a turn changed the configuration or the leader, or a hello said something new (and
+        at start): the address book from the configuration, a sender to each member, and none any
+        more to a replica that left it (unless it is our leader) or whose URL changed (a member
+        removed and added again elsewhere).
+
+        Our leader is reached where its own hello says it serves, if that is not where our log
+        says: a replica that missed the entries which removed it and added it again at another
+        address (down, or cut off, meanwhile) would otherwise answer to the old address for good,
+        and never get those entries (the leader backs off to what we lack only on our answers)."""
         m = self.core.membership
-        self._membership_seen = m
-        keep = m.members | set(self.core.replicating_to()) | ({self.core.leader} if self.core.leader else set())
+        lead = self.core.leader
+        self._membership_seen, self._leader_seen = m, lead
+        keep = m.members | set(self.core.replicating_to()) | ({lead} if lead else set())
         with self._peers_lock:  # a replica still sent to (its removal not yet committed) keeps its URL
+            self._told_news = False
             kept = {n: u for n, u in self.peers.items() if n in keep}
-            self.peers = {**self._heard_urls, **self._boot_peers, **kept, **m.urls}
+            peers = {**self._heard_urls, **self._boot_peers, **kept, **m.urls}
+            told = self._told_urls.get(lead) if lead is not None and lead != self.name else None
+            if told is not None:
+                peers[lead] = told
+            self.peers = peers
         for name, sender in list(self._senders.items()):
             if name not in keep or name not in self.peers or (
                     name not in self._addresses and sender.address != self._address(name)):
@@ -1325,14 +1342,20 @@ class ReplicaNode:
 
     def _on_hello(self, peer: str, hello: dict[str, Any]) -> None:
         """A replica says where it serves: kept for one our configuration does not name (a leader
-        added after it), so that our answers can reach it."""
+        added after it), so that our answers can reach it, and for our leader, whose word wins
+        over our log's (``_sync_members``, at the next turn)."""
         url = hello.get("url")
-        if isinstance(url, str) and peer not in self.peers and peer not in self._heard_urls:
-            try:
-                raft_address(url)
-            except ValueError:
-                return
-            with self._peers_lock:
+        if not isinstance(url, str):
+            return
+        try:
+            raft_address(url)
+        except ValueError:
+            return
+        with self._peers_lock:
+            if self._told_urls.get(peer) != url:
+                self._told_urls = {**self._told_urls, peer: url}
+                self._told_news = True
+            if peer not in self.peers and peer not in self._heard_urls:
                 self._heard_urls = {**self._heard_urls, peer: url}
                 self.peers = {**self.peers, peer: url}
 

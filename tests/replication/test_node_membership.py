@@ -6,6 +6,7 @@ still reaches it."""
 from __future__ import annotations
 
 import random
+import shutil
 import socket
 import threading
 from pathlib import Path
@@ -200,6 +201,41 @@ def test_a_lagging_voter_learns_a_leader_it_does_not_know(group: Group) -> None:
     # between the two (once in make test) still shows the old configuration.
     group.until(lambda: voters(kv3) == {"kv-1", "kv-2", "kv-3", "kv-4"})
     assert kv3._heard_urls == {"kv-4": url}  # before its log named kv-4, kv-4's hello did
+
+
+def test_a_replica_that_missed_its_leader_moving_answers_where_the_leader_serves(group: Group) -> None:
+    """kv-4 joins and is a voter; kv-3 is stopped; kv-4 is then removed, its disk wiped, and added
+    again under the same name at another address, promoted, and made leader. kv-3 comes back with
+    kv-4's old URL in its log and misses the entries that moved it: it answers kv-4 where kv-4's
+    hello says it serves, so kv-4 learns what kv-3 lacks and kv-3 catches up. Before, kv-3 answered
+    to the old address for good (a restart did not help) and never caught up."""
+    def join(name: str) -> None:
+        group.leader().add_learner(name, group.new_replica(name), 5.0)
+        group.start(name)
+        group.until(lambda: any(m["name"] == name and m["caught_up"] for m in group.leader().members()["members"]))
+        group.leader().promote(name, 5.0)
+
+    join("kv-4")
+    old_url = group.peers["kv-4"]
+    group.write(3)
+    group.converge()
+    if group.leader().name == "kv-3":
+        group.leader().transfer_leadership("kv-1", 3.0)
+    group.stop("kv-3")
+    if group.leader().name == "kv-4":
+        group.leader().transfer_leadership("kv-1", 3.0)
+    group.leader().remove("kv-4", 5.0)
+    group.stop("kv-4")
+    shutil.rmtree(group.tmp / "kv-4")
+    join("kv-4")
+    assert group.peers["kv-4"] != old_url
+    group.leader().transfer_leadership("kv-4", 3.0)
+    group.until(lambda: group.nodes["kv-4"].is_leader())
+    group.write(5)
+    kv3 = group.start("kv-3")
+    group.until(lambda: kv3.status()["membership"]["urls"]["kv-4"] == group.peers["kv-4"], 15)
+    group.converge()
+    assert kv3.peers["kv-4"] == group.peers["kv-4"]
 
 
 def test_a_learner_that_never_started_is_removed(group: Group) -> None:
