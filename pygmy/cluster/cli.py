@@ -291,14 +291,14 @@ def build_parser(serving: bool = False) -> argparse.ArgumentParser:
                    help="issue only this holder's (e.g. catalog-4 after pygmy member add; repeatable)")
     p.add_argument("--force", action="store_true", help="issue them anew (rotation: services reload them)")
     p = sub.add_parser("member", help="list or change a tier's replicas, one at a time: add a learner, promote "
-                                      "it once caught up, remove a replica")
-    p.add_argument("action", choices=("list", "add", "promote", "remove"))
+                                      "it once caught up, remove a replica; or hand leadership to one (lead)")
+    p.add_argument("action", choices=("list", "add", "promote", "remove", "lead"))
     p.add_argument("tier", help="catalog or order")
     p.add_argument("name", nargs="?", help="the replica, e.g. catalog-4 (not for list)")
     p.add_argument("url", nargs="?", help="add: where the new replica serves, e.g. http://10.0.0.4:8104")
     p.add_argument("--wait", type=float, default=0.0,
                    help="promote: ask again for up to this many seconds while the learner catches up; "
-                        "promote, remove: give another change this long to settle (default 10 s)")
+                        "promote, remove, lead: give another change this long to settle (default 10 s)")
     p.add_argument("--json", action="store_true", help="print the JSON answer")
     p.add_argument("--data-dir", default=os.environ.get("PYGMY_DATA_DIR", "data"))
     p = sub.add_parser("verify", help="every replica's state digest against a full recompute, and replicas "

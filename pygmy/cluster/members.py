@@ -1,4 +1,5 @@
-"""``pygmy member list|add|promote|remove TIER NAME [URL]``: a tier's replicas, one change at a time.
+"""``pygmy member list|add|promote|remove|lead TIER NAME [URL]``: a tier's replicas, one change at a
+time, and which of them leads.
 
 Each change is a call to the tier's leader (``/members`` on every replica: docs/api.md, "Membership
 of a tier"), with the internal secret, as ``pygmy verify`` does: the leader is found by asking the
@@ -164,6 +165,12 @@ def run(config: ClusterConfig, action: str, tier: str, name: str | None, url: st
             print(f"  {m['name']:12} {m['role']:8} {m['url']:28} lag {m['lag']}{state}", file=out)
         return 0
     assert name is not None
+    if action == "lead":
+        # 421s lead from replica to replica until ``name`` says it leads (a hand-over that an
+        # election overtook is asked for again, of the new leader).
+        view = call(config, tier, "POST", f"/members/{name}/lead", timeout=max(10.0, wait))
+        print(json.dumps(view, indent=2) if as_json else f"{name} leads {tier} (term {view['term']})", file=out)
+        return 0
     if action == "add" and not url:
         raise MemberError("add needs the new replica's URL, e.g. http://10.0.0.4:8104")
     try:

@@ -287,6 +287,21 @@ class ReplicaRuntime:
                 raise NotLeader(new, self.node.peers.get(new, ""))
             return self._changed(self.node.remove(name, self._wait()))
 
+        @app.post("/members/<name>/lead")
+        @self.guard
+        def lead_member(name: str) -> Response:
+            """Leadership handed to voter ``name`` (before its machine is taken down, say): 200 once
+            it leads; from another replica, 421 naming the leader, which the caller asks in turn."""
+            name = self._member_name(name)
+            if name == self.name and self.node.is_leader():
+                return jsonify({"tier": self.tier, "leader": self.name, "term": self.node.term()})
+            if name not in self._current_members():
+                fail(404, f"{name!r} is not a member", kind="unknown")
+            new = self.node.transfer_leadership(name, min(MEMBER_CHANGE_WAIT, self._wait()))
+            if new is None:
+                fail(503, f"{self.name} is handing leadership over; ask again shortly", kind="transferring")
+            raise NotLeader(new, self.node.peers.get(new, ""))
+
     def _member_name(self, name: Any) -> str:
         """A replica name of this tier (``catalog-4``); 400 otherwise (another tier is not ours)."""
         try:

@@ -154,8 +154,13 @@ def refusals_change_nothing(op: hosts.Operator) -> None:
     assert "not a catalog replica" in op.member("add", "catalog", "order-4", "http://127.0.0.9:9999", ok=False)
     assert "not a member" in op.member("promote", "catalog", "catalog-9", ok=False)
     assert "voter already" in op.member("promote", "catalog", "catalog-1", ok=False)
+    assert "not a member" in op.member("lead", "catalog", "catalog-9", ok=False)
+    assert "not a catalog replica" in op.member("lead", "catalog", "order-1", ok=False)
     op.member("add", "catalog", "catalog-9", "http://127.0.0.9:9999")  # never started: it lags
     assert "not caught up" in op.member("promote", "catalog", "catalog-9", ok=False)
+    assert "not another voter" in op.member("lead", "catalog", "catalog-9", ok=False)  # a learner
+    lead = before["leader"]
+    assert f"{lead} leads catalog" in op.member("lead", "catalog", lead)  # leads already: nothing to do
     op.member("remove", "catalog", "catalog-9")
     after = op.members("catalog")
     assert [(m["name"], m["role"], m["url"]) for m in after["members"]] == \
@@ -215,18 +220,30 @@ def test_a_name_removed_and_added_again_elsewhere_is_reached_by_every_replica(cl
     """A catalog replica is lost for good and replaced under the same name at another address (a
     new machine that keeps the old one's name): removed, stopped, its disk wiped, added again at the
     new URL, started there. It catches up as a learner (the leader reaches it at the new address)
-    and is promoted; then another voter is removed, leaving catalog-3 and one more: every commit
-    needs both, so that one reaches catalog-3 at its new address too, as leader or as follower.
-    Before, every replica dialled the peers it started with at their first URLs for good: the
-    learner was never reached. Under load, judged from outside."""
+    and is promoted, and made leader (``pygmy member lead``); then another voter is removed, leaving
+    catalog-3 and one more: every commit needs both, so that one reaches catalog-3 at its new
+    address too. Before, every replica dialled the peers it started with at their first URLs for
+    good: the learner was never reached.
+
+    A learner, catalog-4, was down the whole time: its log still has catalog-3 at the old address
+    and lacks the entries that moved it. Started again, it answers its leader where the leader's
+    hello says it serves, catches up and is promoted. Before, it answered to the old address for good, and the
+    leader, hearing nothing, never sent it what it lacked. Under load, judged from outside."""
     c, op = cluster, hosts.Operator(cluster.data_dir, cluster.env)
-    name = "catalog-3"
+    name, behind = "catalog-3", "catalog-4"
     load = BackgroundLoad([c.url], c.admin_token(), ITEMS, writers=2, readers=2, buyers=2, searchers=0, order_readers=1)
     windows: list[dict[str, Any]] = []
+    caught_up = lambda who: any(  # noqa: E731
+        m["name"] == who and m["caught_up"] for m in op.members("catalog")["members"])
     load.start()
     try:
         load.buys_acked(5)
         start = time.monotonic_ns()
+        op.change("add", "catalog", behind, hosts.free_address("127.0.0.8"))
+        c.restart(behind)
+        hosts.wait_until(f"{behind} caught up", lambda: caught_up(behind), 60)
+        c.kill(behind)
+        wait_for(f"{behind} gone", lambda: not launcher.running(c.cluster_config(), behind), 10)
         op.change("remove", "catalog", name, "--wait", "60")  # a leader hands over first
         c.kill(name)
         wait_for(f"{name} gone", lambda: not launcher.running(c.cluster_config(), name), 10)
@@ -235,22 +252,28 @@ def test_a_name_removed_and_added_again_elsewhere_is_reached_by_every_replica(cl
         added = op.change("add", "catalog", name, url)
         assert added["urls"][name] == url and name in added["learners"], added
         c.restart(name)
-        hosts.wait_until(f"{name} caught up at {url}", lambda: any(
-            m["name"] == name and m["caught_up"] for m in op.members("catalog")["members"]), 60)
+        hosts.wait_until(f"{name} caught up at {url}", lambda: caught_up(name), 60)
         op.change("promote", "catalog", name, "--wait", "60")
         load.buys_acked(3)
-        lead = str(wait_for("a catalog leader", lambda: leader_of(c.cluster_config(), "catalog")))
-        gone = lead if lead != name else "catalog-1"  # (a leader hands over first)
+        assert f"{name} leads catalog" in op.member("lead", "catalog", name, "--wait", "30")
+        assert op.members("catalog")["leader"] == name
+        gone = "catalog-1"
         left = op.change("remove", "catalog", gone, "--wait", "60")
         c.kill(gone)
-        voters = {name, *({"catalog-1", "catalog-2"} - {gone})}
+        voters = {name, "catalog-2"}
         assert set(left["voters"]) == voters and left["urls"][name] == url, left
-        windows.append({"kind": "replace-same-name", "detail": f"{name} at {url}, {gone} removed",
+        load.buys_acked(3)  # each committed by both voters left, catalog-3 at its new address
+        c.restart(behind)
+        hosts.wait_until(f"{behind} caught up, its log having had {name} at the old address",
+                         lambda: caught_up(behind), 60)
+        assert set(op.change("promote", "catalog", behind, "--wait", "60")["voters"]) == {*voters, behind}
+        windows.append({"kind": "replace-same-name", "detail": f"{name} at {url}, {gone} removed, {behind} back",
                         "start": start, "end": time.monotonic_ns()})
-        load.buys_acked(5)  # each committed by both voters left, catalog-3 at its new address
+        load.buys_acked(5)
     finally:
         history = load.finish()
-    judge(c, load, history, windows, tmp_path / "run", {"catalog": voters, "order": {"order-1", "order-2", "order-3"}})
+    judge(c, load, history, windows, tmp_path / "run",
+          {"catalog": {*voters, behind}, "order": {"order-1", "order-2", "order-3"}})
 
 
 def test_a_replica_killed_installing_a_snapshot_after_a_replacement_keeps_the_configuration(tmp_path: Path) -> None:
