@@ -47,6 +47,7 @@ from prometheus_client import Histogram
 from pygmy.kit import codec, tls
 from pygmy.kit.web import plain_int, secret_refusal
 from pygmy.replication.core import (
+    APPEND,
     CANDIDATE,
     HEARTBEAT,
     HEARTBEAT_RESP,
@@ -54,6 +55,7 @@ from pygmy.replication.core import (
     SEND,
     SNAPSHOT,
     TIMEOUT_NOW,
+    VOTE,
     CoreConfig,
     Entry,
     Membership,
@@ -76,6 +78,11 @@ from pygmy.replication.transport import (
     FrameServer,
     raft_address,
 )
+
+#: Requests a replica sends only at its own current term, as leader (appends, heartbeats,
+#: snapshots, ``timeout_now``) or candidate (votes): one of these at our term, after our step,
+#: comes from the process that holds that name now, so its connection's hello tells where it serves.
+_SAYS_WHERE = frozenset({APPEND, HEARTBEAT, SNAPSHOT, TIMEOUT_NOW, VOTE})
 
 log = logging.getLogger("pygmy.replication")
 #: Longest a leader not yet sure of its lease waits for it before refusing a read index.
@@ -427,9 +434,12 @@ class ReplicaNode:
         self._boot_peers = dict(peers)
         self._boot_learners = tuple(learners)
         self._heard_urls: dict[str, str] = {}
-        #: Where each replica said it serves in its latest hello; a flag that one said something new.
-        self._told_urls: dict[str, str] = {}
+        #: Where a replica serves by the hello of the connection that brought its latest request at
+        #: our term, with its URL in our configuration then (``_sync_members``); and whether that
+        #: changed in this turn. The connection's hello URL, per reader thread (one per connection).
+        self._told_urls: dict[str, tuple[str, str | None]] = {}
         self._told_news = False
+        self._connection = threading.local()
         self._peers_lock = threading.Lock()  # the address book is written by turns and by hellos
         self.url = self.peers[name]
         self.sm = state_machine
@@ -510,7 +520,6 @@ class ReplicaNode:
         self._channels = {RAFT_CHANNEL: Channel(self._on_frame, self._admits, self._on_hello,
                                                 roles=frozenset({name.rpartition("-")[0]}))}
         self._membership_seen: Membership | None = None
-        self._leader_seen: str | None = None
         self._stopping = threading.Event()
         self._loop_thread = threading.Thread(target=self._run, name=f"raft-loop-{name}", daemon=True)
         self._notify_thread = threading.Thread(
@@ -722,8 +731,9 @@ class ReplicaNode:
 
     def transfer_leadership(self, to: str | None, timeout: float) -> str | None:
         """Hand leadership to voter ``to`` (None: ``RaftCore.handover_target``'s), and wait up to
-        ``timeout`` for another to lead; the new leader's name (None if none is known yet).
-        Raises MembershipRefused (nothing done) or NotLeader."""
+        ``timeout`` for another to lead; the new leader's name (None if none is known yet; ours if
+        the hand-over ended without one, as it does when ``to`` did not catch up within an election
+        timeout). Raises MembershipRefused (nothing done) or NotLeader."""
 
         def begin(core: RaftCore) -> str:
             if not core.is_leader():
@@ -744,6 +754,8 @@ class ReplicaNode:
             leader = self._view.get("leader")
             if leader not in (None, self.name):
                 return str(leader)
+            if leader == self.name and self.in_turn(lambda core: core.is_leader() and core.lead_transferee is None):
+                return self.name  # abandoned: we lead on
             time.sleep(self.config.tick_ms / 1000.0)
         return None
 
@@ -971,7 +983,7 @@ class ReplicaNode:
                 snaps[0].payload = path
                 msgs.append(snaps[0])
         if msgs:
-            self._submit("msgs", msgs)
+            self._submit("msgs", (msgs, getattr(self._connection, "url", None)))
 
     # -- event loop ------------------------------------------------------------------------------
     def _submit(self, kind: str, value: Any) -> None:
@@ -1161,12 +1173,18 @@ class ReplicaNode:
     def _handle_input(self, item: tuple[str, Any, float]) -> None:
         kind, value, arrived = item
         if kind == "msgs":
-            for m in value:
+            msgs, url = value
+            for m in msgs:
                 if m.type == HEARTBEAT_RESP:
                     self._rtt.answered(m.src, m.ctx, arrived)
                 self.core.step(m)
                 if m.type == SNAPSHOT and isinstance(m.payload, Path):
                     self._stepped_snapshots.append(m.payload)
+                if url is not None and m.type in _SAYS_WHERE and m.term == self.core.term:
+                    told = (url, self.core.membership.urls.get(m.src))
+                    if self._told_urls.get(m.src) != told:
+                        self._told_urls = {**self._told_urls, m.src: told}
+                        self._told_news = True
         elif kind == "propose":
             prop: _Proposal = value
             if prop.change is not None:
@@ -1211,8 +1229,7 @@ class ReplicaNode:
                 if rd.snapshot is None or path is not rd.snapshot.data:
                     self._incoming.discard(path)
             self._stepped_snapshots = []
-        if self.core.membership is not self._membership_seen or self.core.leader != self._leader_seen \
-                or self._told_news:
+        if self.core.membership is not self._membership_seen or self._told_news:
             self._sync_members()  # before this turn's messages go out: some may be to a new member
         if self.core.lead_transferee is not None or any(m.type == TIMEOUT_NOW for m in rd.messages):
             # Handing over: from ``timeout_now`` on, the target's voters may elect it at once, so
@@ -1300,26 +1317,28 @@ class ReplicaNode:
         return sender
 
     def _sync_members(self) -> None:
-        """After a turn changed the configuration or the leader, or a hello said something new (and
-        at start): the address book from the configuration, a sender to each member, and none any
-        more to a replica that left it (unless it is our leader) or whose URL changed (a member
-        removed and added again elsewhere).
+        """After a turn changed the configuration, or a request told where its sender serves (and at
+        start): the address book from the configuration, a sender to each member, and none any more
+        to a replica that left it (unless it is our leader) or whose URL changed (a member removed
+        and added again elsewhere).
 
-        Our leader is reached where its own hello says it serves, if that is not where our log
-        says: a replica that missed the entries which removed it and added it again at another
-        address (down, or cut off, meanwhile) would otherwise answer to the old address for good,
-        and never get those entries (the leader backs off to what we lack only on our answers)."""
+        A replica that sent us a request at our term (our leader, a candidate) is answered where
+        the hello of the connection that brought it says it serves, as long as our configuration
+        gives the URL it gave then: one that missed the entries which removed the leader and added
+        it again under its name at another address (down, or cut off, meanwhile) would otherwise
+        answer to the old address for good, and never get those entries (a leader backs off to
+        what a follower lacks only on its answers). A stale process under the same name, at an
+        older term, moves nothing."""
         m = self.core.membership
-        lead = self.core.leader
-        self._membership_seen, self._leader_seen = m, lead
-        keep = m.members | set(self.core.replicating_to()) | ({lead} if lead else set())
+        self._membership_seen = m
+        self._told_news = False
+        keep = m.members | set(self.core.replicating_to()) | ({self.core.leader} if self.core.leader else set())
         with self._peers_lock:  # a replica still sent to (its removal not yet committed) keeps its URL
-            self._told_news = False
             kept = {n: u for n, u in self.peers.items() if n in keep}
             peers = {**self._heard_urls, **self._boot_peers, **kept, **m.urls}
-            told = self._told_urls.get(lead) if lead is not None and lead != self.name else None
-            if told is not None:
-                peers[lead] = told
+            for name, (url, given) in self._told_urls.items():
+                if name in peers and name != self.name and m.urls.get(name) == given:
+                    peers[name] = url
             self.peers = peers
         for name, sender in list(self._senders.items()):
             if name not in keep or name not in self.peers or (
@@ -1342,20 +1361,16 @@ class ReplicaNode:
 
     def _on_hello(self, peer: str, hello: dict[str, Any]) -> None:
         """A replica says where it serves: kept for one our configuration does not name (a leader
-        added after it), so that our answers can reach it, and for our leader, whose word wins
-        over our log's (``_sync_members``, at the next turn)."""
+        added after it), so that our answers can reach it, and for this connection's requests
+        (``_sync_members``). On the reader thread that then reads this connection's frames."""
         url = hello.get("url")
-        if not isinstance(url, str):
-            return
         try:
-            raft_address(url)
+            raft_address(url) if isinstance(url, str) else None
         except ValueError:
-            return
-        with self._peers_lock:
-            if self._told_urls.get(peer) != url:
-                self._told_urls = {**self._told_urls, peer: url}
-                self._told_news = True
-            if peer not in self.peers and peer not in self._heard_urls:
+            url = None
+        self._connection.url = url if isinstance(url, str) else None
+        if isinstance(url, str) and peer not in self.peers and peer not in self._heard_urls:
+            with self._peers_lock:
                 self._heard_urls = {**self._heard_urls, peer: url}
                 self.peers = {**self.peers, peer: url}
 

@@ -282,7 +282,7 @@ class ReplicaRuntime:
                 if name not in self._current_members():
                     fail(404, f"{name!r} is not a member", kind="unknown")
                 new = self.node.transfer_leadership(None, min(2.0, self._wait()))
-                if new is None:
+                if new in (None, self.name):
                     fail(503, f"{self.name} is handing leadership over; ask again shortly", kind="transferring")
                 raise NotLeader(new, self.node.peers.get(new, ""))
             return self._changed(self.node.remove(name, self._wait()))
@@ -291,15 +291,23 @@ class ReplicaRuntime:
         @self.guard
         def lead_member(name: str) -> Response:
             """Leadership handed to voter ``name`` (before its machine is taken down, say): 200 once
-            it leads; from another replica, 421 naming the leader, which the caller asks in turn."""
+            it leads; from another replica, 421 naming the leader, which the caller asks in turn.
+            Only the leader judges ``name`` (a follower's log may be behind)."""
             name = self._member_name(name)
-            if name == self.name and self.node.is_leader():
+            if not self.node.is_leader():
+                raise NotLeader(*(self.node.leader() or (None, None)))
+            if name == self.name:
+                if not self.node.can_serve_reads():  # cut off from its voters: another may lead
+                    fail(503, f"{self.name} is not sure it still leads; ask again shortly")
                 return jsonify({"tier": self.tier, "leader": self.name, "term": self.node.term()})
             if name not in self._current_members():
                 fail(404, f"{name!r} is not a member", kind="unknown")
             new = self.node.transfer_leadership(name, min(MEMBER_CHANGE_WAIT, self._wait()))
             if new is None:
                 fail(503, f"{self.name} is handing leadership over; ask again shortly", kind="transferring")
+            if new == self.name:
+                fail(409, f"{name} did not catch up within an election timeout; {self.name} leads on",
+                     kind="lagging")
             raise NotLeader(new, self.node.peers.get(new, ""))
 
     def _member_name(self, name: Any) -> str:
