@@ -79,7 +79,7 @@ def _install() -> None:
     _wrap(ReplicaNode, "_apply", lambda self, entries: f"{self.name}.apply" if entries else None)
     _wrap(ReplicaNode, "_send", lambda self, msgs: f"{self.name}.send[{_types(msgs)}]" if msgs else None,
           span=False)
-    _wrap(ReplicaNode, "_submit", lambda self, kind, value: f"{self.name}.in[{_types(value)}]" if kind == "msgs"
+    _wrap(ReplicaNode, "_submit", lambda self, kind, value: f"{self.name}.in[{_types(value[0])}]" if kind == "msgs"
           else f"{self.name}.in[{kind}]", span=False)
     _wrap(Invalidator, "hold", lambda self, *a: "catalog.hold")
     _wrap(Invalidator, "release", lambda self, *a: "catalog.release", span=False)

@@ -168,7 +168,9 @@ def run(config: ClusterConfig, action: str, tier: str, name: str | None, url: st
     if action == "lead":
         # 421s lead from replica to replica until ``name`` says it leads (a hand-over that an
         # election overtook is asked for again, of the new leader).
-        view = call(config, tier, "POST", f"/members/{name}/lead", timeout=max(10.0, wait))
+        # With --wait, a hand-over that ended without it leading (``lagging``) is asked for again.
+        view = call(config, tier, "POST", f"/members/{name}/lead", timeout=max(10.0, wait),
+                    retry_kinds=("lagging",) if wait > 0 else ())
         print(json.dumps(view, indent=2) if as_json else f"{name} leads {tier} (term {view['term']})", file=out)
         return 0
     if action == "add" and not url:

@@ -750,12 +750,19 @@ class ReplicaNode:
         target = self.in_turn(begin)
         log.info("%s: handing leadership over to %s", self.name, target)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        looked = time.monotonic()
+        while (now := time.monotonic()) < deadline:
             leader = self._view.get("leader")
             if leader not in (None, self.name):
                 return str(leader)
-            if leader == self.name and self.in_turn(lambda core: core.is_leader() and core.lead_transferee is None):
-                return self.name  # abandoned: we lead on
+            if leader == self.name and now - looked >= 0.05:  # (a turn each time: not every tick)
+                looked = now
+                try:
+                    if self.in_turn(lambda core: core.is_leader() and core.lead_transferee is None,
+                                    max(0.05, deadline - now)):
+                        return self.name  # the hand-over ended: we lead on
+                except ProposalTimeout:
+                    return None
             time.sleep(self.config.tick_ms / 1000.0)
         return None
 
@@ -1180,7 +1187,8 @@ class ReplicaNode:
                 self.core.step(m)
                 if m.type == SNAPSHOT and isinstance(m.payload, Path):
                     self._stepped_snapshots.append(m.payload)
-                if url is not None and m.type in _SAYS_WHERE and m.term == self.core.term:
+                if url is not None and m.type in _SAYS_WHERE and m.term == self.core.term and (
+                        m.type == VOTE or m.src == self.core.leader):  # taken, not merely read
                     told = (url, self.core.membership.urls.get(m.src))
                     if self._told_urls.get(m.src) != told:
                         self._told_urls = {**self._told_urls, m.src: told}
@@ -1332,12 +1340,15 @@ class ReplicaNode:
         m = self.core.membership
         self._membership_seen = m
         self._told_news = False
+        # A word given against a URL our configuration no longer has is over (it must not come
+        # back to life should the configuration give that URL again).
+        self._told_urls = {n: told for n, told in self._told_urls.items() if m.urls.get(n) == told[1]}
         keep = m.members | set(self.core.replicating_to()) | ({self.core.leader} if self.core.leader else set())
         with self._peers_lock:  # a replica still sent to (its removal not yet committed) keeps its URL
             kept = {n: u for n, u in self.peers.items() if n in keep}
             peers = {**self._heard_urls, **self._boot_peers, **kept, **m.urls}
-            for name, (url, given) in self._told_urls.items():
-                if name in peers and name != self.name and m.urls.get(name) == given:
+            for name, (url, _) in self._told_urls.items():
+                if name in peers and name != self.name:
                     peers[name] = url
             self.peers = peers
         for name, sender in list(self._senders.items()):
@@ -1371,8 +1382,9 @@ class ReplicaNode:
         self._connection.url = url if isinstance(url, str) else None
         if isinstance(url, str) and peer not in self.peers and peer not in self._heard_urls:
             with self._peers_lock:
-                self._heard_urls = {**self._heard_urls, peer: url}
-                self.peers = {**self.peers, peer: url}
+                if peer not in self.peers and peer not in self._heard_urls:  # (a turn may have named it)
+                    self._heard_urls = {**self._heard_urls, peer: url}
+                    self.peers = {**self.peers, peer: url}
 
     def _apply(self, entries: list[Entry]) -> None:
         todo = [e for e in entries if e.index > self._applied]

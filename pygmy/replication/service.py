@@ -306,8 +306,8 @@ class ReplicaRuntime:
             if new is None:
                 fail(503, f"{self.name} is handing leadership over; ask again shortly", kind="transferring")
             if new == self.name:
-                fail(409, f"{name} did not catch up within an election timeout; {self.name} leads on",
-                     kind="lagging")
+                fail(409, f"the hand-over to {name} ended without it leading (it did not catch up within an "
+                          f"election timeout, or left the voters); {self.name} leads on", kind="lagging")
             raise NotLeader(new, self.node.peers.get(new, ""))
 
     def _member_name(self, name: Any) -> str:

@@ -272,9 +272,9 @@ def test_peer_transport_requires_the_secret_and_a_member(cluster: Harness) -> No
         s.sendall(encode({"hello": other, "secret": SECRET, "channel": "raft"}))
         s.sendall(encode({"messages": [bogus, {**bogus, "src": leader.name}, stale]}))  # not who said hello
         # Our frame's message, not merely the leader's next heartbeat (which may come first).
-        wait_for(lambda: any(kind == "msgs" and any(m.src == other and m.term == 0 for m in value)
+        wait_for(lambda: any(kind == "msgs" and any(m.src == other and m.term == 0 for m in value[0])
                              for kind, value, _ in delivered), 5, "the frame was read")
-    msgs = [m for kind, value, _ in delivered if kind == "msgs" for m in value]
+    msgs = [m for kind, value, _ in delivered if kind == "msgs" for m in value[0]]
     # Only our frame's messages carry term 0 or term + 50: the cluster's own traffic (a pre-vote
     # answer from ``other`` when a loaded machine delays a heartbeat) is neither.
     assert [(m.src, m.type, m.term) for m in msgs if m.term in (0, term + 50)] == [(other, "heartbeat", 0)]
