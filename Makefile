@@ -38,7 +38,7 @@ test: install
 	$(BIN)/ruff check .
 	$(BIN)/python scripts/check_prereqs.py
 	$(COMPILE)
-	$(BIN)/pytest -q -n $(WORKERS) --dist worksteal -m "not nemesis_run"
+	$(BIN)/pytest -q -n $(WORKERS) --dist worksteal -m "not nemesis_run" --durations=30
 
 # The quick nemesis runs (tests/verify/test_chaos.py): a cluster in network namespaces under every
 # fault kind, and a broken build caught. They take both cores for a minute or two each, which make

@@ -29,7 +29,7 @@ from flask import Flask, Response, jsonify
 
 from pygmy.kit import metrics
 from pygmy.kit.config import ClusterConfig
-from pygmy.kit.web import ApiError, fail, int_field, json_body, parse_item, request_deadline
+from pygmy.kit.web import ApiError, fail, int_field, json_body, parse_item, query_int, request_deadline
 from pygmy.order.state import CONFIRMED, FAILED, PENDING, OrderState, adoption, confirmed, failure
 from pygmy.replication.batching import Combiner, CombinerTimeout
 from pygmy.replication.node import NotLeader, ProposalTimeout
@@ -65,6 +65,8 @@ EXPIRED = Reply(504, {"error": {"code": 504, "message": "the buy's time budget w
 
 #: Most buys one request may carry (a frontend worker sends the buys it has in flight).
 MAX_BUYS = 256
+#: The most orders one ``GET /orders`` page carries.
+MAX_ORDERS_PAGE = 1000
 
 
 class Buy(NamedTuple):
@@ -704,6 +706,22 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
 
     rt.serve_frames(BUYS_CHANNEL, "/buys", lambda body, deadline: run_batch(
         body, min(deadline, time.monotonic() + config.buy_deadline)))
+
+    @app.get("/orders")
+    @rt.guard
+    def list_orders() -> Response:
+        """A page of this replica's orders numbered above ``after``: the confirmed ones as ``GET
+        /orders/<n>`` gives them, and the numbers of those still pending (not settled here: the
+        order leader's sweeper settles them within seconds; ask again). For the operator's tools
+        and the checks that read every order of every replica, one page instead of a request each."""
+        after = query_int("after", 0, 2**62, 0)
+        limit = query_int("limit", 1, MAX_ORDERS_PAGE, 100)
+        rt.ensure_readable()
+        rows = state.orders_after(after, limit)
+        return jsonify({
+            "orders": [public_order(o) for o in rows if o["status"] == CONFIRMED],
+            "pending": [o["order_number"] for o in rows if o["status"] == PENDING],
+            "next": rows[-1]["order_number"] if len(rows) == limit else None})
 
     @app.get("/orders/<number>")
     @rt.guard

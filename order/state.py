@@ -91,6 +91,11 @@ class OrderState(SQLiteStateMachine):
         rows = self.read("SELECT * FROM orders WHERE order_number=?", (number,))
         return order_dict(rows[0]) if rows else None
 
+    def orders_after(self, after: int, limit: int) -> list[dict[str, Any]]:
+        """Up to ``limit`` orders numbered above ``after``, in number order, from one read."""
+        return [order_dict(r) for r in self.read(
+            "SELECT * FROM orders WHERE order_number>? ORDER BY order_number LIMIT ?", (after, limit))]
+
     def pending(self) -> list[dict[str, Any]]:
         return [order_dict(r) for r in self.read("SELECT * FROM orders WHERE status=? ORDER BY order_number", (PENDING,))]
 

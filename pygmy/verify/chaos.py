@@ -30,7 +30,6 @@ import tempfile
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -215,7 +214,31 @@ def converged(config: ClusterConfig) -> dict[str, list[dict[str, Any]]] | None:
     return out
 
 
-def final_state(config: ClusterConfig, secret: str, items: list[int], max_order: int,
+def read_orders(get: Any, url: str, headers: dict[str, str], settle: float = 15.0,
+                **kwargs: Any) -> dict[int, dict[str, Any]]:
+    """Every confirmed order of the order replica at ``url``, by number: ``GET /orders`` a page of
+    a thousand at a time (``get``: a session's, or ``_Patient``'s). A page that still holds pending
+    orders (left by a fault; the order leader's sweeper settles them within seconds), or that is
+    refused for a moment (503: no read index yet), is read again, for up to ``settle`` s a page."""
+    found: dict[int, dict[str, Any]] = {}
+    after: int | None = 0
+    while after is not None:
+        settle_by = time.monotonic() + settle
+        while True:
+            r = get(f"{url}/orders", params={"after": after, "limit": 1000}, headers=headers, timeout=10, **kwargs)
+            page = r.json() if r.status_code == 200 else None
+            if page is not None and not page["pending"]:
+                break
+            if time.monotonic() > settle_by:
+                raise RuntimeError(f"{url}/orders?after={after}: " + (
+                    f"{r.status_code} {r.text[:200]}" if page is None else f"still pending: {page['pending'][:10]}"))
+            time.sleep(0.2)
+        found.update((o["order_number"], o) for o in page["orders"])
+        after = page["next"]
+    return found
+
+
+def final_state(config: ClusterConfig, secret: str, items: list[int],
                 timeout: float = 90) -> dict[str, Any]:
     """Wait until the replicas agree and stay put for 3 s (the order leader's sweeper finishes
     intents left by faults within a few seconds), then read every book and order from every replica."""
@@ -234,38 +257,20 @@ def final_state(config: ClusterConfig, secret: str, items: list[int], max_order:
         time.sleep(0.3)
     auth = {"Authorization": f"Bearer {secret}"}
     replicas: dict[str, Any] = {}
-    # Every order of every replica is one read (no bulk read exists): a thousand orders on three
-    # replicas took 20-25 s one after another, most of a quick chaos run's check. The state no
-    # longer changes, so the reads may go at once, a few per replica.
-    with requests.Session() as session, ThreadPoolExecutor(max_workers=READERS) as pool:
+    # Every order of every replica, a page of a thousand a read (``GET /orders``): one read an order
+    # took 20-25 s for a thousand orders on three replicas, most of a quick chaos run's check.
+    with requests.Session() as session:
         s = _Patient(session)
-
-        def order(url: str, name: str, n: int) -> Any:
-            r = s.get(f"{url}/orders/{n}", headers=auth, timeout=5)
-            if r.status_code not in (200, 404):
-                raise RuntimeError(f"{name} /orders/{n}: {r.status_code} {r.text[:200]}")
-            return r.json() if r.status_code == 200 else None
-
-        # Every order replica's reads at once, then each replica's books and its own check.
-        numbers = range(1, max_order + 50)
-        asked = [(status["name"], n) for status in st["order"] for n in numbers]
-        urls = {status["name"]: status["url"] for status in st["order"]}
-        found = dict(zip(asked, pool.map(lambda a: order(urls[a[0]], *a), asked), strict=True))
         for tier, sts in st.items():
             for status in sts:
                 name, url, entry = status["name"], status["url"], {"status": status}
                 if tier == "catalog":
                     entry["books"] = {str(i): s.get(f"{url}/books/{i}", headers=auth, timeout=5).json() for i in items}
                 else:
-                    entry["orders"] = {str(n): o for n in numbers if (o := found[name, n]) is not None}
+                    entry["orders"] = {str(n): o for n, o in read_orders(s.get, url, auth).items()}
                 entry["verify"] = s.get(f"{url}/verify", headers=auth, timeout=60).json()
                 replicas[name] = entry
     return {"converged": True, "replicas": replicas}
-
-
-#: Reads of the final state at once (``final_state``): a few per replica (the session's pool
-#: keeps 10 connections a host).
-READERS = 12
 
 
 class _Patient:
@@ -361,8 +366,7 @@ def run(duration: float, seed: int, out: Path, kinds: tuple[str, ...] = nemesis.
                             cluster.restart(name)
                         except AssertionError as exc:  # judged as the nemesis' fault (and unconverged)
                             nem.errors.append(f"restart {name} after the run: {str(exc)[:300]}")
-                max_order = max((n for n, _ in load.acked), default=0)
-                final = final_state(config, cluster.secret(), items, max_order)
+                final = final_state(config, cluster.secret(), items)
             finally:
                 logs = cluster.logs_tail(lines=60)
                 cluster.stop()
