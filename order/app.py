@@ -714,7 +714,7 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         /orders/<n>`` gives them, and the numbers of those still pending (not settled here: the
         order leader's sweeper settles them within seconds; ask again). For the operator's tools
         and the checks that read every order of every replica, one page instead of a request each."""
-        after = query_int("after", 0, 2**62, 0)
+        after = query_int("after", 0, 10**18 - 1, 0)
         limit = query_int("limit", 1, MAX_ORDERS_PAGE, 100)
         rt.ensure_readable()
         rows = state.orders_after(after, limit)

@@ -219,7 +219,8 @@ def read_orders(get: Any, url: str, headers: dict[str, str], settle: float = 15.
     """Every confirmed order of the order replica at ``url``, by number: ``GET /orders`` a page of
     a thousand at a time (``get``: a session's, or ``_Patient``'s). A page that still holds pending
     orders (left by a fault; the order leader's sweeper settles them within seconds), or that is
-    refused for a moment (503: no read index yet), is read again, for up to ``settle`` s a page."""
+    refused for a moment (503: no read index yet), is read again, for up to ``settle`` s a page;
+    any other answer is an error at once."""
     found: dict[int, dict[str, Any]] = {}
     after: int | None = 0
     while after is not None:
@@ -229,7 +230,7 @@ def read_orders(get: Any, url: str, headers: dict[str, str], settle: float = 15.
             page = r.json() if r.status_code == 200 else None
             if page is not None and not page["pending"]:
                 break
-            if time.monotonic() > settle_by:
+            if r.status_code not in (200, 503) or time.monotonic() > settle_by:
                 raise RuntimeError(f"{url}/orders?after={after}: " + (
                     f"{r.status_code} {r.text[:200]}" if page is None else f"still pending: {page['pending'][:10]}"))
             time.sleep(0.2)

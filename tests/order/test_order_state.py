@@ -365,3 +365,19 @@ def test_the_commands_the_leader_builds_for_adoptions_and_failures_record_what_t
     got = log(failure("reused", 409, "out of stock", None, item=6, quantity=2))
     assert (got["status"], got["item_number"], got["quantity"]) == (FAILED, 6, 2), "recorded as the refused buy"
     assert key_time("reused") is None
+
+
+def test_orders_after_pages_in_number_order_from_the_one_after(state: OrderState, log: Log) -> None:
+    """What ``GET /orders`` pages through: every status, numbers above ``after``, at most ``limit``."""
+    for k in range(1, 6):
+        log(intent(f"k{k}"))
+    log(confirm("k1"))
+    log(fail("k2"))
+    log(confirm("k4"))
+    page = state.orders_after(0, 10)
+    assert [(o["order_number"], o["status"]) for o in page] == [
+        (1, CONFIRMED), (2, FAILED), (3, PENDING), (4, CONFIRMED), (5, PENDING)]
+    assert [o["order_number"] for o in state.orders_after(2, 2)] == [3, 4]
+    assert [o["order_number"] for o in state.orders_after(4, 10)] == [5]
+    assert state.orders_after(5, 10) == []
+    assert page[0] == state.order(1)
