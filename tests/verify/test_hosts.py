@@ -45,6 +45,9 @@ class FakeTier(hosts.Operator):
         self.fewest_voters = min(self.fewest_voters, len(self.voters))
         return {"voters": sorted(self.voters), "learners": sorted(self.learners), "urls": {}}
 
+    def members(self, tier: str) -> dict[str, Any]:
+        return self.json("list", tier)  # (the real one asks the leader in-process)
+
     def start(self, name: str) -> None:
         self.calls.append(f"start {name}")
         self.started.add(name)
