@@ -6,7 +6,7 @@ buys at a steady open-loop rate through the frontend (``wan.drive``). In each sc
 into the load, the victim is SIGKILLed for good (``pygmy kill``; never restarted), or, for a
 retired leader, left running; then an operator replaces it as ``pygmy.verify.hosts.replace`` does:
 ``pygmy member add`` (a learner at a new loopback address, standing for a new machine), ``pygmy
-start``, wait until ``pygmy member list`` shows it caught up, ``promote``, ``remove`` (a leader
+start``, wait until the leader's ``/members`` (what ``pygmy member list`` shows) has it caught up, ``promote``, ``remove`` (a leader
 removed alive hands leadership over first, then it is stopped). The load goes on ``POST`` s after
 the removal. Measured: the longest stretch with no acknowledged update, and with no acknowledged
 buy, from the kill (or the first step) to the end, and how long each step took. Correctness under

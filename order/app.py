@@ -712,8 +712,8 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
     def list_orders() -> Response:
         """A page of this replica's orders numbered above ``after``: the confirmed ones as ``GET
         /orders/<n>`` gives them, and the numbers of those still pending (not settled here: the
-        order leader's sweeper settles them within seconds; ask again). For the operator's tools
-        and the checks that read every order of every replica, one page instead of a request each."""
+        order leader's sweeper settles them within seconds; ask again). For the checkers that read
+        every order of every replica (``pygmy.verify.chaos.read_orders``): a page, not a request each."""
         after = query_int("after", 0, 10**18 - 1, 0)
         limit = query_int("limit", 1, MAX_ORDERS_PAGE, 100)
         rt.ensure_readable()

@@ -297,7 +297,7 @@ def build_parser(serving: bool = False) -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?", help="the replica, e.g. catalog-4 (not for list)")
     p.add_argument("url", nargs="?", help="add: where the new replica serves, e.g. http://10.0.0.4:8104")
     p.add_argument("--wait", type=float, default=0.0,
-                   help="promote: ask again for up to this many seconds while the learner catches up; "
+                   help="promote, lead: ask again for up to this many seconds while it catches up; "
                         "promote, remove, lead: give another change this long to settle (default 10 s)")
     p.add_argument("--json", action="store_true", help="print the JSON answer")
     p.add_argument("--data-dir", default=os.environ.get("PYGMY_DATA_DIR", "data"))

@@ -1,5 +1,5 @@
 """What every replica of a replicated tier serves, whatever its business: health, status, leadership,
-and the tier's membership (``/members``: list, add a learner, promote, remove).
+and the tier's membership (``/members``: list, add a learner, promote, remove; hand leadership to a voter).
 
 Catalog and order build their Flask apps on ``ReplicaRuntime``; it owns the replication node and
 turns its exceptions into HTTP answers (421 with the leader's name, 503 while not ready).

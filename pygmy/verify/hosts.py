@@ -5,8 +5,8 @@ host at a new address, in a namespace of its own), and so does tests/system/test
 hosts at loopback addresses). The order of the steps is what keeps acknowledged writes safe:
 
 1. ``pygmy member add TIER NEW URL``: the new replica joins as a learner, counted in no majority;
-2. ``pygmy start NEW`` (which returns once it serves), then ``pygmy member list`` until it shows
-   NEW caught up;
+2. ``pygmy start NEW`` (which returns once it serves), then the leader's view (what ``pygmy member
+   list`` shows) until it has NEW caught up;
 3. ``pygmy member promote TIER NEW``: the tier has one voter more than it had;
 4. ``pygmy member remove TIER OLD``: back to its size.
 
@@ -58,7 +58,8 @@ class OperatorError(RuntimeError):
 
 class Operator:
     """What an operator types for the cluster in ``data_dir``: ``pygmy member ...``, with ``env``
-    (the cluster's) added to the environment."""
+    (the cluster's) added to the environment; ``members`` asks what ``pygmy member list`` would, in
+    this process."""
 
     def __init__(self, data_dir: Path, env: dict[str, str] | None = None) -> None:
         self.data_dir, self.env = data_dir, dict(env or {})
@@ -86,13 +87,14 @@ class Operator:
         """What ``pygmy member list TIER --json`` prints: the leader's view, with each member's role
         and lag. Asked in this process, as the command asks it (``members.call``): the waits poll
         it every 0.3 s, and a command's interpreter each time cost more CPU than the answer."""
-        if "PYGMY_SECRET" in self.env:  # (the command would take it from there; ``secret()`` from ours)
-            return self.json("list", tier)
-        config = ClusterConfig.load(str(self.data_dir))
-        config.data_dir = str(self.data_dir)
+        if "PYGMY_SECRET" in self.env or any(k.endswith("_URLS") for k in self.env) or not (
+                self.data_dir / "run" / "cluster.json").exists():
+            return self.json("list", tier)  # settings only the command's environment holds
         try:
+            config = ClusterConfig.load(str(self.data_dir))
+            config.data_dir = str(self.data_dir)
             return members.call(config, tier, "GET", "/members")
-        except members.MemberError as exc:
+        except (members.MemberError, RuntimeError, ValueError, OSError) as exc:
             raise OperatorError(f"pygmy member list {tier}: {exc}") from None
 
     def roles(self, tier: str) -> dict[str, str]:

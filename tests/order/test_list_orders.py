@@ -1,5 +1,5 @@
-"""``GET /orders?after=N&limit=K`` on an order replica: a page of its orders, for the operator's
-tools and the checks that read every order of every replica (``pygmy.verify.chaos.read_orders``).
+"""``GET /orders?after=N&limit=K`` on an order replica: a page of its orders, for the checkers that
+read every order of every replica (``pygmy.verify.chaos.read_orders``).
 On the shared cluster."""
 
 from __future__ import annotations
