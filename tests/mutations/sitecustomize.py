@@ -64,7 +64,7 @@ Without the variables below it does nothing.
   answered, no follower knows the entries are committed.
 - ``PYGMY_TEST_CRASH_AT=<file>``: the real node's persist, send and apply (``Ready.steps``), a kill
   at each, on followers as well as leaders. When the file says ``<tier> <role> <point>`` (role
-  ``leader`` or ``follower``), the first replica of that tier in that role to reach the point deletes
+  ``leader``, ``follower`` or ``candidate``), the first replica of that tier in that role to reach the point deletes
   the file and SIGKILLs its own process group right there. The points, in a turn that handles new
   log entries (or, for ``applied``, committed ones) holding a command: ``persisted`` (just after
   they are written: a follower has not acknowledged them yet, a leader has sent them), ``sent``
@@ -73,8 +73,11 @@ Without the variables below it does nothing.
   they are applied, before the turn's next step: a follower's end of the turn, a leader's news of
   the commit not yet sent when the Ready had no new entries). And, for a leader, ``answered``: just
   after it wrote a frame's reply that left work for after it (``transport.after_reply``: the
-  catalog's release pushes for the decrements it answered, the order confirmer's wake-up). And, for
-  an order leader, ``decremented``: just after the catalog answered a batch of decrements sent
+  catalog's release pushes for the decrements it answered, the order confirmer's wake-up). A
+  leadership hand-over (``pygmy member lead``) has two: for a leader, ``handing``, just after it
+  told its successor to campaign (``timeout_now``, sent on the spot); for a ``candidate``,
+  ``transfer``, just after the successor asked for votes on that word (its raised term written,
+  the requests sent on the spot). And, for an order leader, ``decremented``: just after the catalog answered a batch of decrements sent
   together with their buys' intents, which wait meanwhile (while the file names the point) so that
   they are never proposed: the decrements outlive their intents, and the orphan scan must record
   them. Buys sent intent first (another buy in flight, no orphan scan finished yet) pass.
@@ -445,7 +448,7 @@ def _crash_at(flag: str) -> None:
     import contextlib
     import signal
 
-    from pygmy.replication.core import APPEND_RESP, SNAPSHOT, RaftCore
+    from pygmy.replication.core import APPEND_RESP, SNAPSHOT, TIMEOUT_NOW, VOTE, RaftCore
     from pygmy.replication.node import ReplicaNode
 
     ready, persist, send, apply = RaftCore.ready, ReplicaNode._persist, ReplicaNode._send, ReplicaNode._apply
@@ -479,11 +482,18 @@ def _crash_at(flag: str) -> None:
             die()
 
     def sending(self, messages):  # type: ignore[no-untyped-def]
+        if any(m.type == TIMEOUT_NOW for m in messages) and claimed(self, "handing"):
+            send_and_die(self, messages)  # a leader that just told its successor to campaign
+        if any(m.type == VOTE and m.transfer for m in messages) and claimed(self, "transfer"):
+            send_and_die(self, messages)  # a successor campaigning on its leader's word, votes asked
         rd = getattr(self.core, "_test_ready", None)
         if rd is None or messages is not rd.messages or not writes(rd.entries) or not any(
                 m.entries or (m.type == APPEND_RESP and m.success) for m in messages) or not claimed(self, "sent"):
             send(self, messages)
             return
+        send_and_die(self, messages)
+
+    def send_and_die(self, messages):  # type: ignore[no-untyped-def]
         send(self, [m for m in messages if m.type == SNAPSHOT])
         frames: dict[str, list] = {}
         for m in messages:

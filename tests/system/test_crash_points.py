@@ -19,6 +19,7 @@ build survives.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -32,7 +33,7 @@ import requests
 from harness import BackgroundLoad, Cluster, cluster_env, free_port_base, wait_for
 
 from pygmy.cluster import launcher
-from pygmy.verify import chaos_check, lincheck
+from pygmy.verify import chaos_check, hosts, lincheck
 from pygmy.verify.chaos import final_state, leader_of, replica_status
 
 ITEMS = list(range(1, 8))
@@ -73,7 +74,7 @@ POINTS = [(tier, point) for point in ("persisted", "sent", "applied") for tier i
 def test_kills_at_each_step_of_a_ready(crash_cluster, tmp_path: Path, role: str) -> None:
     """Six SIGKILLs of a replica in ``role`` under load, one at each step of a Ready in each tier
     (``POINTS``), each victim restarted at once; then every guarantee is checked from outside."""
-    kills_under_load(crash_cluster, tmp_path, role, POINTS)
+    kills_under_load(crash_cluster, tmp_path, [(tier, role, point) for tier, point in POINTS])
 
 
 def test_leaders_killed_after_answering_and_between_a_decrement_and_its_intent(crash_cluster, tmp_path: Path) -> None:
@@ -88,8 +89,8 @@ def test_leaders_killed_after_answering_and_between_a_decrement_and_its_intent(c
     An order leader sends a buy's decrement while its intent is being committed. SIGKILL it
     right after the catalog answered decrements whose intents were never proposed
     (``decremented``), twice: the buys' retries and the orphan scan leave every guarantee standing."""
-    kills_under_load(crash_cluster, tmp_path, "leader", [("order", "decremented"), ("catalog", "answered"),
-                                                         ("order", "answered"), ("order", "decremented")])
+    kills_under_load(crash_cluster, tmp_path, [(tier, "leader", point) for tier, point in [
+        ("order", "decremented"), ("catalog", "answered"), ("order", "answered"), ("order", "decremented")]])
 
 
 def test_a_decrement_that_outlived_its_intent_is_recorded_from_the_catalog(crash_cluster, tmp_path: Path) -> None:
@@ -135,9 +136,43 @@ def test_a_decrement_that_outlived_its_intent_is_recorded_from_the_catalog(crash
     wait_converged(c, "catalog")
 
 
-def kills_under_load(crash_cluster, tmp_path: Path, role: str, points: list[tuple[str, str]]) -> None:
-    """A SIGKILL of a replica in ``role`` at each ``(tier, point)`` in turn, under load, each victim
-    restarted at once; then every guarantee is checked from outside (``chaos_check``)."""
+def test_hand_overs_killed_at_either_end(crash_cluster, tmp_path: Path) -> None:
+    """``pygmy member lead`` under load, SIGKILLed at each end of the hand-over, in each tier (one
+    cluster, one check, for the suite's time): the leader right after it told its successor to
+    campaign (``handing``: the successor wins without it, holding every entry, and the catalog's
+    successor still waits out the cache leases the dead leader granted), and the successor right
+    after it asked for votes on that word (``transfer``: the term is raised and nobody leads; the
+    old leader, which gave up its lease with the word, steps down, and the survivors elect one)."""
+    kills_under_load(crash_cluster, tmp_path, [("catalog", "leader", "handing"), ("order", "candidate", "transfer"),
+                                               ("order", "leader", "handing"), ("catalog", "candidate", "transfer")],
+                     trigger=hand_over)
+
+
+def hand_over(c: Cluster, tier: str, flag: Path) -> str:
+    """``pygmy member lead TIER F`` for a follower F, asked again (a leader unsure of its lease
+    after the last kill refuses with 503; a lagging successor with 409) until the flag is gone.
+    Returns who must have died: the leader (``handing``), or F (``transfer``)."""
+    op = hosts.Operator(c.data_dir, c.env)
+    deadline = time.monotonic() + 60
+    point = flag.read_text().split()[-1]
+    victim = ""
+    while flag.exists():
+        assert time.monotonic() < deadline, f"no {tier} hand-over reached {flag.read_text()!r}"
+        lead = leader(c, tier)
+        target = next(n for n in (f"{tier}-{k}" for k in (1, 2, 3)) if n != lead and alive(c, n))
+        victim = lead if point == "handing" else target
+        with contextlib.suppress(hosts.OperatorError):  # the leader, or its successor, may die answering
+            op.member("lead", tier, target, "--wait", "5", timeout=30)
+        time.sleep(0.2)
+    return victim
+
+
+def kills_under_load(crash_cluster, tmp_path: Path, points: list[tuple[str, str, str]],
+                     trigger: Callable[[Cluster, str, Path], str] | None = None) -> None:
+    """A SIGKILL of a replica at each ``(tier, role, point)`` in turn, under load, each victim
+    restarted at once; then every guarantee is checked from outside (``chaos_check``). ``trigger``
+    (the cluster, the tier, the flag), if given, makes a replica reach the point once the flag
+    names it; it returns once the flag is gone, with the name of the replica that must have died."""
     flag = tmp_path / "crash-at"
     c = crash_cluster(PYGMY_TEST_CRASH_AT=str(flag))
     load = BackgroundLoad([c.url], c.admin_token(), ITEMS, writers=3, readers=2, buyers=2, searchers=0, order_readers=1)
@@ -155,15 +190,17 @@ def kills_under_load(crash_cluster, tmp_path: Path, role: str, points: list[tupl
     load.start()
     try:
         load.buys_acked(5)
-        for tier, point in points:
+        for tier, role, point in points:
             if tier in restarts:  # this tier's last victim is back before the next kill in it
                 restarts.pop(tier).join(60)
             names = [f"{tier}-{k}" for k in (1, 2, 3)]
             flag.write_text(f"{tier} {role} {point}")
             start = time.monotonic_ns()
+            expected = trigger(c, tier, flag) if trigger is not None else None
             wait_for(f"a {tier} {role} at {point}", lambda: not flag.exists())
             victim = str(wait_for("the victim's death", lambda names=names: next(
                 (n for n in names if not alive(c, n)), None)))
+            assert expected in (None, victim), f"{victim} died at {point}, not {expected}"
             windows.append({"kind": f"{role}-{point}", "detail": victim, "start": start, "end": None})
             restarts[tier] = threading.Thread(target=restart, args=(victim, windows[-1]))
             restarts[tier].start()
@@ -176,8 +213,8 @@ def kills_under_load(crash_cluster, tmp_path: Path, role: str, points: list[tupl
             t.join(60)
         history = load.finish()
     assert failed == [], failed
-    assert [w["kind"] for w in windows] == [f"{role}-{p}" for _, p in points]
-    assert all(w["detail"].startswith(t) for w, (t, _) in zip(windows, points, strict=True))
+    assert [w["kind"] for w in windows] == [f"{role}-{p}" for _, role, p in points]
+    assert all(w["detail"].startswith(t) for w, (t, _, _) in zip(windows, points, strict=True))
     check_from_outside(c, tmp_path, load, history, windows)
 
 
