@@ -33,7 +33,7 @@ import requests
 from harness import BackgroundLoad, Cluster, cluster_env, free_port_base, wait_for
 
 from pygmy.cluster import launcher
-from pygmy.verify import chaos_check, hosts, lincheck
+from pygmy.verify import chaos_check, lincheck
 from pygmy.verify.chaos import final_state, leader_of, replica_status
 
 ITEMS = list(range(1, 8))
@@ -137,7 +137,7 @@ def test_a_decrement_that_outlived_its_intent_is_recorded_from_the_catalog(crash
 
 
 def test_hand_overs_killed_at_either_end(crash_cluster, tmp_path: Path) -> None:
-    """``pygmy member lead`` under load, SIGKILLed at each end of the hand-over, in each tier (one
+    """A leadership hand-over (``pygmy member lead``) under load, SIGKILLed at each end of the hand-over, in each tier (one
     cluster, one check, for the suite's time): the leader right after it told its successor to
     campaign (``handing``: the successor wins without it, holding every entry, and the catalog's
     successor still waits out the cache leases the dead leader granted), and the successor right
@@ -149,10 +149,11 @@ def test_hand_overs_killed_at_either_end(crash_cluster, tmp_path: Path) -> None:
 
 
 def hand_over(c: Cluster, tier: str, flag: Path) -> str:
-    """``pygmy member lead TIER F`` for a follower F, asked again (a leader unsure of its lease
-    after the last kill refuses with 503; a lagging successor with 409) until the flag is gone.
-    Returns who must have died: the leader (``handing``), or F (``transfer``)."""
-    op = hosts.Operator(c.data_dir, c.env)
+    """``POST /members/F/lead`` (what ``pygmy member lead TIER F`` asks) to the leader, for a
+    follower F, asked again (a leader unsure of its lease after the last kill refuses with 503; a
+    lagging successor with 409) until the flag is gone. Returns who must have died: the leader
+    (``handing``), or F (``transfer``)."""
+    secret = {"Authorization": f"Bearer {c.secret()}"}
     deadline = time.monotonic() + 60
     point = flag.read_text().split()[-1]
     victim = ""
@@ -161,8 +162,8 @@ def hand_over(c: Cluster, tier: str, flag: Path) -> str:
         lead = leader(c, tier)
         target = next(n for n in (f"{tier}-{k}" for k in (1, 2, 3)) if n != lead and alive(c, n))
         victim = lead if point == "handing" else target
-        with contextlib.suppress(hosts.OperatorError):  # the leader, or its successor, may die answering
-            op.member("lead", tier, target, "--wait", "5", timeout=30)
+        with contextlib.suppress(requests.RequestException):  # the leader may die answering
+            requests.post(f"{c.replica_url(lead)}/members/{target}/lead", headers=secret, timeout=10)
         time.sleep(0.2)
     return victim
 
