@@ -143,7 +143,9 @@ class Invalidator:
             expiry = min(now + self.lease_for(rtt), self.node.leader_lease_until() + self.lease)
             self._sync_term()
             old = self._subs.get(sub_id)
-            self._subs[sub_id] = (url, expiry)
+            # Never shortened (a lower rtt gives a shorter lease): the worker goes on using the longer
+            # grant before this one if this answer is lost or late, and writes skip it by this entry.
+            self._subs[sub_id] = (url, expiry if old is None else max(expiry, old[1]))
             self._rtts[url] = rtt
             # A revoked worker gets ``continued: false`` (old is None) and flushes before it uses
             # this lease; later writes reach it again, so they need not wait for the old one.

@@ -796,18 +796,22 @@ class ReplicaNode:
 
     def vote_quiet_s(self) -> float:
         """How long, at least, before we became leader every earlier leader's lease had ended (0 when
-        we do not lead). Each leader's lease lasts the lease of the window it announced from a
-        message a majority heard; a majority voted for us, so one of our voters heard it, and it told
-        us in its vote how many ticks it had heard no leader and the window it last heard announced
-        (the core's ``election_gap``: the least, over our voters, of quiet less that lease). Less one
-        tick: a count starts at the first tick after the hearing, which may come at once. Usually
-        ``election_ticks_min - effective_lease_ticks - 1`` ticks (90 ms by default) or more, since a
-        follower of a live leader votes no sooner; less (a longer wait) from a voter that had dropped
-        its leader for a newer term; as much as a whole lease when the voters had long heard nothing."""
+        we do not lead); negative: how long after it, at most, one may still have run. Each leader's
+        lease lasts the lease of the window it announced from a message a majority heard; a majority
+        voted for us, so one of our voters heard it, and it told us in its vote how many ticks it had
+        heard no leader and the window it last heard announced (the core's ``election_gap``: the
+        least, over our voters, of quiet less that lease). Less one tick: a count starts at the first
+        tick after the hearing, which may come at once. Usually ``election_ticks_min -
+        effective_lease_ticks - 1`` ticks (90 ms by default) or more, since a follower of a live
+        leader votes no sooner; less (a longer wait) from a voter that had dropped its leader for a
+        newer term; as much as a whole lease when the voters had long heard nothing. Below zero after
+        a hand-over (``timeout_now``): its voters still heard their leader. That leader gave its lease
+        up for its own reads then, but what it promised under the lease before (the catalog's cache
+        leases, capped at its end) may run that much past our election, so it is not clipped at 0."""
         term, _, gap = self._leader_since
         if not self.is_leader() or term != self.term():
             return 0.0
-        return max(0, gap - 1) * self.config.tick_ms / 1000.0
+        return (gap - 1) * self.config.tick_ms / 1000.0
 
     def leader(self) -> tuple[str, str] | None:
         name = self._view.get("leader")

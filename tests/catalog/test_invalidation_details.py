@@ -167,8 +167,50 @@ def test_a_far_worker_gets_a_longer_lease_but_never_past_the_leader_lease_plus_o
     assert far == pytest.approx(inv_mod.LEASE_RTTS * 0.3 + LEASE / 2) and far > 2 * 0.3 + LEASE / 2
     assert inv.subscribe("far", "tcp://far:1", rtt=30)["lease"] == pytest.approx(inv_mod.LEASE_MAX)
     node.lease_until = 10.5
-    assert inv.subscribe("far", "tcp://far:1", rtt=0.3)["lease"] == pytest.approx(0.5 + LEASE)
-    assert inv._subs["far"][1] == pytest.approx(10.5 + LEASE)
+    assert inv.subscribe("far2", "tcp://far2:1", rtt=0.3)["lease"] == pytest.approx(0.5 + LEASE)
+    assert inv._subs["far2"][1] == pytest.approx(10.5 + LEASE)
+
+
+def test_a_renewal_never_shortens_the_lease_a_write_counts_on(env: Env) -> None:
+    """A worker whose round trip fell gets a shorter lease at its next renewal; if that answer is
+    lost or late it goes on with the longer grant before it. A write must still hold it (push, or
+    wait out that grant when the push fails), so the table keeps the longer end."""
+    clock, node, inv, pushes = env
+    clock.now = -1.0
+    inv.hold(["book:0"])  # the term's wait is over
+    clock.now, node.lease_until = 0.0, 100.0
+    first = inv.subscribe("w", "tcp://w:1", rtt=0.3)["lease"]  # the worker may use it until about 0 + first
+    clock.now = 0.1
+    assert inv.subscribe("w", "tcp://w:1", rtt=0.01)["lease"] == pytest.approx(LEASE)  # its answer lost
+    clock.now = 0.1 + LEASE + 0.01  # past the second grant, inside the first
+    assert clock.now < first
+    pushes.fail.add("tcp://w:1")
+    clock.slept.clear()
+    inv.hold(["book:1"])  # w is held: pushed to, and (the push failed) its first grant waited out
+    assert [u for u, b in pushes.calls if b.get("holds")] == ["tcp://w:1"]
+    assert clock.now + sum(clock.slept) == pytest.approx(first)
+
+
+def test_a_successor_after_a_hand_over_waits_out_a_far_grant_made_just_before(env: Env) -> None:
+    """A far worker's grant runs to the leader lease's end plus a lease. Just before a hand-over
+    that end is still ahead: voters that heard the old leader a moment ago elect its successor, and
+    ``vote_quiet_s`` is negative (not clipped at 0), so the successor writes no sooner than that."""
+    clock, node, inv, _pushes = env
+    clock.now = -1.0
+    inv.hold(["book:0"])
+    clock.now, node.lease_until = 10.0, 10.2  # the leader lease, 200 ms past its last acknowledged send
+    inv.subscribe("far", "tcp://far:1", rtt=0.3)
+    granted_until = inv._subs["far"][1]
+    assert granted_until == pytest.approx(10.2 + LEASE)
+    successor = FakeNode()
+    successor.current_term, successor.leader_since = 2, 10.01
+    successor.vote_quiet = -0.21  # voters that heard the old leader 0 ms ago: the 200 ms lease, and a tick
+    after = Invalidator(successor, "secret")  # type: ignore[arg-type]
+    try:
+        after._sync_term()
+        assert after._ready_at >= granted_until
+    finally:
+        after.stop()
 
 
 def test_a_push_to_a_far_worker_is_given_time_for_its_round_trip(env: Env) -> None:

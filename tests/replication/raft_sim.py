@@ -470,24 +470,30 @@ class Cluster:
             self.check_committed_durable()
 
     def check_lease(self, core: RaftCore) -> None:
-        """No leader's lease reaches past ``election_gap - 1`` ticks (at least 0, as
-        ``ReplicaNode.vote_quiet_s`` counts) before any later leader's election: what a new catalog
-        leader's wait and the read lease count on, whatever windows the leaders announced. A leader
-        that handed over (``timeout_now``) gave its lease up then. Checked whenever an election is
-        seen or a lease grows."""
+        """No leader's lease reaches past ``election_gap - 1`` ticks before any later leader's
+        election (after it, if negative), as ``ReplicaNode.vote_quiet_s`` counts: what a new catalog
+        leader's wait counts on, whatever windows the leaders announced. That holds of the lease as
+        it ever stood, for what the leader promised under it (the catalog's cache grants); and of
+        the lease for reads, which a leader that handed over (``timeout_now``) gave up then, at least
+        0 ticks before. Checked whenever an election is seen or a lease grows."""
         if core.term not in self.elections:
             elected, gap = self.elections[core.term] = (self.now, core.election_gap)
-            # A leader that handed over gave its lease up when it said so (``relinquished``).
-            ended = max((min(e, self.relinquished.get(t, e)) for t, e in self.lease_ends.items() if t < core.term),
-                        default=None)
-            if ended is not None and ended > elected - max(0, gap - 1):
+            earlier = [(t, e) for t, e in self.lease_ends.items() if t < core.term]
+            ended = max((e for _, e in earlier), default=None)
+            if ended is not None and ended > elected - (gap - 1):
                 raise SafetyError(f"{core.id} elected at {elected} in t{core.term} counting on leases ended "
-                                  f"{max(0, gap - 1)} ticks before, but an earlier lease reached {ended}")
+                                  f"{gap - 1} ticks before, but an earlier lease reached {ended}")
+            # A leader that handed over gave its lease for reads up when it said so (``relinquished``).
+            read = max((min(e, self.relinquished.get(t, e)) for t, e in earlier), default=None)
+            if read is not None and read > elected - max(0, gap - 1):
+                raise SafetyError(f"{core.id} elected at {elected} in t{core.term}, but an earlier lease for "
+                                  f"reads reached {read}")
         remaining = core.lease_remaining()
         end = self.now + remaining
         if remaining and end > self.lease_ends.get(core.term, end - 1):
             self.lease_ends[core.term] = end
             for term, (elected, gap) in self.elections.items():
+                # A lease that grows is not given up: what both bounds count on, the stricter one.
                 if term > core.term and end > elected - max(0, gap - 1):
                     raise SafetyError(f"t{core.term}'s lease reached {end}, past what the leader of "
                                       f"t{term} counted on (leases ended {gap - 1} ticks before {elected})")

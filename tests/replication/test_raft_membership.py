@@ -311,6 +311,33 @@ def test_leadership_transfer_hands_over_at_once_and_refuses_writes_meanwhile() -
     assert c.commit_everywhere()
 
 
+def test_what_a_leader_promised_under_its_lease_may_outlast_a_hand_over_by_what_the_gap_says() -> None:
+    """A leader that hands over gives its lease up for its own reads, but what it granted under it
+    before (the catalog's cache leases, capped at the lease's end) runs on: its voters still heard
+    it, so the successor's ``election_gap`` is below zero, and ``ReplicaNode.vote_quiet_s`` must not
+    clip it at 0 (the old lease ran past the election). The bound holds, signed."""
+    # The real node's proportions (a lease two thirds of the shortest election timeout), so that
+    # a hand-over's election falls well inside it.
+    config = dataclasses.replace(SIM_CONFIG, election_ticks_min=30, election_ticks_max=60)
+    for seed in (21, 22, 23):
+        c = Cluster(3, seed=seed, config=config)
+        old = settled(c)
+        c.propose(1)
+        others = [n for n in c.nodes.values() if n is not old]
+        assert c.wait_for(lambda c=c, others=others: any(caught_up(c, n.name) for n in others), 200)
+        target = next(n for n in others if caught_up(c, n.name))
+        c.net.max_delay = 0  # a quick hand-over: its election well inside the lease
+        best = config.effective_lease_ticks() - config.heartbeat_ticks
+        assert c.wait_for(lambda old=old, best=best: old.core.lease_remaining() >= best, 100)
+        old_term = old.core.term
+        old.core.transfer_leadership(target.name)
+        assert c.wait_for(lambda target=target: target.core.is_leader(), 60)
+        elected, gap = c.elections[target.core.term]
+        ended = c.lease_ends[old_term]
+        assert gap - 1 < 0 and ended > elected, (seed, gap, ended, elected)  # clipped, it would not hold
+        assert ended <= elected - (gap - 1), (seed, gap, ended, elected)
+
+
 def test_a_transfer_that_does_not_complete_ends() -> None:
     c = Cluster(3, seed=19)
     old = settled(c)
