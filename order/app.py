@@ -511,13 +511,16 @@ class BuyProcessor:
 
         Reads the catalog's decrement keys in (log index, key) order from where the last scan
         stopped (the replicated ``scanned`` index: every key at or below it is settled). A key with
-        an order here, or whose decrement took no stock, is settled. One with neither is an
-        orphan, unless it is younger than ORPHAN_AGE (its intent may still be on its way): the
+        a finished order here, or whose decrement took no stock, is settled. One with no order is
+        an orphan, unless it is younger than ORPHAN_AGE (its intent may still be on its way): the
         scan stops before it, and ``scanned`` stays below its index, so nothing at or after it is
-        skipped. The orphans are adopted, confirmed from their decrement's answer, in one entry
-        with the new ``scanned``. Adopting a key whose intent commits after all is harmless:
-        whichever comes first makes the order, the other finds it. Called on a leader whose state
-        holds every committed entry, so "no order here" is true of the whole log."""
+        skipped. One whose order is still pending is not settled either: its decrement may be older
+        than its intent (the buyer's retry of an orphan, before a scan adopted it), and the catalog
+        must keep that key until the order is finished (``KeyExpirer``); ``scanned`` stays below it,
+        and the scan goes on past it. The orphans are adopted, confirmed from their decrement's
+        answer, in one entry with the new ``scanned``. Adopting a key whose intent commits after all
+        is harmless: whichever comes first makes the order, the other finds it. Called on a leader
+        whose state holds every committed entry, so "no order here" is true of the whole log."""
         assert self.keys is not None
         term = self.rt.node.term()
         start = after = self.state.scanned()
@@ -526,15 +529,18 @@ class BuyProcessor:
         adopt: list[dict[str, Any]] = []
         young = time.time() - ORPHAN_AGE
         stopped = full = False  # before a key too young to call an orphan yet; with a full entry of adoptions
+        held = False  # past a key whose order is pending: ``scanned`` stays below it
         while not self._stop.is_set():
             reply = self.keys.read("/keys", time.monotonic() + CATALOG_DEADLINE,
                                    {"after": after, "limit": SCAN_PAGE} | ({"after_key": after_key} if after_key else {}))
             if reply.status != 200:
                 raise ScanRefused(f"the catalog did not list its keys: {reply.status} {reply.body}")
             found = reply.body["keys"]
-            ordered = self.state.has_keys([k["key"] for k in found])
+            ordered = self.state.statuses([k["key"] for k in found])
             for k in found:
-                done = max(done, k["idx"] - 1)  # keys come in (index, key) order: the earlier are seen
+                if not held:  # keys come in (index, key) order: the earlier are seen
+                    done = max(done, k["idx"] - 1)
+                held = held or (k["ok"] and ordered.get(k["key"]) == PENDING)
                 if k["ok"] and k["key"] not in ordered:
                     # (a time far ahead is a skewed clock's, not a buy in flight: not waited for)
                     stopped = young < k["at"] <= young + 2 * ORPHAN_AGE
@@ -545,7 +551,8 @@ class BuyProcessor:
                 after, after_key = k["idx"], k["key"]
             else:
                 if not reply.body["more"]:
-                    done = max(done, after)  # every key listed was seen
+                    if not held:
+                        done = max(done, after)  # every key listed was seen
                     break
                 continue
             break
@@ -554,7 +561,7 @@ class BuyProcessor:
                 log.warning("recording %d buys whose decrement outlived their intent: %s", len(adopt),
                             ", ".join(a["key"] for a in adopt[:5]))
             self._propose_all([*adopt, {"op": "scanned", "upto": done}], "adopts", len(adopt))
-        self.scan_soon = stopped or full
+        self.scan_soon = stopped or full or held
         if not self._stop.is_set():
             self._scanned_term = term  # counts only while we still lead in it (``together_ok``)
         return len(adopt)
@@ -575,7 +582,10 @@ class KeyExpirer(Periodic):
     the order tier forgets the keys of finished orders whose time is before ``T``. So:
 
     * an unfinished buy keeps its keys on both tiers (``T`` is not after its creation, and its
-      decrement was sent after that; a decrement sent after this round began is newer than ``T``);
+      decrement was sent after that; a decrement sent after this round began is newer than ``T``;
+      a decrement sent before it, by a leader that lost the buy's intent, is above ``scanned``,
+      which the orphan scan keeps below every key whose order is pending, and the catalog keeps
+      every key above ``scanned``);
     * an order never forgets a key the catalog still remembers (a retry would then make a new order
       whose decrement gets the old one's answer): its time is not before the catalog's, and the
       catalog went first with the same ``T``.

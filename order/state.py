@@ -122,6 +122,13 @@ class OrderState(SQLiteStateMachine):
         rows = self.read(f"SELECT key FROM orders WHERE key IN ({','.join('?' * len(keys))})", tuple(keys))
         return {r[0] for r in rows}
 
+    def statuses(self, keys: list[str]) -> dict[str, str]:
+        """The status of the order each of ``keys`` has here (keys with none are left out)."""
+        if not keys:
+            return {}
+        rows = self.read(f"SELECT key, status FROM orders WHERE key IN ({','.join('?' * len(keys))})", tuple(keys))
+        return {r[0]: r[1] for r in rows}
+
     def by_key(self, key: str) -> dict[str, Any] | None:
         rows = self.read("SELECT * FROM orders WHERE key=?", (key,))
         return order_dict(rows[0]) if rows else None

@@ -338,6 +338,7 @@ def test_scanned_only_moves_forward(state: OrderState, log: Log) -> None:
     assert state.has_keys(["a", "b"]) == set()
     log(intent("a"))
     assert state.has_keys(["a", "b"]) == {"a"} and state.has_keys([]) == set()
+    assert state.statuses(["a", "b"]) == {"a": "pending"} and state.statuses([]) == {}
 
 
 def test_the_commands_the_leader_builds_for_adoptions_and_failures_record_what_they_say(

@@ -6,6 +6,7 @@ CatalogState and OrderState, in-process."""
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,7 @@ def test_a_decrement_with_no_order_is_recorded_and_the_scan_moves_past_what_is_s
     catalog, orders, rt = tiers
     old = time.time() - 10 * order_app.ORPHAN_AGE
     rt.propose({"op": "intent", "key": "has-order", "item": 1, "quantity": 1, "created_at": "2026-01-01T00:00:00.000+00:00"})
+    rt.propose({"op": "confirm", "key": "has-order", "title": "book 1", "cost": 2.5, "at": old})
     catalog.apply(1, {"op": "decrement", "item": 1, "quantity": 1, "key": "has-order", "at": old, "keyed": 1})
     catalog.apply(2, {"op": "decrement", "item": 2, "quantity": 2, "key": "orphan", "at": old, "keyed": 1})
     catalog.apply(3, {"op": "decrement", "item": 3, "quantity": 99, "key": "refused", "at": old, "keyed": 1})  # took nothing
@@ -80,10 +82,10 @@ def test_a_decrement_with_no_order_is_recorded_and_the_scan_moves_past_what_is_s
     adopted = orders.by_key("orphan")
     assert adopted is not None and adopted["status"] == CONFIRMED and adopted["order_number"] == 2
     assert (adopted["item_number"], adopted["quantity"], adopted["title"], adopted["cost"]) == (2, 2, "book 2", 5.0)
-    assert orders.by_key("refused") is None and orders.by_key("has-order")["status"] == "pending"
+    assert orders.by_key("refused") is None and orders.by_key("has-order")["status"] == CONFIRMED
     assert orders.scanned() == 3, "up to the last decrement's index, across pages"
     assert keys.reads == 2
-    assert processor.scan_orphans() == 0 and orders.scanned() == 3 and rt.index == 2, "nothing new: nothing proposed"
+    assert processor.scan_orphans() == 0 and orders.scanned() == 3 and rt.index == 3, "nothing new: nothing proposed"
 
 
 def test_a_young_key_with_no_order_is_left_for_the_next_scan(tiers: Any) -> None:
@@ -98,10 +100,35 @@ def test_a_young_key_with_no_order_is_left_for_the_next_scan(tiers: Any) -> None
     assert orders.scanned() == 1 and orders.by_key("in-flight") is None and orders.by_key("later-orphan") is None
     assert processor.scan_soon, "the next scan comes soon"
     rt.propose({"op": "intent", "key": "in-flight", "item": 1, "quantity": 1, "created_at": "2026-01-01T00:00:00.000+00:00"})
-    assert processor.scan_orphans() == 1, "its intent came: settled; the later orphan is recorded"
-    assert orders.scanned() == 3 and orders.by_key("later-orphan")["status"] == CONFIRMED
-    assert not processor.scan_soon
+    assert processor.scan_orphans() == 1, "its intent came; the later orphan is recorded"
+    assert orders.by_key("later-orphan")["status"] == CONFIRMED
     assert orders.by_key("in-flight")["status"] == "pending", "the scan leaves an order's own outcome to it"
+    assert orders.scanned() == 1 and processor.scan_soon, "held below a key whose order is pending"
+    rt.propose({"op": "confirm", "key": "in-flight", "title": "book 1", "cost": 2.5, "at": now})
+    assert processor.scan_orphans() == 0 and orders.scanned() == 3 and not processor.scan_soon
+
+
+def test_a_retried_orphan_keeps_its_catalog_key_while_its_order_is_pending(tiers: Any) -> None:
+    """A buy whose intent was lost with its leader, its decrement committed, is retried under its key
+    before any scan adopts it: the retry's intent is newer than the decrement, and stays pending (its
+    own decrement held up). Were the key settled, key expiry would let the catalog forget it a window
+    after the decrement, and the pending order's decrement would then take the stock again."""
+    catalog, orders, rt = tiers
+    now = time.time()
+    first = now - 20  # the first attempt's decrement
+    catalog.apply(1, {"op": "decrement", "item": 1, "quantity": 1, "key": "K", "at": first, "keyed": 1})
+    created = datetime.fromtimestamp(first + 5, UTC).isoformat(timespec="milliseconds")
+    rt.propose({"op": "intent", "key": "K", "item": 1, "quantity": 1, "created_at": created})
+    processor = order_app.BuyProcessor(rt, orders, None, Keys(catalog, page=10))  # type: ignore[arg-type]
+    assert processor.scan_orphans() == 0 and orders.scanned() == 0 and processor.scan_soon
+
+    class Catalog:
+        def write(self, path: str, body: dict[str, Any], deadline: float) -> Reply:
+            return Reply(200, catalog.apply(2, {"op": "expire", **body}), "catalog-1")
+
+    order_app.KeyExpirer(rt, orders, Catalog(), 10.0).expire()  # type: ignore[arg-type]
+    again = catalog.apply(3, {"op": "decrement", "item": 1, "quantity": 1, "key": "K", "at": now, "keyed": 1})
+    assert again["ok"] and catalog.books([1])[1]["stock"] == 9, "the key's first answer, the stock taken once"
 
 
 def decrements(*items: tuple[str, int, float]) -> dict[str, Any]:
