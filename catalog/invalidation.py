@@ -322,6 +322,11 @@ class Invalidator:
             if channel is None:
                 # Channels of workers that no longer hold or owe a lease are closed as others open,
                 # once idle: one may be a target of a push in flight, perhaps on this very thread.
+                # A lease that ran out counts for nothing (a renewal after it flushes all the same):
+                # its entry goes, or a dead worker's (a respawned one's predecessor) stayed for the term.
+                now = time.monotonic()
+                for sid in [sid for sid, (_, exp) in self._subs.items() if exp <= now]:
+                    del self._subs[sid]
                 live = {u for u, _ in self._subs.values()}
                 for old in [u for u in self._channels if u not in live]:
                     if self._channels[old].close_if_idle():

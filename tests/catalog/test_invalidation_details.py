@@ -528,6 +528,25 @@ def test_opening_a_channel_closes_those_of_workers_without_a_lease_only(
         inv.stop()
 
 
+def test_a_worker_whose_lease_ran_out_leaves_the_table_and_its_connection_closes(
+        worker: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dead worker (Gunicorn respawned it under a new id) never renews: once its lease is over,
+    the next channel opened drops its entry and closes its connection, rather than keep both for
+    the rest of the term. Were it alive, its next renewal would flush all the same."""
+    clock = FakeClock()
+    monkeypatch.setattr(inv_mod, "time", clock)
+    inv = Invalidator(FakeNode(), "s3cret")  # type: ignore[arg-type]
+    try:
+        inv.subscribe("dead", worker)
+        assert inv._push(worker, {"holds": [[1, ["book:1"]]]}) is True
+        clock.now = inv._subs["dead"][1]  # its lease ends now
+        assert inv._push("tcp://127.0.0.1:7", {"holds": [[2, ["book:2"]]]}) is False
+        assert "dead" not in inv._subs and worker not in inv._channels
+        assert inv.subscribe("dead", worker)["continued"] is False
+    finally:
+        inv.stop()
+
+
 def test_a_frame_carries_the_holds_and_releases_of_every_push_in_it(worker: str) -> None:
     channel = inv_mod._Channel(worker, "s3cret", "catalog-1")
     size = "pygmy_invalidation_batch_size_sum"
