@@ -392,6 +392,9 @@ class BuyProcessor:
                     out[i] = order if order is not None else ApiError(
                         503, "the buy was finished elsewhere and its key has expired")
             except Exception as exc:  # left pending: a read or the sweep records it later
+                if isinstance(exc, NotLeader):  # the intent and the decrement were both done: not a 421
+                    exc = ProposalTimeout("the buy's outcome was not recorded before this leader lost "
+                                          "its leadership; outcome unknown")
                 for i, _ in refused:
                     out[i] = exc
 

@@ -151,3 +151,21 @@ def test_a_read_settles_a_pending_order_within_its_own_time(buys: Any) -> None:
     with pytest.raises(order_app.DeadlineSpent):
         processor.settle(order, end)
     assert sent == [end]
+
+
+def test_a_refusal_not_recorded_for_want_of_leadership_is_an_unknown_outcome_not_a_421(buys: Any) -> None:
+    """The catalog refused a buy (no stock) after its intent was committed; recording the failure
+    meets a lost leadership. Both halves were done, so the buyer must not hear NotLeader (a 421,
+    which routers take for nothing done): an unknown outcome, retried under its key."""
+    processor, rt = buys
+
+    def deposed(command: dict[str, Any], timeout: float = 5.0) -> list[Any]:
+        raise order_app.NotLeader("order-2", "http://order-2")
+
+    rt.propose = deposed
+    order = {"item_number": 3, "quantity": 1, "key": "k", "status": order_app.PENDING}
+    refused = order_app.Reply(409, {"error": {"code": 409, "message": "out of stock"}}, "catalog-1")
+    out: list[Any] = [order]
+    processor._outcomes(out, [(0, order, (3, 1), refused)], time.time())
+    assert isinstance(out[0], order_app.ProposalTimeout), out[0]
+    assert order_app.answer(order_app.Buy(3, 1, "k", time.monotonic() + 5), out[0])[0] == 503
