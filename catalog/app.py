@@ -11,10 +11,12 @@ from flask import Flask, Response, jsonify, request
 from pygmy.catalog import books as catalogue
 from pygmy.catalog.invalidation import Invalidator
 from pygmy.catalog.state import CatalogState
+from pygmy.kit.admission import MAX_TIMEOUT_MS
 from pygmy.kit.cachekeys import book_key
 from pygmy.kit.config import ClusterConfig
 from pygmy.kit.web import (
     check_deadline,
+    error_body,
     fail,
     int_field,
     json_body,
@@ -172,11 +174,13 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
     def run_decrements(body: dict[str, Any], deadline: float) -> dict[str, Any]:
         """The decrements of the buys an order leader has in flight, as one write: one hold round,
         one log entry, one release; ``{"results": [{"status", "body"}, ...]}`` in order, each body as
-        ``/decrement`` answers (``router.batch_write``)."""
+        ``/decrement`` answers (``router.batch_write``). An item's ``timeout_ms`` is its buy's own
+        time left: one that has run out is answered 504 and not started (no hold, no entry)."""
+        received = time.monotonic()
         raw = body.get("items")
         if not isinstance(raw, list) or not 0 < len(raw) <= MAX_DECREMENTS:
             fail(400, f"items must be a list of 1 to {MAX_DECREMENTS} decrements")
-        items = []
+        items, ends = [], []
         for d in raw:
             if not isinstance(d, dict):
                 fail(400, "each item must be an object {item, quantity, key}")
@@ -185,18 +189,26 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
                 fail(400, "key must be a non-empty string")
             items.append({"item": int_field(d, "item", 1, 2**62), "quantity": int_field(d, "quantity", 1, 1000),
                           "key": key, "at": key_time(d)})
+            ends.append(received + int_field(d, "timeout_ms", 0, MAX_TIMEOUT_MS, MAX_TIMEOUT_MS) / 1000)
         rt.leader_only()
         check_deadline(deadline, "the decrements were proposed")
+        now = time.monotonic()
+        live = [i for i, end in enumerate(ends) if end > now]
+        results: list[dict[str, Any]] = [
+            {"status": 504, "body": error_body(504, "the buy's time budget was spent before its decrement")}] * len(items)
+        if not live:
+            return {"results": results}
+        todo = [items[i] for i in live]
         # Only books that exist are held, and so get a floor in every worker's cache: a buy of an
         # item that is no book changes nothing, and its floor would stay there for good.
-        with invalidator.holding([book_key(i) for i in state.existing(sorted({d["item"] for d in items}))]) as held:
-            result = rt.propose({"op": "decrements", "items": items, "keyed": 1})
+        with invalidator.holding([book_key(i) for i in state.existing(sorted({d["item"] for d in todo}))]) as held:
+            result = rt.propose({"op": "decrements", "items": todo, "keyed": 1})
             held.index = result["index"]  # a floor for every key in it; unchanged books lose nothing
-            held.values = fresh(sorted({d["item"] for d, r in zip(items, result["results"], strict=True) if r["ok"]}))
-        return {"results": [{"status": 200, "body": r["book"]} if r["ok"] else
-                            {"status": r["error"]["code"], "body": {"error": r["error"]} | (
-                                {"buy": r["buy"]} if "buy" in r else {})}
-                            for r in result["results"]]}
+            held.values = fresh(sorted({d["item"] for d, r in zip(todo, result["results"], strict=True) if r["ok"]}))
+        for i, r in zip(live, result["results"], strict=True):
+            results[i] = {"status": 200, "body": r["book"]} if r["ok"] else {
+                "status": r["error"]["code"], "body": {"error": r["error"]} | ({"buy": r["buy"]} if "buy" in r else {})}
+        return {"results": results}
 
     @app.post("/books/decrements")
     @rt.guard

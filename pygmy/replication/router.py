@@ -575,8 +575,8 @@ def batch_write(write: Callable[[Body, float], Reply], items: list[tuple[dict[st
     if not live:
         return out
     def body() -> dict[str, Any]:
-        at = time.monotonic()  # an item whose time ran out since goes with 1 ms: the leader refuses it (504)
-        return {"items": [{**items[i][0], "timeout_ms": max(1, int((items[i][1] - at) * 1000))} for i in live]}
+        at = time.monotonic()  # an item whose time ran out since goes with 0 ms: the leader refuses it (504)
+        return {"items": [{**items[i][0], "timeout_ms": max(0, int((items[i][1] - at) * 1000))} for i in live]}
 
     reply = write(body, min(now + cap, max(items[i][1] for i in live)))
     results = reply.body.get("results") if reply.status == 200 else None

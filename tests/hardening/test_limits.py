@@ -117,7 +117,30 @@ def test_a_malformed_decrement_batch_is_refused_whole_and_changes_nothing(hard_c
                  {"items": [good, {"item": 1, "quantity": 0, "key": "k"}]},
                  {"items": [good, {"item": 1, "quantity": 1, "key": ""}]},
                  {"items": [good, {"item": "1", "quantity": 1, "key": "k"}]},
-                 {"items": [good, {"item": 1, "quantity": 1}]}):
+                 {"items": [good, {"item": 1, "quantity": 1}]},
+                 {"items": [good, {"item": 1, "quantity": 1, "key": "k", "timeout_ms": -1}]},
+                 {"items": [good, {"item": 1, "quantity": 1, "key": "k", "timeout_ms": True}]}):
         json_error(requests.post(f"{lead}/books/decrements", json=body, headers=auth, timeout=10), 400)
     after = requests.get(f"{lead}/books/1", headers=auth, timeout=5).json()
     assert (after["stock"], after["version"]) == (before["stock"], before["version"])
+
+
+def test_a_decrement_whose_buy_ran_out_of_time_is_not_started(hard_cluster: Cluster) -> None:
+    """Each item carries its buy's own time left (``timeout_ms``): one at 0 is answered 504 and takes
+    no stock; the others in its batch go on as if it were not there."""
+    c = hard_cluster
+    auth = {"Authorization": f"Bearer {c.secret()}"}
+    lead = c.replica_url(requests.get(c.url + "/status", timeout=5).json()["catalog"]["leader"])
+    before = requests.get(f"{lead}/books/2", headers=auth, timeout=5).json()["stock"]
+    body = {"items": [{"item": 2, "quantity": 1, "key": "limits-late", "timeout_ms": 0},
+                      {"item": 2, "quantity": 1, "key": "limits-live", "timeout_ms": 5000}]}
+    r = requests.post(f"{lead}/books/decrements", json=body, headers=auth, timeout=10)
+    assert r.status_code == 200, r.text
+    late, live = r.json()["results"]
+    assert late["status"] == 504 and "time budget" in late["body"]["error"]["message"], late
+    assert live["status"] == 200 and live["body"]["stock"] == before - 1, live
+    assert requests.get(f"{lead}/books/2", headers=auth, timeout=5).json()["stock"] == before - 1
+    body["items"] = body["items"][:1]  # alone: nothing proposed at all
+    (again,) = requests.post(f"{lead}/books/decrements", json=body, headers=auth, timeout=10).json()["results"]
+    assert again["status"] == 504
+    assert requests.get(f"{lead}/books/2", headers=auth, timeout=5).json()["stock"] == before - 1

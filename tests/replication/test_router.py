@@ -352,7 +352,7 @@ def test_a_batch_sent_again_after_a_timeout_gives_each_item_the_time_it_has_left
     first, second = (b for b in replicas["r1"].bodies if b is not None)
     before, after = ({i["n"]: i["timeout_ms"] for i in b["items"]} for b in (first, second))
     assert after[1] <= before[1] - 200, "the retry carried the first attempt's budget"
-    assert after[2] == 1, "an item whose time ran out meanwhile goes with none left"
+    assert after[2] == 0, "an item whose time ran out meanwhile goes with none left (the leader answers it 504)"
 
 
 def test_a_connect_takes_no_longer_than_the_deadline_leaves(tier: Any, monkeypatch: pytest.MonkeyPatch) -> None:
