@@ -666,8 +666,8 @@ def parse_buy(body: Any, deadline: float) -> Buy:
     key = body.get("key")
     if not isinstance(key, str) or not 0 < len(key) <= 256:
         fail(400, "key must be a non-empty string")
-    if "timeout_ms" in body:
-        deadline = min(deadline, time.monotonic() + int_field(body, "timeout_ms", 1, 600_000) / 1000)
+    if "timeout_ms" in body:  # 0: its time ran out on the way (``router.batch_write``): 504, nothing done
+        deadline = min(deadline, time.monotonic() + int_field(body, "timeout_ms", 0, 600_000) / 1000)
     return Buy(item, quantity, key, deadline)
 
 

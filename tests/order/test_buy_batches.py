@@ -44,21 +44,22 @@ def test_a_batch_is_answered_item_by_item_and_each_buy_happens_once(fresh_cluste
         {"item": 1, "quantity": 2, "key": "a"},            # the same buy twice in one batch: one order
         {"item": 1, "quantity": 3, "key": "a"},            # the same key for another buy
         {"item": 5, "quantity": 2, "key": "d"},            # one copy left
+        {"item": 2, "quantity": 1, "key": "e", "timeout_ms": 0},  # its time ran out on the way: nothing done
     ]}
     r = post(c, order, batch)
     assert r.status_code == 200, r.text
     results = r.json()["results"]
-    assert [x["status"] for x in results] == [200, 404, 200, 200, 422, 409]
+    assert [x["status"] for x in results] == [200, 404, 200, 200, 422, 409, 504]
     first = results[0]["body"]
     assert first["item_number"] == 1 and first["quantity"] == 2 and first["total"] == first["cost"] * 2
     assert results[3]["body"]["order_number"] == first["order_number"]
     assert results[2]["body"]["item_number"] == 3
     assert all("message" in x["body"]["error"] for x in results if x["status"] != 200)
     after = stocks(c)
-    assert after[0] == before[0] - 2 and after[2] == before[2] - 5 and after[4] == 1
+    assert after[0] == before[0] - 2 and after[2] == before[2] - 5 and after[4] == 1 and after[1] == before[1]
     # The whole batch again (a retry after a lost answer): the same answers, no stock taken twice.
     again = post(c, order, batch).json()["results"]
-    assert [x["status"] for x in again] == [200, 404, 200, 200, 422, 409]
+    assert [x["status"] for x in again] == [200, 404, 200, 200, 422, 409, 504]
     assert again[0]["body"]["order_number"] == first["order_number"]
     assert again[2]["body"]["order_number"] == results[2]["body"]["order_number"]
     assert stocks(c) == after
