@@ -550,12 +550,19 @@ class ReplicaNode:
             idx, term = persisted.installing
             if self.sm.applied_index() >= idx:
                 # The state machine was restored but the log store not updated: finish the install,
-                # with the snapshot's configuration (the log that held it is being replaced).
+                # with the snapshot's configuration (the log that held it is being replaced), the
+                # restore made durable first (a process killed before its sync left it unsynced).
+                self.sm.sync()
                 self.store.save(snapshot=(idx, term), membership=persisted.installing_membership)
             else:
                 self.store.abort_install()
             persisted = self.store.load()
         self._applied = self.sm.applied_index()
+        if self._applied < persisted.snapshot[0]:
+            # Entries between them are in neither: applying on would skip them (the state was rolled
+            # back under a compacted log: lost writes of the disk). Catch up from nothing instead.
+            raise RuntimeError(f"{self.name}: the state is at index {self._applied}, behind the log's start at "
+                               f"{persisted.snapshot[0]}: its data directory must be wiped to catch up by snapshot")
         hs = persisted.hard_state
         self._durable_vote = (hs.term, hs.vote, hs.floor)
         core = RaftCore(
@@ -1272,6 +1279,7 @@ class ReplicaNode:
                 self.store.begin_install(snap.index, snap.term, snap.membership)
                 with self._apply_lock:
                     self.sm.restore(snap.index, snap.data)
+                    self.sm.sync()  # before the log below gives up every entry: nothing to replay after
                     self._applied_at = (snap.index, snap.term)
                     self._applied_membership = snap.membership or self.core.snap_membership
             finally:  # installed, or lost with the rest of what the loop held (it reloads from disk)
@@ -1452,6 +1460,9 @@ class ReplicaNode:
         if min(upto, core.applied) > core.snap_index:
             res = core.compact(upto)
             if res is not None:
+                # The state machine commits unsynced (the log is the durable record): once the log
+                # drops these entries, a power loss could roll the state back past its new start.
+                self.sm.sync()
                 self.store.compact(*res, core.snap_membership)
 
     def _refresh_view(self, tick_wall: float | None = None) -> None:

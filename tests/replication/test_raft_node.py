@@ -198,6 +198,63 @@ def test_a_small_state_keeps_few_entries_and_a_follower_far_behind_gets_a_snapsh
         h.close()
 
 
+def test_the_state_is_synced_before_the_log_gives_up_what_it_stands_for(tmp_path: Path, monkeypatch) -> None:
+    """The state machine commits unsynced (``synchronous=NORMAL``): after a power loss it is rebuilt
+    by replaying the log. So before the log drops entries (a compaction, a snapshot install), the
+    state is synced: every compaction and install on every replica comes after a sync of its state."""
+    events: list[tuple[str, Path]] = []
+    sync, compact, save = SQLiteStateMachine.sync, LogStore.compact, LogStore.save
+
+    def syncing(self: SQLiteStateMachine) -> None:
+        sync(self)
+        events.append(("sync", Path(self.path).parent))
+
+    def compacting(self: LogStore, *args: Any, **kw: Any) -> None:
+        events.append(("compact", self.path.parent))
+        compact(self, *args, **kw)
+
+    def saving(self: LogStore, *args: Any, **kw: Any) -> None:
+        snapshot = kw.get("snapshot", args[3] if len(args) > 3 else None)
+        if snapshot is not None:
+            events.append(("install", self.path.parent))
+        save(self, *args, **kw)
+
+    monkeypatch.setattr(SQLiteStateMachine, "sync", syncing)
+    monkeypatch.setattr(LogStore, "compact", compacting)
+    monkeypatch.setattr(LogStore, "save", saving)
+    cluster = Harness(tmp_path)
+    try:
+        leader = cluster.leader()
+        away = next(n for n in cluster.nodes if n != leader.name)
+        cluster.stop(away)
+        for _ in range(150):  # past keep_entries + slack: compacted beyond what ``away`` holds
+            leader.propose({"k": "a", "add": 1}, timeout=5)
+        cluster.start(away)
+        cluster.until(lambda: cluster.nodes[away].snapshots_installed == 1)
+    finally:
+        cluster.close()
+    kinds = {kind for kind, _ in events}
+    assert {"compact", "install"} <= kinds, events
+    for i, (kind, where) in enumerate(events):
+        if kind != "sync":
+            assert ("sync", where) in events[:i] and [e for e in events[:i] if e[1] == where][-1] == ("sync", where), \
+                (kind, where, events[:i])
+
+
+def test_a_state_behind_the_start_of_its_log_is_refused(tmp_path: Path) -> None:
+    """Entries between the state's index and the log's start are in neither (a state rolled back
+    under a compacted log): the node refuses to start on it rather than apply on with a gap."""
+    store = LogStore(tmp_path / "kv-1" / "raft.db")
+    store.save(HardState(2, None, 100), [Entry(101, 2, {"k": "a", "add": 1})], None, (100, 2))
+    store.close()
+    sm = KV(tmp_path / "kv-1" / "state.db")  # at index 0
+    try:
+        with pytest.raises(RuntimeError, match="behind the log's start"):
+            ReplicaNode("kv-1", {"kv-1": "http://127.0.0.1:9"}, sm, tmp_path / "kv-1", SECRET, CONFIG)
+    finally:
+        sm.close()
+
+
 def test_replicate_failover_catch_up_and_snapshot(cluster: Harness) -> None:
     leader = cluster.leader()
     for i in range(30):
