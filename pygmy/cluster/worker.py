@@ -50,6 +50,7 @@ from typing import Any
 
 import httptools
 from gunicorn import util as gunicorn_util
+from gunicorn.http.body import LengthReader
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
 from pygmy.kit import tls
@@ -189,6 +190,17 @@ def said_closing(answer: bytes) -> bytes:
     return line + sep + b"Connection: close\r\n" + rest
 
 
+def _owes_body(parser: Any) -> bool:
+    """Whether the last request ``parser`` read still has body bytes to come: an answer given
+    without reading it (a 404, a refusal) leaves them for the parser to drain before the next
+    request. The event loop must not take them for one (a request smuggled in a body)."""
+    mesg = parser.mesg
+    if mesg is None or mesg.body is None:
+        return False
+    reader = mesg.body.reader
+    return mesg.body.buf.tell() > 0 or not (isinstance(reader, LengthReader) and reader.length == 0)
+
+
 def _more_read(conn: TConn) -> bool:
     """Whether bytes of a next request were already read off ``conn``'s socket: in its parser's
     buffer, or decrypted and waiting in its TLS object."""
@@ -291,6 +303,8 @@ class AdmissionWorker(ThreadWorker):
         parser = conn.parser
         if parser is not None and parser.unreader.buf.getbuffer().nbytes:
             return False  # the parser holds bytes of the next request: let it read them
+        if parser is not None and _owes_body(parser):
+            return False  # what arrives is the rest of the last request's body, not a request
         sock = conn.sock
         encrypted = isinstance(sock, ssl.SSLSocket)
         if self.cfg.is_ssl and (not encrypted or parser is None):

@@ -87,6 +87,23 @@ def test_pipelined_partial_and_closing_requests_are_each_answered_once(full_writ
         assert sock.recv(100) == b"", "a refused request that asked to close left its connection open"
 
 
+def test_a_body_left_unread_by_an_answer_is_never_taken_for_a_request(full_writes: tuple[str, int, Path]) -> None:
+    """A pool thread answers a request (here the middleware's refusal) before its body came; the body, when it comes,
+    is the parser's to drain, not a request for the event loop, however much it looks like one (a
+    refused buy, here): were it answered, the request after it would be drained as its body."""
+    host, port, _ = full_writes
+    smuggled = buy_request(body=b"{}")
+    with socket.create_connection((host, port), timeout=5) as sock:
+        sock.sendall(f"POST /nope HTTP/1.1\r\nHost: t\r\nContent-Length: {len(smuggled)}\r\n\r\n".encode())
+        status, headers, _, rest = http_answer(sock)
+        assert status == 503 and headers.get("server", "").startswith("gunicorn") and rest == b""
+        sock.sendall(smuggled)  # the refused request's body
+        time.sleep(0.3)  # the event loop has seen it by now
+        sock.sendall(b"GET /read HTTP/1.1\r\nHost: t\r\n\r\n")
+        status, _, body, rest = http_answer(sock)
+        assert (status, json.loads(body), rest) == (200, {"read": True}, b""), "the body was answered as a request"
+
+
 HIT = b"GET /hit HTTP/1.1\r\nHost: t\r\n\r\n"  # the app's shortcut: answered by the event loop when it takes it
 
 
