@@ -51,12 +51,16 @@ from typing import Any
 import httptools
 from gunicorn import util as gunicorn_util
 from gunicorn.http.body import LengthReader
+from gunicorn.http.errors import LimitRequestLine
+from gunicorn.http.message import Request
+from gunicorn.http.parser import RequestParser
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
 from pygmy.kit import tls
 from pygmy.kit.admission import Admission, Board, Deferred
 from pygmy.kit.logs import HEADER as REQUEST_ID_HEADER
 from pygmy.kit.logs import valid_request_id
+from pygmy.kit.web import MAX_HEADERS, MAX_URL
 
 log = logging.getLogger(__name__)
 
@@ -221,12 +225,31 @@ SERVER_ROUTE = "server"
 _failing = threading.local()
 
 
+#: The most of a request line and of a header block Gunicorn reads before it refuses the request:
+#: past the app's own limits (``web.MAX_URL``, ``web.MAX_HEADERS``: 414 and 431, in JSON), and far
+#: below Gunicorn's own when set to allow them (an unlimited line; 1,000 fields of 32 KiB, 32 MB),
+#: which it buffers whole, copying the buffer at each 8 KiB read (a 4 MiB line cost 1.4 s of CPU).
+MAX_LINE = MAX_URL + 256
+MAX_HEAD = 4 * MAX_HEADERS
+
+
+class _BoundedRequest(Request):
+    """Gunicorn's request, read with ``MAX_LINE`` and ``MAX_HEAD`` (Gunicorn caps a configured line
+    limit at 8190 bytes, under ``MAX_URL``'s request line, and takes 0 for none at all)."""
+
+    def parse(self, unreader: Any) -> Any:
+        self.limit_request_line, self.max_buffer_headers = MAX_LINE, MAX_HEAD
+        return super().parse(unreader)
+
+
 def write_json_error(sock: Any, status_int: int, reason: str, mesg: str) -> None:
     """Gunicorn's answer to a request it refuses itself (malformed, over its limits) or to an error
     that escaped the app, as every other answer of the service is: a JSON body, the request's
     ``X-Request-Id`` (if it got as far as its headers), counted (route ``server``). Gunicorn writes
     these as HTML pages, with no id, counted nowhere; ``AdmissionWorker`` puts this in their place."""
     req, metrics = getattr(_failing, "req", None), getattr(_failing, "metrics", None)
+    if getattr(_failing, "line_too_long", False):  # Gunicorn calls it a 400: the app's 414, as for a shorter one
+        status_int, reason, mesg = 414, "URI Too Long", f"URL longer than {MAX_URL // 1024} KiB"
     given = next((v for k, v in getattr(req, "headers", None) or () if k.upper() == REQUEST_ID_HEADER.upper()), None)
     rid = valid_request_id(given)
     if metrics is not None:
@@ -255,6 +278,7 @@ class AdmissionWorker(ThreadWorker):
 
     def load_wsgi(self) -> None:
         gunicorn_util.write_error = write_json_error  # Gunicorn's workers look it up at call time
+        RequestParser.mesg_class = _BoundedRequest  # what each connection's parser reads (this process's)
         super().load_wsgi()
         found = getattr(self.wsgi, "wsgi_app", None)  # a Flask app made by pygmy.kit.web.create_base_app
         self.admission = found if isinstance(found, Admission) else None
@@ -286,10 +310,12 @@ class AdmissionWorker(ThreadWorker):
         """Gunicorn's, answering with ``write_json_error``, which it is told the request and metrics of."""
         _failing.req = req
         _failing.metrics = self.admission.metrics if self.admission is not None else None
+        _failing.line_too_long = isinstance(exc, LimitRequestLine)
         try:
             super().handle_error(req, client, addr, exc)
         finally:
             _failing.req = _failing.metrics = None
+            _failing.line_too_long = False
 
     def on_client_socket_readable(self, conn: TConn, client: Any) -> None:
         admission = self.admission

@@ -104,6 +104,23 @@ def test_a_body_left_unread_by_an_answer_is_never_taken_for_a_request(full_write
         assert (status, json.loads(body), rest) == (200, {"read": True}, b""), "the body was answered as a request"
 
 
+@pytest.mark.parametrize(("head", "status"), [
+    (b"GET /" + b"a" * 64 * 1024, 414),  # a request line with no end in sight
+    (b"GET /read HTTP/1.1\r\n" + b"X-Pad: p\r\n" * 12_000, 431),  # headers with no end in sight
+])
+def test_a_request_head_that_never_ends_is_refused_once_past_the_limits(
+        full_writes: tuple[str, int, Path], head: bytes, status: int) -> None:
+    """Gunicorn is told no limit on the request line and 32 MB of headers (so that the app's own
+    414 and 431 answer in JSON); it buffers either whole, copying the buffer at each read. The
+    worker reads no more than a little past the app's limits, and answers as the app would."""
+    host, port, _ = full_writes
+    with socket.create_connection((host, port), timeout=5) as sock:
+        sock.sendall(head)  # and nothing more: no end of line, or of headers
+        got, headers, body, _ = http_answer(sock)
+    assert got == status and json.loads(body)["error"]["code"] == status, body
+    assert headers.get("connection") == "close"
+
+
 HIT = b"GET /hit HTTP/1.1\r\nHost: t\r\n\r\n"  # the app's shortcut: answered by the event loop when it takes it
 
 
