@@ -68,7 +68,10 @@ RESTORE_CHECK = 60.0
 #: Settings that describe the machines of the cluster backed up, not its store: a restore derives them.
 MACHINE_SETTINGS = {"data_dir": "data", "members": {}, "tier_learners": {}, "catalog_urls": [], "order_urls": [],
                     "advertise_host": None, "port": None, "peer_addresses": {}, "router_urls": {}, "netns": "",
-                    "backup_dir": "",
+                    "backup_dir": "", "bind": "127.0.0.1",
+                    # The old machines' certificates: a restored cluster makes its own (``pygmy certs``
+                    # there would otherwise rotate the old cluster's, in their folder).
+                    "certs_dir": "",
                     # The books file the first cluster was built from: the archive's seed holds its
                     # catalogue, and on the machine restored to the file may not exist.
                     "books": None}
@@ -389,6 +392,9 @@ def opened(archive: Path) -> Iterator[tuple[Path, dict[str, Any]]]:
         for member, want in hashes.items():
             if member not in names or _sha256(folder / member) != want:
                 raise BackupError(f"{archive}: {member} is not what was written (its SHA-256 differs)")
+        unlisted = sorted(set(names) - set(hashes) - {"manifest.json"})
+        if unlisted:  # added since: nothing vouches for them (a restore would install a "secret")
+            raise BackupError(f"{archive} holds members its manifest does not list: {', '.join(unlisted)}")
         yield folder, manifest
 
 
@@ -469,11 +475,13 @@ def restore(archive: Path, config: ClusterConfig, force: bool = False, say: Say 
                 finally:
                     store.close()
             say(f"{tier}: {len(peers)} replicas at index {index} ({', '.join(peers)})")
-        for member, filename in SECRETS.items():
+        for member, filename in SECRETS.items() if manifest.get("with_secrets") else ():
             if (folder / member).exists():
-                target = config.root / filename
-                target.write_text((folder / member).read_text())
-                target.chmod(0o600)
+                # 0600 from the start, as ``ClusterConfig`` makes them: never readable by others.
+                fd = os.open(config.root / filename, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                os.fchmod(fd, 0o600)  # (a file left by --force's reset keeps its old mode otherwise)
+                with os.fdopen(fd, "w") as f:
+                    f.write((folder / member).read_text())
         config.save()
         expected = {tier: facts[tier] for tier in ("catalog", "order")}
         tmp = marker.with_suffix(".tmp")

@@ -143,13 +143,16 @@ def test_an_intent_pending_longer_than_the_key_window_is_not_guessed(cut: dict[s
 
 def test_a_restore_takes_no_setting_that_names_the_old_machines_files_or_addresses() -> None:
     """The books file the first cluster was built from may not exist where the archive is restored
-    (the archive's seed holds the catalogue); members and URLs belong to the old machines."""
+    (the archive's seed holds the catalogue); members, URLs, the address bound and the certificates'
+    folder belong to the old machines."""
     from pygmy.cluster.backup import restore_settings
 
     old = {"books": "/old/machine/books.json", "members": {"catalog": {"catalog-1": "http://10.0.0.1:8101"}},
            "catalog_replicas": 5, "key_window": 3600.0}
+    old.update(certs_dir="/srv/prod/certs", bind="10.0.0.5", tls=True)
     config = restore_settings(old, {"catalog_replicas": 1}, "/new/data")
     assert config.books is None and config.members == {} and config.data_dir == "/new/data"
+    assert config.certs_path() == Path("/new/data/certs").resolve() and config.bind == "127.0.0.1" and config.tls
     assert config.catalog_replicas == 1 and config.key_window == 3600.0
 
 
@@ -191,6 +194,26 @@ def test_an_archive_is_written_whole_and_readable_by_its_owner_only(tmp_path: Pa
     assert dest.stat().st_mode & 0o077 == 0
     with backup.opened(dest) as (folder, manifest):  # whole: every member as its hash says
         assert manifest["with_secrets"] and (folder / "secret").read_text() == config.secret()
+
+
+def test_a_member_the_manifest_does_not_list_refuses_the_archive(tmp_path: Path, cut: dict[str, Path]) -> None:
+    """Nothing vouches for a member added after the archive was written (a ``secret`` appended to an
+    archive made without ``--with-secrets`` would be installed by a restore): refused whole."""
+    import tarfile
+
+    from pygmy.kit.config import ClusterConfig
+
+    settled = settle(cut)
+    config = ClusterConfig(data_dir=str(tmp_path / "data"))
+    dest = tmp_path / "x.tar"
+    backup.write_archive(cut["folder"], config, dest, {}, settled, time.time(), time.monotonic(), with_secrets=False)
+    with backup.opened(dest) as (_, manifest):
+        assert not manifest["with_secrets"]
+    (tmp_path / "secret").write_text("not the cluster's")
+    with tarfile.open(dest, "a") as tar:
+        tar.add(tmp_path / "secret", arcname="secret")
+    with pytest.raises(backup.BackupError, match="does not list: secret"), backup.opened(dest):
+        pass
 
 
 def test_a_restore_cut_short_leaves_a_data_dir_that_up_refuses(tmp_path: Path) -> None:
