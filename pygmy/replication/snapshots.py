@@ -117,9 +117,16 @@ class Incoming:
             p = self._partial.pop(peer, None)
             if p is None:
                 return None
+            try:  # every byte on disk, or the stream is not whole (a full disk fails the last flush)
+                p.file.flush()
+                os.fsync(p.file.fileno())
+                written = True
+            except OSError as exc:
+                log.warning("snapshot stream %s from %s not written whole: %s", p.sid, peer, exc)
+                written = False
             p.close()
-            ok = (isinstance(body, dict) and body.get("id") == p.sid and body.get("size") == p.size
-                  and body.get("sha256") == p.hash.hexdigest())
+            ok = written and (isinstance(body, dict) and body.get("id") == p.sid and body.get("size") == p.size
+                              and body.get("sha256") == p.hash.hexdigest())
             if not ok:
                 log.warning("snapshot stream %s from %s is incomplete or corrupt; dropped", p.sid, peer)
                 p.path.unlink(missing_ok=True)
@@ -127,8 +134,6 @@ class Incoming:
             self._serial += 1
             ready = self.directory / f"{self._serial}-{p.sid}.db"
             try:
-                with p.path.open("rb") as f:
-                    os.fsync(f.fileno())
                 p.path.rename(ready)
             except OSError as exc:
                 log.warning("snapshot stream %s from %s: %s; dropped", p.sid, peer, exc)

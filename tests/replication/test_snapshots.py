@@ -62,6 +62,30 @@ def test_a_stream_that_did_not_arrive_whole_is_never_handed_over(tmp_path: Path,
     assert list((tmp_path / "in").iterdir()) == [], "nothing half-received is left behind"
 
 
+def test_a_stream_whose_last_bytes_could_not_be_written_is_never_handed_over(tmp_path: Path, small_chunks: int) -> None:
+    """Chunks are written through a buffer: a full disk may fail only the flush of the last ones,
+    after every chunk was taken and hashed. The stream is then not whole on disk, and dropped."""
+    frames = list(stream_frames("3-40-ab", image(tmp_path)))
+    inc = Incoming(tmp_path / "in")
+    for f in frames[:-1]:
+        inc.chunk("kv-1", f["chunk"])
+
+    class Full:
+        def __init__(self, file: Any) -> None:
+            self.file = file
+
+        def flush(self) -> None:
+            raise OSError(28, "No space left on device")
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.file, name)
+
+    partial = inc._partial["kv-1"]
+    partial.file = Full(partial.file)  # type: ignore[assignment]
+    assert inc.finish("kv-1", frames[-1]["snapshot"]) is None
+    assert list((tmp_path / "in").iterdir()) == [], "nothing half-written is left behind"
+
+
 def test_a_new_stream_replaces_a_broken_one_and_late_frames_of_the_old_are_ignored(tmp_path: Path,
                                                                                    small_chunks: int) -> None:
     old = list(stream_frames("3-40-aa", image(tmp_path)))
