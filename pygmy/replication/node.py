@@ -1304,10 +1304,13 @@ class ReplicaNode:
         if hs is not None:
             self._durable_vote = (hs.term, hs.vote, hs.floor)
         if rd.truncate_from is not None:
-            # Our uncommitted suffix was replaced by another leader's: those commands are lost.
+            # Our uncommitted suffix was replaced by another leader's: lost here, but not surely
+            # everywhere. With five voters, two others may hold an entry and, with a third that
+            # lacks both, elect a leader that commits it: not NotLeader ("not written"), unknown.
             for index, prop in list(self._proposals.items()):
                 if index >= rd.truncate_from:
-                    prop.finish(error=NotLeader(*(self._leader_tuple() or (None, None))))
+                    prop.finish(error=ProposalTimeout("replaced here by a newer leader's entry; another replica "
+                                                      "may hold it still: outcome unknown", index))
                     del self._proposals[index]
 
     def _send(self, msgs: list[Message]) -> None:

@@ -255,6 +255,29 @@ def test_a_state_behind_the_start_of_its_log_is_refused(tmp_path: Path) -> None:
         sm.close()
 
 
+def test_a_proposal_truncated_away_here_has_an_unknown_outcome(tmp_path: Path) -> None:
+    """A newer leader's entry replaced ours in this replica's log. Other replicas may still hold
+    ours (with five voters, two of them, and a third lacking both, can elect a leader that commits
+    it), so its proposer hears "outcome unknown", never NotLeader ("not written")."""
+    from pygmy.replication.core import Ready
+    from pygmy.replication.node import ProposalTimeout, _Proposal
+
+    sm = KV(tmp_path / "kv-1" / "state.db")
+    node = ReplicaNode("kv-1", {"kv-1": "http://127.0.0.1:9"}, sm, tmp_path / "kv-1", SECRET, CONFIG)
+    try:
+        prop = _Proposal({"k": "a", "add": 1})
+        prop.index, prop.term = 3, 1
+        node._proposals[3] = prop
+        node.core.ready = lambda: Ready(truncate_from=2)  # type: ignore[method-assign]
+        with node._core_lock:
+            node._process_ready(time.time())
+        assert isinstance(prop.error, ProposalTimeout) and prop.error.index == 3, prop.error
+        assert 3 not in node._proposals
+    finally:
+        node.store.close()
+        sm.close()
+
+
 def test_replicate_failover_catch_up_and_snapshot(cluster: Harness) -> None:
     leader = cluster.leader()
     for i in range(30):
