@@ -195,7 +195,8 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         now = time.monotonic()
         live = [i for i, end in enumerate(ends) if end > now]
         results: list[dict[str, Any]] = [
-            {"status": 504, "body": error_body(504, "the buy's time budget was spent before its decrement")}] * len(items)
+            {"status": 504, "body": error_body(504, "the buy's time budget was spent before its decrement")}
+            for _ in items]
         if not live:
             return {"results": results}
         todo = [items[i] for i in live]

@@ -519,8 +519,8 @@ class BuyProcessor:
         scan stops before it, and ``scanned`` stays below its index, so nothing at or after it is
         skipped. One whose order is still pending is not settled either: its decrement may be older
         than its intent (the buyer's retry of an orphan, before a scan adopted it), and the catalog
-        must keep that key until the order is finished (``KeyExpirer``); ``scanned`` stays below it,
-        and the scan goes on past it. The orphans are adopted, confirmed from their decrement's
+        must keep that key until the order is finished (``KeyExpirer``); ``scanned`` stays below it
+        (until a scan after the order is finished), and the scan goes on past it. The orphans are adopted, confirmed from their decrement's
         answer, in one entry with the new ``scanned``. Adopting a key whose intent commits after all
         is harmless: whichever comes first makes the order, the other finds it. Called on a leader
         whose state holds every committed entry, so "no order here" is true of the whole log."""
@@ -564,7 +564,7 @@ class BuyProcessor:
                 log.warning("recording %d buys whose decrement outlived their intent: %s", len(adopt),
                             ", ".join(a["key"] for a in adopt[:5]))
             self._propose_all([*adopt, {"op": "scanned", "upto": done}], "adopts", len(adopt))
-        self.scan_soon = stopped or full or held
+        self.scan_soon = stopped or full  # (a pending key waits for the next scan: the catalog keeps it)
         if not self._stop.is_set():
             self._scanned_term = term  # counts only while we still lead in it (``together_ok``)
         return len(adopt)

@@ -50,7 +50,7 @@ from typing import Any
 
 import httptools
 from gunicorn import util as gunicorn_util
-from gunicorn.http.body import LengthReader
+from gunicorn.http.body import ChunkedReader, LengthReader
 from gunicorn.http.errors import LimitRequestLine
 from gunicorn.http.message import Request
 from gunicorn.http.parser import RequestParser
@@ -202,7 +202,9 @@ def _owes_body(parser: Any) -> bool:
     if mesg is None or mesg.body is None:
         return False
     reader = mesg.body.reader
-    return mesg.body.buf.tell() > 0 or not (isinstance(reader, LengthReader) and reader.length == 0)
+    done = (isinstance(reader, LengthReader) and reader.length == 0) or (
+        isinstance(reader, ChunkedReader) and reader.parser is None and reader.buf.tell() == 0)
+    return mesg.body.buf.tell() > 0 or not done
 
 
 def _more_read(conn: TConn) -> bool:

@@ -562,7 +562,8 @@ class ReplicaNode:
             # Entries between them are in neither: applying on would skip them (the state was rolled
             # back under a compacted log: lost writes of the disk). Catch up from nothing instead.
             raise RuntimeError(f"{self.name}: the state is at index {self._applied}, behind the log's start at "
-                               f"{persisted.snapshot[0]}: its data directory must be wiped to catch up by snapshot")
+                               f"{persisted.snapshot[0]}: replace this replica (pygmy member remove, delete its "
+                               "data directory, pygmy member add, start, promote: docs/operations.md)")
         hs = persisted.hard_state
         self._durable_vote = (hs.term, hs.vote, hs.floor)
         core = RaftCore(

@@ -202,9 +202,16 @@ def test_a_successor_after_a_hand_over_waits_out_a_far_grant_made_just_before(en
     inv.subscribe("far", "tcp://far:1", rtt=0.3)
     granted_until = inv._subs["far"][1]
     assert granted_until == pytest.approx(10.2 + LEASE)
+    from types import SimpleNamespace
+
+    from pygmy.replication.node import ReplicaNode, ReplicationConfig
+
+    config = ReplicationConfig()  # voters that heard the old leader 0 ticks ago: gap = 0 - the lease
+    voted = SimpleNamespace(config=config, _leader_since=(2, 10.01, 0 - config.effective_lease_ticks()),
+                            is_leader=lambda: True, term=lambda: 2)
     successor = FakeNode()
     successor.current_term, successor.leader_since = 2, 10.01
-    successor.vote_quiet = -0.21  # voters that heard the old leader 0 ms ago: the 200 ms lease, and a tick
+    successor.vote_quiet = ReplicaNode.vote_quiet_s(voted)  # type: ignore[arg-type]
     after = Invalidator(successor, "secret")  # type: ignore[arg-type]
     try:
         after._sync_term()
