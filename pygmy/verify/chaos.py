@@ -177,7 +177,7 @@ class ChaosWorkload(Workload):
                 if r is not None and r.status_code in (200, 404):
                     body = r.json()
                     self.history.ok(op, {"status": r.status_code, "item": body.get("item_number"),
-                                         "quantity": body.get("quantity")})
+                                         "quantity": body.get("quantity"), "number": body.get("order_number")})
                 else:
                     self.history.unknown(op)
 

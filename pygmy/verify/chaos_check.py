@@ -99,6 +99,12 @@ def check(run: Path, timeout: float = 300) -> dict[str, Any]:
 
     for error in nem.get("errors", []):  # a fault that was not applied (or not undone) was not tested
         anomaly("nemesis", error)
+    for error in nem.get("client_errors", []):  # an answer no fault excuses (a 4xx other than out of stock)
+        anomaly("client-error", error)
+    done = Counter(f"{op['kind']}/{outcome(op)}" for op in ops)
+    for kind in ("buy", "lookup"):
+        if not done.get(f"{kind}/ok"):  # a cluster that answered nothing must not pass for one that erred in nothing
+            anomaly("no-work", f"no {kind} was answered in the whole run")
 
     # Porcupine on the register part of the history.
     verdict = lincheck.check(run / "history.json", html_dir=run / "lincheck-html", timeout=timeout)
@@ -188,7 +194,8 @@ def check(run: Path, timeout: float = 300) -> dict[str, Any]:
         if buy is None or buy["complete"] > op["invoke"]:
             continue
         out = op["output"]
-        if out["status"] != 200 or (out["item"], out["quantity"]) != (buy["item"], buy["input"]["quantity"]):
+        if out["status"] != 200 or (out["item"], out["quantity"], out.get("number", n)) != (
+                buy["item"], buy["input"]["quantity"], n):
             anomaly("own-order", f"read of acknowledged order {n} answered {out}", op["complete"])
 
     times = [op["invoke"] for op in ops] + [op["complete"] for op in ops if op["complete"]]

@@ -86,6 +86,12 @@ def broken(mutate: Any) -> tuple[dict[str, Any], ...]:
     ("own-order", lambda h, n, f: h["ops"].append(
         op("order", 0, 120, 130, {"status": 404, "item": None, "quantity": None}, order_number=1))),
     ("nemesis", lambda h, n, f: n["errors"].append("loss: iptables failed")),
+    # Another acknowledged order of the same book and quantity read back under the number.
+    ("own-order", lambda h, n, f: h["ops"][6]["output"].update(number=1)),
+    # An answer no fault excuses, which the load recorded and dropped from the history.
+    ("client-error", lambda h, n, f: n.update(client_errors=["buy 1: 422 this key was already used"])),
+    # A cluster that answered no buy (or no lookup) at all.
+    ("no-work", lambda h, n, f: h.update(ops=[o for o in h["ops"] if o["kind"] != "buy"])),
     # A final state read from the first members only: the new host's replica goes unchecked.
     ("members", lambda h, n, f: f["replicas"].pop("order-4")),
     ("members", lambda h, n, f: [r["status"]["membership"].update(learners=["order-5"])
