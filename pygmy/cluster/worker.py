@@ -194,6 +194,13 @@ def said_closing(answer: bytes) -> bytes:
     return line + sep + b"Connection: close\r\n" + rest
 
 
+def selectors_wait(sock: socket.socket, timeout: float) -> bool:
+    """Whether ``sock`` has bytes to read within ``timeout`` seconds."""
+    with selectors.DefaultSelector() as sel:
+        sel.register(sock, selectors.EVENT_READ)
+        return bool(sel.select(timeout))
+
+
 def _owes_body(parser: Any) -> bool:
     """Whether the last request ``parser`` read still has body bytes to come: an answer given
     without reading it (a 404, a refusal) leaves them for the parser to drain before the next
@@ -226,6 +233,9 @@ SERVER_ROUTE = "server"
 #: answering on this thread: its ``util.write_error`` is told only the status and message.
 _failing = threading.local()
 
+
+#: How long a TLS connection's first request may take to arrive, once its handshake is done.
+FIRST_REQUEST_TIMEOUT = 10.0
 
 #: The most of a request line and of a header block Gunicorn reads before it refuses the request:
 #: past the app's own limits (``web.MAX_URL``, ``web.MAX_HEADERS``: 414 and 431, in JSON), and far
@@ -297,6 +307,14 @@ class AdmissionWorker(ThreadWorker):
             try:
                 tls.handshake(conn.sock)
                 conn.pygmy_peer = tls.check(conn.sock, self.peer_roles) if self.peer_roles else True
+                # Gunicorn handed the connection to this thread for its handshake, before any request
+                # came: one that then says nothing must not hold the thread (a plain connection waits
+                # in the poller). Closed quietly if nothing comes; bounded while its first request is read.
+                conn.sock.settimeout(FIRST_REQUEST_TIMEOUT)
+                if not conn.sock.pending() and not selectors_wait(conn.sock, FIRST_REQUEST_TIMEOUT):
+                    self.log.info("closing a TLS connection from %s: no request in %.0f s", conn.client,
+                                  FIRST_REQUEST_TIMEOUT)
+                    return False, conn
             except tls.PeerRefused as exc:
                 self.log.warning("refused a connection from %s: %s", conn.client, exc)
                 return False, conn

@@ -405,3 +405,51 @@ def test_an_answer_from_the_event_loop_that_raises_costs_that_request_a_pool_thr
             status, headers, _, _ = http_answer(sock)
             assert status == 200 and "server" not in headers
         os.kill(worker, 0)  # the same worker process, alive
+
+
+def test_a_tls_connection_that_says_nothing_after_its_handshake_holds_no_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gunicorn gives a TLS connection to a pool thread for its handshake, before any request: a
+    client that completes it and then sends nothing is closed after ``FIRST_REQUEST_TIMEOUT``
+    rather than hold the thread for good (a plain connection waits in the poller instead)."""
+    import logging
+    import ssl
+    import threading
+
+    from gunicorn.config import Config
+    from gunicorn.workers.gthread import TConn
+
+    from pygmy.cluster import certs, worker
+    from pygmy.kit import tls
+
+    monkeypatch.setattr(worker, "FIRST_REQUEST_TIMEOUT", 0.5)
+    certs.make_ca(tmp_path)
+    certs.issue(tmp_path, "frontend-1", "frontend")
+    identity = tls.Identity.of(tmp_path, "frontend-1")
+    cfg = Config()
+    cfg.set("certfile", str(tmp_path / "frontend-1.pem"))
+    cfg.set("keyfile", str(tmp_path / "frontend-1-key.pem"))
+    cfg.set("do_handshake_on_connect", False)
+    cfg.set("ssl_context", lambda conf, default: identity.server_context(ssl.CERT_OPTIONAL))
+    w = object.__new__(worker.AdmissionWorker)
+    w.cfg, w.log, w.alive = cfg, logging.getLogger("test-worker"), True
+    ours, theirs = socket.socketpair()
+    conn = TConn(cfg, ours, ("127.0.0.1", 1), None)
+    conn.init()
+    client = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
+    client.check_hostname = False
+    quiet = threading.Event()
+
+    def silent() -> None:
+        with client.wrap_socket(theirs, server_hostname="frontend-1"):  # the handshake, then nothing
+            quiet.wait(10)
+
+    threading.Thread(target=silent, daemon=True).start()
+    answered: list[tuple[bool, object]] = []
+    handler = threading.Thread(target=lambda: answered.append(w.handle(conn)), daemon=True)
+    handler.start()
+    handler.join(5)
+    quiet.set()
+    assert not handler.is_alive(), "the pool thread is still held by a connection that said nothing"
+    assert answered and answered[0][0] is False  # closed, not kept alive
+    conn.close()
