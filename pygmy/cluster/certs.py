@@ -75,9 +75,16 @@ def make_ca(folder: Path, cluster: str = "cluster", days: int = CA_DAYS) -> None
     _write(folder / "ca.pem", cert.public_bytes(serialization.Encoding.PEM), private=False)
 
 
+#: Roles that only ever call (the outside callers' ``client``, the operator's ``admin``): their
+#: certificates name no host and serve no TLS server, so a copy handed out (nginx holds ``client``)
+#: cannot pass for a service to a caller that checks the host name.
+CALLERS = ("client", "admin")
+
+
 def issue(folder: Path, holder: str, role: str, hosts: Iterable[str] = (), days: int = LEAF_DAYS) -> Path:
     """A certificate and key for ``holder`` with ``role``, signed by the CA in ``folder``; its names
-    are ``holder``, ``localhost``, 127.0.0.1 and ``hosts`` (names or IP addresses). Returns its path."""
+    are ``holder``, ``localhost``, 127.0.0.1 and ``hosts`` (names or IP addresses), none for a
+    ``CALLERS`` role (a client certificate only). Returns its path."""
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r} (one of {', '.join(ROLES)})")
     ca_key = serialization.load_pem_private_key((folder / "ca-key.pem").read_bytes(), password=None)
@@ -87,7 +94,8 @@ def issue(folder: Path, holder: str, role: str, hosts: Iterable[str] = (), days:
     key = ec.generate_private_key(ec.SECP256R1())
     names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(ROLE_URI + role)]
     seen: set[str] = set()
-    for host in (holder, "localhost", "127.0.0.1", *hosts):
+    caller = role in CALLERS  # only ever a client: no names, and no use as a server's certificate
+    for host in () if caller else (holder, "localhost", "127.0.0.1", *hosts):
         if not host or host in seen or host in ("0.0.0.0", "::"):
             continue
         seen.add(host)
@@ -104,8 +112,9 @@ def issue(folder: Path, holder: str, role: str, hosts: Iterable[str] = (), days:
             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.SubjectAlternativeName(names), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
+            .add_extension(x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.CLIENT_AUTH] if caller else [ExtendedKeyUsageOID.SERVER_AUTH,
+                                                                  ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
             .sign(ca_key, hashes.SHA256()))
     # The key first, then the certificate: a service reloading between the two finds a pair that

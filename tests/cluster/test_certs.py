@@ -27,6 +27,13 @@ def test_every_holder_gets_its_role_and_names(tmp_path: Path) -> None:
     assert uris == ["pygmy://role/catalog"]
     assert {"catalog-2", "localhost", "shop.example", "127.0.0.1", config.address("catalog-2")} <= set(names)
     assert sans(tmp_path / "admin.pem")[0] == ["pygmy://role/admin"]
+    # The callers' certificates name no host and serve no server: a copy handed out (nginx holds
+    # client.pem) cannot pass for a service to a caller that checks host names.
+    for caller in ("client", "admin"):
+        assert sans(tmp_path / f"{caller}.pem")[1] == [], caller
+        usage = x509.load_pem_x509_certificate((tmp_path / f"{caller}.pem").read_bytes()).extensions.get_extension_for_class(
+            x509.ExtendedKeyUsage).value
+        assert list(usage) == [x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH], caller
     subject = x509.load_pem_x509_certificate((tmp_path / "order-1.pem").read_bytes()).subject.rfc4514_string()
     assert "OU=order" in subject and "CN=order-1" in subject
     for key in tmp_path.glob("*key.pem"):
