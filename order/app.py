@@ -724,7 +724,7 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
     @rt.guard
     def list_orders() -> Response:
         """A page of this replica's orders numbered above ``after``: the confirmed ones as ``GET
-        /orders/<n>`` gives them, and the numbers of those still pending (not settled here: the
+        /orders/<n>`` gives them with their idempotency keys, and the numbers of those still pending (not settled here: the
         order leader's sweeper settles them within seconds; ask again). For the checkers that read
         every order of every replica (``pygmy.verify.chaos.read_orders``): a page, not a request each."""
         after = query_int("after", 0, 10**18 - 1, 0)
@@ -732,7 +732,9 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         rt.ensure_readable()
         rows = state.orders_after(after, limit)
         return jsonify({
-            "orders": [public_order(o) for o in rows if o["status"] == CONFIRMED],
+            # With its key (``k:`` and the buyer's Idempotency-Key, or a generated ``g:`` one): a
+            # checker tells each keyed buy's order from any other by it.
+            "orders": [{**public_order(o), "key": o["key"]} for o in rows if o["status"] == CONFIRMED],
             "pending": [o["order_number"] for o in rows if o["status"] == PENDING],
             "next": rows[-1]["order_number"] if len(rows) == limit else None})
 

@@ -125,10 +125,14 @@ class ChaosWorkload(Workload):
                 item = self.items[(i + k) % len(self.items)]
                 keyless = rng.randrange(self.keyless_every) == 0
                 key = None if keyless else f"chaos-b-{uuid.uuid4().hex}"
-                op = self.history.invoke(client, "buy", item, {"quantity": 1, "key": key})
+                # Keyless buys take two copies, keyed ones one: an order no client's key names is then
+                # a keyless buy's only if it is of two (``chaos_check``), never a keyed buy's double.
+                quantity = 2 if keyless else 1
+                op = self.history.invoke(client, "buy", item, {"quantity": quantity, "key": key})
 
-                def send(a: int, item: int = item, key: str | None = key, i: int = i) -> requests.Response | None:
-                    return self._call(s, "POST", f"{self._url(k, i + a)}/buy/{item}", json={"quantity": 1},
+                def send(a: int, item: int = item, key: str | None = key, i: int = i,
+                         quantity: int = quantity) -> requests.Response | None:
+                    return self._call(s, "POST", f"{self._url(k, i + a)}/buy/{item}", json={"quantity": quantity},
                                       headers={"Idempotency-Key": key} if key else {})
 
                 r = send(0) if keyless else self._send(send)

@@ -85,6 +85,35 @@ def members(tier: str, replicas: dict[str, Any], anomaly: Any) -> None:
                                f"{' (pending)' if pending else ''}; the replicas read are {sorted(replicas)}")
 
 
+def keyed_orders(name: str, orders: dict[int, dict[str, Any]], acked: dict[int, dict[str, Any]],
+                 ops: list[dict[str, Any]], anomaly: Any) -> None:
+    """Orders held with their keys (``k:<Idempotency-Key>``; a keyless buy's is generated): each
+    keyed buy has at most its own order, under its key, with its book and quantity, and none if it
+    was answered otherwise; an order under no client's key must be a keyless buy of unknown outcome
+    of the same book and quantity (keyless buys take two copies in the chaos load, keyed ones one),
+    so a keyed buy done twice cannot pass for a keyless one."""
+    by_key = {f"k:{op['input']['key']}": op for op in ops if op["kind"] == "buy" and op["input"].get("key")}
+    keyless_unknown = Counter((op["item"], op["input"]["quantity"]) for op in ops
+                              if op["kind"] == "buy" and not op["input"].get("key") and op["output"] is None)
+    unnamed: Counter[tuple[int, int]] = Counter()
+    for n, o in sorted(orders.items()):
+        buy = by_key.get(o["key"])
+        if n in acked:
+            key = acked[n]["input"].get("key")
+            if key and o["key"] != f"k:{key}":
+                anomaly("lost-buy", f"{name}: acknowledged order {n} is under key {o['key']}, not its buy's k:{key}")
+        elif buy is not None:
+            if buy["output"] is not None or (o["item_number"], o["quantity"]) != (buy["item"], buy["input"]["quantity"]):
+                anomaly("doubled-buy", f"{name}: order {n} ({o['item_number']} x{o['quantity']}) is under the key of "
+                                       f"a buy answered {buy['output']}", buy["complete"])
+        else:
+            unnamed[(o["item_number"], o["quantity"])] += 1
+    for (item, quantity), extra in sorted(unnamed.items()):
+        if extra > keyless_unknown[(item, quantity)]:
+            anomaly("doubled-buy", f"{name}: {extra} orders of {quantity} of book {item} under no client's key, "
+                                   f"but only {keyless_unknown[(item, quantity)]} keyless buys of that had an unknown outcome")
+
+
 def check(run: Path, timeout: float = 300) -> dict[str, Any]:
     history, nem, final = load(run)
     ops: list[dict[str, Any]] = history["ops"]
@@ -159,6 +188,9 @@ def check(run: Path, timeout: float = 300) -> dict[str, Any]:
             o = orders.get(n)
             if o is None or (o["item_number"], o["quantity"]) != (op["item"], op["input"]["quantity"]):
                 anomaly("lost-buy", f"acknowledged order {n} (book {op['item']}) is {o} on {name}", op["complete"])
+        if orders and all("key" in o for o in orders.values()):
+            keyed_orders(name, orders, acked, ops, anomaly)
+            continue
         per_book = Counter(o["item_number"] for n, o in orders.items() if n not in acked)
         for item, extra in per_book.items():
             if extra > unknown_buys[item]:

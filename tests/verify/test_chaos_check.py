@@ -118,3 +118,34 @@ def test_an_order_read_before_its_buy_was_acknowledged_may_miss(tmp_path: Path) 
 
 def test_a_missing_file_is_a_usage_error(tmp_path: Path) -> None:
     assert chaos_check.main([str(tmp_path)]) == 2
+
+
+def keyed(run: tuple[dict[str, Any], ...], keys: dict[int, str]) -> tuple[dict[str, Any], ...]:
+    """``run`` with its orders as the order replicas list them: each under its key."""
+    for name, r in run[2]["replicas"].items():
+        if name.startswith("order"):
+            for n, o in r["orders"].items():
+                o["key"] = keys[int(n)]
+    return run
+
+
+def test_orders_are_told_apart_by_their_keys(tmp_path: Path) -> None:
+    """With keys, each keyed buy has at most its own order; an order under no client's key must be a
+    keyless buy of unknown outcome of its book and quantity (the chaos load's keyless buys take two
+    copies): a keyed buy done twice under a generated key cannot pass for the keyless one."""
+    run = keyed(clean_run(), {1: "k:b1", 2: "k:b2", 3: "g:x"})
+    assert judge(tmp_path, run)["ok"]
+
+    def twice(h: dict[str, Any], n: dict[str, Any], f: dict[str, Any]) -> None:
+        # The keyless buy takes two copies and did nothing; order 3 is b1 again, under a new key.
+        h["ops"][4]["input"]["quantity"] = 2
+        h["ops"] = [o for o in h["ops"] if not (o["kind"] == "lookup" and o["invoke"] == 200 * MS)]
+
+    result = judge(tmp_path, keyed(broken(twice), {1: "k:b1", 2: "k:b2", 3: "g:y"}))
+    assert not result["ok"] and list(result["anomalies_by_kind"]) == ["doubled-buy"], result["anomalies"]
+    legacy = broken(twice)  # the same run, orders without keys: it passed before
+    assert judge(tmp_path, legacy)["ok"]
+    result = judge(tmp_path, keyed(clean_run(), {1: "k:b1", 2: "k:b2", 3: "k:b1"}))
+    assert not result["ok"] and "doubled-buy" in result["anomalies_by_kind"], result["anomalies"]
+    result = judge(tmp_path, keyed(clean_run(), {1: "k:b2", 2: "k:b1", 3: "g:x"}))  # acknowledged under another key
+    assert not result["ok"] and "lost-buy" in result["anomalies_by_kind"], result["anomalies"]
