@@ -363,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "kill":
                 print(f"killed {args.name} (process group {launcher.kill(config, args.name)})")
             else:
+                from pygmy.cluster.backup import refuse_unfinished
+
+                refuse_unfinished(config, reset_state=False)  # as ``up``: never on half a restored store
                 if args.url:
                     launcher.join(config, args.name, args.url)
                 print(f"started {args.name} (pid {launcher.start(config, args.name)})")

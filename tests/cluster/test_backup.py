@@ -235,6 +235,21 @@ def test_a_restore_cut_short_leaves_a_data_dir_that_up_refuses(tmp_path: Path) -
     assert marker.exists()
 
 
+def test_a_replica_is_not_started_alone_on_an_unfinished_restore(tmp_path: Path) -> None:
+    """``pygmy start NAME`` refuses the data dir ``pygmy up`` would refuse, starting nothing."""
+    from pygmy.cluster.local import pygmy
+    from pygmy.kit.config import ClusterConfig
+
+    config = ClusterConfig(data_dir=str(tmp_path / "data"))
+    config.save()
+    marker = backup.restored_marker(config)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text('{"unfinished": true}')
+    r = pygmy("start", "catalog-1", "--data-dir", str(tmp_path / "data"))
+    assert r.returncode == 1 and "did not finish" in r.stderr, (r.stdout, r.stderr)
+    assert not config.pid_file("catalog-1").exists()
+
+
 def test_scheduled_backups_prune_only_their_own_archives_and_never_the_newest(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from pygmy.kit.config import ClusterConfig
