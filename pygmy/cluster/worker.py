@@ -60,7 +60,7 @@ from pygmy.kit import tls
 from pygmy.kit.admission import Admission, Board, Deferred
 from pygmy.kit.logs import HEADER as REQUEST_ID_HEADER
 from pygmy.kit.logs import valid_request_id
-from pygmy.kit.web import MAX_HEADERS, MAX_URL
+from pygmy.kit.web import MAX_HEADERS, MAX_URL, URL_TOO_LONG
 
 log = logging.getLogger(__name__)
 
@@ -194,13 +194,6 @@ def said_closing(answer: bytes) -> bytes:
     return line + sep + b"Connection: close\r\n" + rest
 
 
-def selectors_wait(sock: socket.socket, timeout: float) -> bool:
-    """Whether ``sock`` has bytes to read within ``timeout`` seconds."""
-    with selectors.DefaultSelector() as sel:
-        sel.register(sock, selectors.EVENT_READ)
-        return bool(sel.select(timeout))
-
-
 def _owes_body(parser: Any) -> bool:
     """Whether the last request ``parser`` read still has body bytes to come: an answer given
     without reading it (a 404, a refusal) leaves them for the parser to drain before the next
@@ -234,9 +227,6 @@ SERVER_ROUTE = "server"
 _failing = threading.local()
 
 
-#: How long a TLS connection's first request may take to arrive, once its handshake is done.
-FIRST_REQUEST_TIMEOUT = 10.0
-
 #: The most of a request line and of a header block Gunicorn reads before it refuses the request:
 #: past the app's own limits (``web.MAX_URL``, ``web.MAX_HEADERS``: 414 and 431, in JSON), and far
 #: below Gunicorn's own when set to allow them (an unlimited line; 1,000 fields of 32 KiB, 32 MB),
@@ -260,8 +250,8 @@ def write_json_error(sock: Any, status_int: int, reason: str, mesg: str) -> None
     ``X-Request-Id`` (if it got as far as its headers), counted (route ``server``). Gunicorn writes
     these as HTML pages, with no id, counted nowhere; ``AdmissionWorker`` puts this in their place."""
     req, metrics = getattr(_failing, "req", None), getattr(_failing, "metrics", None)
-    if getattr(_failing, "line_too_long", False):  # Gunicorn calls it a 400: the app's 414, as for a shorter one
-        status_int, reason, mesg = 414, "URI Too Long", f"URL longer than {MAX_URL // 1024} KiB"
+    if isinstance(getattr(_failing, "exc", None), LimitRequestLine):  # Gunicorn's 400: the app's 414, as for a shorter one
+        status_int, reason, mesg = 414, "URI Too Long", URL_TOO_LONG
     given = next((v for k, v in getattr(req, "headers", None) or () if k.upper() == REQUEST_ID_HEADER.upper()), None)
     rid = valid_request_id(given)
     if metrics is not None:
@@ -307,14 +297,12 @@ class AdmissionWorker(ThreadWorker):
             try:
                 tls.handshake(conn.sock)
                 conn.pygmy_peer = tls.check(conn.sock, self.peer_roles) if self.peer_roles else True
-                # Gunicorn handed the connection to this thread for its handshake, before any request
-                # came: one that then says nothing must not hold the thread (a plain connection waits
-                # in the poller). Closed quietly if nothing comes; bounded while its first request is read.
-                conn.sock.settimeout(FIRST_REQUEST_TIMEOUT)
-                if not conn.sock.pending() and not selectors_wait(conn.sock, FIRST_REQUEST_TIMEOUT):
-                    self.log.info("closing a TLS connection from %s: no request in %.0f s", conn.client,
-                                  FIRST_REQUEST_TIMEOUT)
-                    return False, conn
+                if not conn.sock.pending():
+                    # Gunicorn handed the connection to this thread for its handshake, before any
+                    # request came: its first request is awaited in the poller, as a plain one's is
+                    # (and as every later one's is), not on this thread (one that said nothing after
+                    # its handshake held it for good); Gunicorn closes it after the keep-alive timeout.
+                    return True, conn
             except tls.PeerRefused as exc:
                 self.log.warning("refused a connection from %s: %s", conn.client, exc)
                 return False, conn
@@ -330,12 +318,11 @@ class AdmissionWorker(ThreadWorker):
         """Gunicorn's, answering with ``write_json_error``, which it is told the request and metrics of."""
         _failing.req = req
         _failing.metrics = self.admission.metrics if self.admission is not None else None
-        _failing.line_too_long = isinstance(exc, LimitRequestLine)
+        _failing.exc = exc
         try:
             super().handle_error(req, client, addr, exc)
         finally:
-            _failing.req = _failing.metrics = None
-            _failing.line_too_long = False
+            _failing.req = _failing.metrics = _failing.exc = None
 
     def on_client_socket_readable(self, conn: TConn, client: Any) -> None:
         admission = self.admission
