@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 from flask import Flask, Response, jsonify
 
 from pygmy.kit import metrics
+from pygmy.kit.admission import MAX_TIMEOUT_MS
 from pygmy.kit.config import ClusterConfig
 from pygmy.kit.web import ApiError, fail, int_field, json_body, parse_item, query_int, request_deadline
 from pygmy.order.state import CONFIRMED, FAILED, PENDING, OrderState, adoption, confirmed, failure
@@ -667,7 +668,7 @@ def parse_buy(body: Any, deadline: float) -> Buy:
     if not isinstance(key, str) or not 0 < len(key) <= 256:
         fail(400, "key must be a non-empty string")
     if "timeout_ms" in body:  # 0: its time ran out on the way (``router.batch_write``): 504, nothing done
-        deadline = min(deadline, time.monotonic() + int_field(body, "timeout_ms", 0, 600_000) / 1000)
+        deadline = min(deadline, time.monotonic() + int_field(body, "timeout_ms", 0, MAX_TIMEOUT_MS) / 1000)
     return Buy(item, quantity, key, deadline)
 
 

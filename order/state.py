@@ -117,10 +117,7 @@ class OrderState(SQLiteStateMachine):
 
     def has_keys(self, keys: list[str]) -> set[str]:
         """Which of ``keys`` an order here still holds."""
-        if not keys:
-            return set()
-        rows = self.read(f"SELECT key FROM orders WHERE key IN ({','.join('?' * len(keys))})", tuple(keys))
-        return {r[0] for r in rows}
+        return set(self.statuses(keys))
 
     def statuses(self, keys: list[str]) -> dict[str, str]:
         """The status of the order each of ``keys`` has here (keys with none are left out)."""

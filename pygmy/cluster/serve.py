@@ -122,7 +122,8 @@ def gunicorn_options(bind: str, workers: int, threads: int, name: str,
         "graceful_timeout": 10,
         "keepalive": 30,
         "backlog": 1024,
-        # URLs up to 8 KiB and headers up to 16 KiB must reach the app (which answers in JSON).
+        # URLs up to 8 KiB and headers up to 16 KiB must reach the app (which answers in JSON);
+        # the worker bounds what Gunicorn reads instead (``worker.MAX_LINE``, ``worker.MAX_HEAD``).
         "limit_request_line": 0,
         "limit_request_field_size": 32768,
         "limit_request_fields": 1000,

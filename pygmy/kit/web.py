@@ -30,6 +30,8 @@ MAX_BODY = 64 * 1024
 #: The app's own limits, below Gunicorn's (pygmy/cluster/serve.py), so the answer is ours and JSON.
 MAX_URL = 8 * 1024
 MAX_HEADERS = 16 * 1024
+#: The 414's message, wherever it is given (the app, or the worker for a line Gunicorn would not read).
+URL_TOO_LONG = f"URL longer than {MAX_URL // 1024} KiB"
 
 access_log = logging.getLogger("pygmy.access")
 #: Internal routes hit many times a second; their routine answers are logged at DEBUG only.
@@ -154,7 +156,7 @@ class Edge:
         method = environ.get("REQUEST_METHOD", "GET")
         route: str | None = None
         if len(environ.get("RAW_URI") or environ.get("PATH_INFO", "")) > MAX_URL:
-            result: Iterable[bytes] = _refuse(respond, 414, f"URL longer than {MAX_URL // 1024} KiB")
+            result: Iterable[bytes] = _refuse(respond, 414, URL_TOO_LONG)
         elif _headers_size(environ) > MAX_HEADERS:
             result = _refuse(respond, 431, f"request headers larger than {MAX_HEADERS // 1024} KiB in all")
         elif self.shortcut is not None and (answer := self.shortcut(environ)) is not None:
@@ -321,7 +323,7 @@ def create_base_app(name: str, extra_metrics: Callable[[], Iterable[Collector]] 
         messages = {
             404: "no such resource", 405: f"method {request.method} not allowed here",
             413: f"request body larger than {MAX_BODY // 1024} KiB",
-            414: f"URL longer than {MAX_URL // 1024} KiB",
+            414: URL_TOO_LONG,
             431: f"request headers larger than {MAX_HEADERS // 1024} KiB",
         }
         resp = error_response(code, messages.get(code, exc.description or exc.name))
