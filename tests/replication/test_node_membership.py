@@ -255,6 +255,9 @@ def test_a_stale_process_under_the_leaders_name_moves_no_route(group: Group) -> 
     only a request at the follower's own term tells where a replica serves."""
     leader = group.leader()
     follower = next(n for n in group.nodes.values() if n is not leader)
+    # The leader knows it leads before the follower hears of its term: read the follower's term
+    # once it has (it was still 0 in a CI run, and the leader's first heartbeat then moved it).
+    group.until(lambda: follower.term() == leader.term() and (follower.leader() or ("",))[0] == leader.name)
     before = follower.peers[leader.name]
     term = follower.term()
 
