@@ -160,7 +160,7 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         return jsonify({"topic": topic, "items": items, "more": more, "applied_index": applied})
 
     @app.post("/books/<item>/decrement")
-    @rt.guard
+    @rt.only("order")
     def decrement(item: str) -> Response:
         number = parse_item(item)
         body = json_body(required=True)
@@ -212,7 +212,7 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         return {"results": results}
 
     @app.post("/books/decrements")
-    @rt.guard
+    @rt.only("order")
     def decrements() -> Response:
         """``run_decrements`` over HTTP; order leaders send theirs as frames (``DECREMENTS_CHANNEL``)."""
         return jsonify(run_decrements(json_body(required=True), request_deadline(WRITE_DEADLINE)))
@@ -220,7 +220,7 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
     rt.serve_frames(DECREMENTS_CHANNEL, "/books/decrements", run_decrements)
 
     @app.post("/books/<item>/update")
-    @rt.guard
+    @rt.only("frontend")
     def update(item: str) -> Response:
         number = parse_item(item)
         body = json_body(required=True)
@@ -234,7 +234,7 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         return write(number, command)
 
     @app.get("/keys")
-    @rt.guard
+    @rt.only("order")
     def keys() -> Response:
         """``?after=N[&after_key=K][&limit=L]``: the decrements' keys first used at log indexes above
         N (or at N with a key above K), in log order (``CatalogState.keys_after``); ``more`` says
@@ -248,7 +248,7 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         return jsonify({"keys": found, "more": more, "applied_index": applied})
 
     @app.post("/keys/expire")
-    @rt.guard
+    @rt.only("order")
     def expire_keys() -> Response:
         """Forget the idempotency keys used before ``before`` (Unix seconds). The order leader asks,
         since it knows which buys are unfinished: it never names a time after the oldest of them.

@@ -694,7 +694,7 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         return [answer(b, o) for b, o in zip(batch, outcomes, strict=True)]
 
     @app.post("/buy")
-    @rt.guard
+    @rt.only("frontend")
     def buy() -> Response:
         ((code, body),) = run([parse_buy(json_body(required=True), request_deadline(config.buy_deadline))])
         resp = jsonify(body)
@@ -713,7 +713,7 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         return {"results": [{"status": code, "body": body} for code, body in results]}
 
     @app.post("/buys")
-    @rt.guard
+    @rt.only("frontend")
     def buy_batch() -> Response:
         """``run_batch`` over HTTP; the frontend sends its batches as frames (``BUYS_CHANNEL``)."""
         return jsonify(run_batch(json_body(required=True), request_deadline(config.buy_deadline)))
@@ -722,7 +722,7 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         body, min(deadline, time.monotonic() + config.buy_deadline)))
 
     @app.get("/orders")
-    @rt.guard
+    @rt.only("frontend", "admin")
     def list_orders() -> Response:
         """A page of this replica's orders numbered above ``after``: the confirmed ones as ``GET
         /orders/<n>`` gives them with their idempotency keys, and the numbers of those still pending (not settled here: the
@@ -740,7 +740,7 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
             "next": rows[-1]["order_number"] if len(rows) == limit else None})
 
     @app.get("/orders/<number>")
-    @rt.guard
+    @rt.only("frontend", "admin")
     def get_order(number: str) -> Response:
         n = parse_item(number, "order number")
         rt.ensure_readable()

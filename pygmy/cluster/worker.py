@@ -225,6 +225,17 @@ SERVER_ROUTE = "server"
 #: The request (or None) and the service's metrics (or None) that Gunicorn's ``handle_error`` is
 #: answering on this thread: its ``util.write_error`` is told only the status and message.
 _failing = threading.local()
+#: The role of the certificate of the connection whose request this pool thread is handing to the
+#: app (``tls.PEER_ROLE`` in its environ), or None.
+_peer = threading.local()
+
+
+def _with_peer_role(app: Any) -> Any:
+    """``app``, told the role of the request's certificate in its environ (``tls.role_refusal``)."""
+    def wsgi(environ: dict[str, Any], start_response: Any) -> Any:
+        environ[tls.PEER_ROLE] = getattr(_peer, "role", None)
+        return app(environ, start_response)
+    return wsgi
 
 
 #: The most of a request line and of a header block Gunicorn reads before it refuses the request:
@@ -287,6 +298,18 @@ class AdmissionWorker(ThreadWorker):
         board = getattr(self, "pygmy_board", None)  # set by the master as it forked this worker
         if self.admission is not None and board is not None:
             self.admission.share(board, self.pygmy_slot)
+        if self.cfg.is_ssl:
+            self.wsgi = _with_peer_role(self.wsgi)
+
+    def handle_request(self, req: Any, conn: TConn) -> bool:
+        """gthread's, with the role of the connection's certificate (checked at its handshake)
+        where the app's guards read it."""
+        peer = getattr(conn, "pygmy_peer", None)
+        _peer.role = peer.role if isinstance(peer, tls.Peer) else None
+        try:
+            return super().handle_request(req, conn)
+        finally:
+            _peer.role = None
 
     def handle(self, conn: TConn) -> tuple[bool, TConn]:
         """gthread's, after (with TLS) the handshake and the check of the peer's role, once per

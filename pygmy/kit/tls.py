@@ -53,6 +53,16 @@ HTTP_CLIENTS: dict[str, frozenset[str]] = {
 }
 
 
+#: Who may call a replica's endpoints beyond what its listener takes (``HTTP_CLIENTS``), by the
+#: certificate's role: the operator's tools alone change a tier's members or read a whole state
+#: (``/members``, ``/backup``, ``/verify``); ``OWN_TIER`` stands for the replica's own tier.
+OWN_TIER = "own tier"
+OPERATOR = frozenset({"admin"})
+#: The WSGI environ key under which a service's HTTP worker gives the role of the request's
+#: certificate (``pygmy/cluster/worker.py``): what ``role_refusal`` reads.
+PEER_ROLE = "pygmy.peer_role"
+
+
 class PeerRefused(ConnectionError):
     """The peer's certificate is valid but does not carry a role (or name) this endpoint serves."""
 
@@ -87,6 +97,21 @@ def check(sock: ssl.SSLSocket, roles: Collection[str]) -> Peer:
     if peer.role not in roles:
         raise PeerRefused(f"a peer with role {peer.role!r} may not connect here (only {', '.join(sorted(roles))})")
     return peer
+
+
+def role_refusal(environ: dict[str, Any], roles: Collection[str] | None) -> tuple[int, str] | None:
+    """Why this request may not call an endpoint that only ``roles`` may (``OWN_TIER``: this
+    process's tier), or None. A listener takes every role any of its endpoints serves, so a
+    frontend's certificate reaches a replica's port: the endpoint judges the rest. Without TLS
+    (no identity here) nothing is checked: the internal secret is then the only credential."""
+    identity = active()
+    if roles is None or identity is None:
+        return None
+    allowed = {identity.role if r == OWN_TIER else r for r in roles}
+    role = environ.get(PEER_ROLE)
+    if role in allowed:
+        return None
+    return 403, f"a certificate with role {role!r} may not call this endpoint (only {', '.join(sorted(allowed))})"
 
 
 class ReloadingContext(ssl.SSLContext):

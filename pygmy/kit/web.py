@@ -6,7 +6,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from email.utils import formatdate
 from functools import wraps
 from http import HTTPStatus
@@ -20,6 +20,7 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.http import HTTP_STATUS_CODES
 from werkzeug.routing import Rule
 
+from pygmy.kit import tls
 from pygmy.kit.admission import Admission, Deferred, deadline_of
 from pygmy.kit.codec import orjson_dumps
 from pygmy.kit.logs import HEADER as REQUEST_ID_HEADER
@@ -357,18 +358,22 @@ def secret_refusal(given: str | None, expected: bytes, what: str = INTERNAL) -> 
     return None
 
 
-def require_secret(secret: str, what: str = INTERNAL) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def require_secret(secret: str, what: str = INTERNAL, roles: Collection[str] | None = None,
+                   ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Guard an endpoint with ``Authorization: Bearer <secret>`` (constant time): the internal
-    secret on internal endpoints, the admin token on the admin one.
+    secret on internal endpoints, the admin token on the admin one; with TLS, also with the roles
+    whose certificates may call it (``tls.role_refusal``; None: any its listener takes).
 
-    No credentials: 401. Wrong credentials: 403. Either way the request changes nothing.
+    No credentials: 401. Wrong credentials, or a certificate of another role: 403. Either way the
+    request changes nothing.
     """
     expected = f"Bearer {secret}".encode()
 
     def decorate(view: Callable[..., Any]) -> Callable[..., Any]:
         @wraps(view)
         def guarded(*args: Any, **kwargs: Any) -> Any:
-            refused = secret_refusal(request.headers.get("Authorization"), expected, what)
+            refused = (secret_refusal(request.headers.get("Authorization"), expected, what)
+                       or tls.role_refusal(request.environ, roles))
             if refused:
                 fail(*refused)
             return view(*args, **kwargs)

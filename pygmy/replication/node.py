@@ -951,7 +951,8 @@ class ReplicaNode:
 
         @bp.get("/raft/read_index")
         def raft_read_index() -> tuple[Response, int]:
-            refused = secret_refusal(request.headers.get("Authorization"), f"Bearer {self.secret}".encode())
+            refused = (secret_refusal(request.headers.get("Authorization"), f"Bearer {self.secret}".encode())
+                       or tls.role_refusal(request.environ, (tls.OWN_TIER,)))  # a follower of this tier
             if refused is not None:
                 return jsonify({"error": {"code": refused[0], "message": refused[1]}}), refused[0]
             try:

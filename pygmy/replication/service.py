@@ -135,10 +135,17 @@ class ReplicaRuntime:
             learners=config.learners(tier),
         )
         self.guard = require_secret(self.secret)
+        #: The operator's endpoints (``/members``, ``/backup``, ``/verify``): with TLS, for the
+        #: ``admin`` certificate alone, as the tools hold (a frontend's reaches this port too).
+        self.operator = self.only(*tls.OPERATOR)
         #: Frame requests being served (``serve_frames``), and whether new ones are refused (``drain``).
         self._frames = threading.Condition()
         self._frames_in_flight = 0
         self._draining = False
+
+    def only(self, *roles: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """The internal secret's guard, and with TLS a certificate of one of ``roles``."""
+        return require_secret(self.secret, roles=frozenset(roles))
 
     def create_app(self) -> Flask:
         app = create_base_app(self.name, lambda: [ReplicaCollector(self.name, self.node)],
@@ -191,7 +198,7 @@ class ReplicaRuntime:
             return jsonify({**self.node.status(), "admission": app.wsgi_app.snapshot()})  # type: ignore[attr-defined]
 
         @app.get("/verify")
-        @self.guard
+        @self.operator
         def verify() -> Response:
             """The maintained digest against one recomputed from every row: O(data), from one read
             snapshot, without the apply lock (``pygmy verify`` asks every replica)."""
@@ -200,7 +207,7 @@ class ReplicaRuntime:
                             "recomputed": recomputed, "ok": digest == recomputed})
 
         @app.get("/backup")
-        @self.guard
+        @self.operator
         def backup() -> Response:
             """This replica's state, whole, at an index at least the leader's commit index as of the
             request (a linearizable read, like every read here): pinned, copied page by page beside
@@ -249,7 +256,7 @@ class ReplicaRuntime:
             return resp
 
         @app.get("/members")
-        @self.guard
+        @self.operator
         def members() -> Response:
             try:  # what ``pygmy member`` records in cluster.json: never a deposed leader's view
                 return jsonify({"tier": self.tier, **self.node.members(leased=True)})
@@ -257,7 +264,7 @@ class ReplicaRuntime:
                 fail(503, str(exc))
 
         @app.post("/members")
-        @self.guard
+        @self.operator
         def add_member() -> Response:
             body = json_body(required=True)
             name = self._member_name(body.get("name"))
@@ -268,12 +275,12 @@ class ReplicaRuntime:
             return self._changed(self.node.add_learner(name, url, self._wait()))
 
         @app.post("/members/<name>/promote")
-        @self.guard
+        @self.operator
         def promote_member(name: str) -> Response:
             return self._changed(self.node.promote(self._member_name(name), self._wait()))
 
         @app.delete("/members/<name>")
-        @self.guard
+        @self.operator
         def remove_member(name: str) -> Response:
             name = self._member_name(name)
             if name == self.name and self.node.is_leader():
@@ -288,7 +295,7 @@ class ReplicaRuntime:
             return self._changed(self.node.remove(name, self._wait()))
 
         @app.post("/members/<name>/lead")
-        @self.guard
+        @self.operator
         def lead_member(name: str) -> Response:
             """Leadership handed to voter ``name`` (before its machine is taken down, say): 200 once
             it leads; from another replica, 421 naming the leader, which the caller asks in turn.

@@ -75,6 +75,24 @@ def test_a_role_not_served_is_refused(ca: Path) -> None:
     assert isinstance(seen[0], tls.PeerRefused) and "'frontend'" in str(seen[0])
 
 
+def test_an_endpoint_judges_the_role_of_the_requests_certificate(ca: Path) -> None:
+    """With TLS, a request whose certificate's role the endpoint does not take is refused 403, and
+    one without a known role too (closed, not open, when a worker did not say it); ``OWN_TIER`` is
+    this process's tier. Without TLS the internal secret alone judges."""
+    assert tls.role_refusal({}, tls.OPERATOR) is None  # no identity here: plain text
+    tls.use(tls.Identity.of(ca, "catalog-1"))
+    try:
+        assert tls.role_refusal({tls.PEER_ROLE: "admin"}, tls.OPERATOR) is None
+        assert tls.role_refusal({tls.PEER_ROLE: "frontend"}, None) is None  # any its listener takes
+        code, message = tls.role_refusal({tls.PEER_ROLE: "frontend"}, tls.OPERATOR) or (0, "")
+        assert code == 403 and "'frontend'" in message and "admin" in message
+        assert tls.role_refusal({}, tls.OPERATOR) is not None
+        assert tls.role_refusal({tls.PEER_ROLE: "catalog"}, (tls.OWN_TIER,)) is None
+        assert tls.role_refusal({tls.PEER_ROLE: "order"}, (tls.OWN_TIER,)) is not None
+    finally:
+        tls.use(None)
+
+
 def test_another_cas_certificate_is_refused_both_ways(ca: Path, other_ca: Path) -> None:
     port, seen, thread = serve_once(tls.Identity.of(ca, "catalog-1").server_context(), tls.peer_of)
     with pytest.raises(ssl.SSLError):

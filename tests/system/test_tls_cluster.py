@@ -159,6 +159,44 @@ def test_replica_http_takes_only_the_roles_it_serves_from_its_own_ca(cluster: Cl
         requests.get(order, verify=ca, cert=cert_of(own(cluster), "catalog-1"), timeout=5)
 
 
+@pytest.mark.parametrize(("replica", "method", "path", "allowed", "refused"), [
+    # The operator's endpoints: the admin certificate alone. Probes that change nothing if let in
+    # (an unknown member's removal is 404, a member without a URL 400, on the leader or a follower).
+    ("catalog-1", "GET", "/members", "admin", ("frontend-1", "order-1", "catalog-2")),
+    ("catalog-1", "POST", "/members", "admin", ("frontend-1", "order-1")),
+    ("order-1", "DELETE", "/members/order-9", "admin", ("frontend-1", "order-2")),
+    ("catalog-1", "GET", "/verify", "admin", ("frontend-1", "order-1")),
+    ("order-1", "GET", "/backup?probe=1", "admin", ("frontend-1",)),
+    # Raft's read index: a replica of the tier only.
+    ("catalog-1", "GET", "/raft/read_index", "catalog-2", ("frontend-1", "order-1", "admin")),
+    # Each tier's calls: the decrements and their keys from the order tier, updates from a frontend.
+    ("catalog-1", "POST", "/books/decrements", "order-1", ("frontend-1", "admin")),
+    ("catalog-1", "GET", "/keys?after=0&limit=1", "order-1", ("frontend-1", "admin")),
+    ("catalog-1", "POST", "/books/1/update", "frontend-1", ("order-1", "admin")),
+    ("order-1", "POST", "/buys", "frontend-1", ("admin", "order-2")),
+    ("order-1", "GET", "/orders?limit=1", "admin", ("order-2",)),
+    # Reads of books: every role the catalog's listener takes.
+    ("catalog-1", "GET", "/books/1", "frontend-1", ()),
+])
+def test_each_replica_endpoint_takes_only_the_roles_that_call_it(
+        cluster: Cluster, replica: str, method: str, path: str, allowed: str, refused: tuple[str, ...]) -> None:
+    """A listener takes every role any of its endpoints serves (a frontend's certificate reaches a
+    catalog replica for its reads), so each endpoint judges the rest: with the internal secret, a
+    frontend's certificate may neither change a tier's members nor read a whole state."""
+    url, ca = cluster.replica_url(replica) + path, str(own(cluster) / "ca.pem")
+    auth = {"Authorization": f"Bearer {cluster.secret()}"}
+    body = {} if method == "POST" else None
+    for holder in refused:
+        r = requests.request(method, url, json=body, headers=auth, verify=ca, cert=cert_of(own(cluster), holder), timeout=10)
+        assert r.status_code == 403, (holder, r.status_code, r.text)
+        assert "may not call this endpoint" in r.json()["error"]["message"], r.text
+    r = requests.request(method, url, json=body, headers=auth, verify=ca, cert=cert_of(own(cluster), allowed), timeout=10)
+    assert r.status_code not in (401, 403), (allowed, r.status_code, r.text[:300])  # 421/503 off the leader
+    # The secret is still asked of an allowed certificate.
+    r = requests.request(method, url, json=body, verify=ca, cert=cert_of(own(cluster), allowed), timeout=10)
+    assert r.status_code == 401, (allowed, r.status_code, r.text[:300])
+
+
 def frames(cluster: Cluster, folder: Path, holder: str, port: int, channel: str, name: str) -> FrameClient:
     client = FrameClient(("127.0.0.1", port), cluster.secret(), name, channel, 2.0,
                          identity=tls.Identity.of(folder, holder))
