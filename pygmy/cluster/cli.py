@@ -351,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.tier != "frontend" and f"{args.tier}-{args.id}" not in config.peers(args.tier):
                 raise SystemExit(f"pygmy: {args.tier}-{args.id} is not a {args.tier} replica: "
                                  f"{', '.join(config.peers(args.tier))} are (pygmy member add)")
+            if args.tier != "frontend":
+                from pygmy.cluster.backup import refuse_unfinished
+
+                refuse_unfinished(config, reset_state=False)  # as ``up`` and ``start``, whoever runs it
             config.secret()  # fail early and clearly without one
             if args.tier == "frontend":
                 config.admin_token()  # only the frontend needs it; refused if it equals the secret

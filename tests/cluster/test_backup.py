@@ -236,7 +236,8 @@ def test_a_restore_cut_short_leaves_a_data_dir_that_up_refuses(tmp_path: Path) -
 
 
 def test_a_replica_is_not_started_alone_on_an_unfinished_restore(tmp_path: Path) -> None:
-    """``pygmy start NAME`` refuses the data dir ``pygmy up`` would refuse, starting nothing."""
+    """``pygmy start NAME`` and ``pygmy serve`` refuse the data dir ``pygmy up`` would refuse,
+    starting nothing."""
     from pygmy.cluster.local import pygmy
     from pygmy.kit.config import ClusterConfig
 
@@ -248,6 +249,10 @@ def test_a_replica_is_not_started_alone_on_an_unfinished_restore(tmp_path: Path)
     r = pygmy("start", "catalog-1", "--data-dir", str(tmp_path / "data"))
     assert r.returncode == 1 and "did not finish" in r.stderr, (r.stdout, r.stderr)
     assert not config.pid_file("catalog-1").exists()
+    # Nor by ``pygmy serve``, what ``start`` runs (and what a container or a unit file runs).
+    r = pygmy("serve", "order", "--id", "1", "--data-dir", str(tmp_path / "data"), timeout=30)
+    assert r.returncode == 1 and "did not finish" in r.stderr, (r.stdout, r.stderr)
+    assert not config.replica_dir("order-1").exists()
 
 
 def test_scheduled_backups_prune_only_their_own_archives_and_never_the_newest(
