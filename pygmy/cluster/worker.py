@@ -230,12 +230,19 @@ _failing = threading.local()
 _peer = threading.local()
 
 
-def _with_peer_role(app: Any) -> Any:
-    """``app``, told the role of the request's certificate in its environ (``tls.role_refusal``)."""
-    def wsgi(environ: dict[str, Any], start_response: Any) -> Any:
+class _WithPeerRole:
+    """``app``, told the role of the request's certificate in its environ (``tls.role_refusal``);
+    anything else asked of it is the app's (the worker's exit hook finds its ``extensions``)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
         environ[tls.PEER_ROLE] = getattr(_peer, "role", None)
-        return app(environ, start_response)
-    return wsgi
+        return self.app(environ, start_response)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.app, name)
 
 
 #: The most of a request line and of a header block Gunicorn reads before it refuses the request:
@@ -299,7 +306,7 @@ class AdmissionWorker(ThreadWorker):
         if self.admission is not None and board is not None:
             self.admission.share(board, self.pygmy_slot)
         if self.cfg.is_ssl:
-            self.wsgi = _with_peer_role(self.wsgi)
+            self.wsgi = _WithPeerRole(self.wsgi)
 
     def handle_request(self, req: Any, conn: TConn) -> bool:
         """gthread's, with the role of the connection's certificate (checked at its handshake)

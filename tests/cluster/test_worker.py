@@ -451,3 +451,29 @@ def test_a_tls_connection_that_says_nothing_after_its_handshake_holds_no_thread(
     assert not handler.is_alive(), "the pool thread is still held by a connection that said nothing"
     assert answered and answered[0][0] is True and conn.pygmy_peer  # kept alive: back to the poller
     conn.close()
+
+
+def test_the_worker_exit_hook_stops_the_app_the_peer_role_is_given_to() -> None:
+    """With TLS the worker hands the app the connection's role through a wrapper; the exit hook
+    must still find the app's runtime and owners through it (a plain function in their place hid
+    them, and a TLS cluster's graceful stop skipped its drain, its stops and its databases' close)."""
+    from types import SimpleNamespace
+
+    from flask import Flask
+
+    from pygmy.cluster import serve
+    from pygmy.cluster.worker import _WithPeerRole
+    from pygmy.kit import tls
+
+    calls: list[str] = []
+    runtime = SimpleNamespace(drain=lambda: calls.append("drain") or 0, stop=lambda: calls.append("stop"),
+                              sm=SimpleNamespace(close_all=lambda: calls.append("close")))
+    app = Flask("t")
+    app.extensions["pygmy_runtime"] = runtime
+    seen: list[object] = []
+    app.wsgi_app = lambda environ, start: seen.append(environ.get(tls.PEER_ROLE)) or []  # type: ignore[method-assign]
+    wrapped = _WithPeerRole(app)
+    wrapped({}, lambda *a: None)
+    assert seen == [None] and wrapped.extensions is app.extensions
+    serve._worker_exit(None, SimpleNamespace(wsgi=wrapped, pid=-1))
+    assert calls == ["drain", "stop", "close"]
