@@ -243,10 +243,44 @@ def read_orders(get: Any, url: str, headers: dict[str, str], settle: float = 15.
     return found
 
 
-def final_state(config: ClusterConfig, secret: str, items: list[int],
-                timeout: float = 90) -> dict[str, Any]:
+def settle_updates(config: ClusterConfig, history: lincheck.History, admin_token: str,
+                   timeout: float = 60) -> dict[str, int | None]:
+    """Each update of unknown outcome sent again under its key, through a frontend, until a
+    definite answer: ``{key: status}`` (None: still none). The key makes that answer the first
+    attempt's if it took effect, and applies the update now if it did not: either way it took
+    effect exactly once if 200, never if 404 or 409, and the stock equation counts it so
+    (``chaos_check``) instead of allowing it or not, a range a lost decrement could hide in.
+    Done after the run, outside the history Porcupine reads."""
+    unknown = [op for op in history.ops() if op.kind == "update" and op.outcome == "unknown" and op.input.get("key")]
+    urls = [config.frontend_url(k) for k in range(1, config.frontends + 1)]
+    auth = {"Authorization": f"Bearer {admin_token}"}
+    out: dict[str, int | None] = {}
+    deadline = time.monotonic() + timeout
+    with requests.Session() as s:
+        for op in unknown:
+            key, out[op.input["key"]] = op.input["key"], None
+            body = {"stock_delta": op.input["stock_delta"], "cost": op.input["cost"] / 100}
+            for attempt in itertools.count():
+                try:
+                    r = s.post(f"{urls[attempt % len(urls)]}/update/{op.item}", json=body, timeout=5,
+                               headers={**auth, "Idempotency-Key": key})
+                    if r.status_code < 500:
+                        out[key] = r.status_code
+                        break
+                except requests.RequestException:
+                    pass
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+    return out
+
+
+def final_state(config: ClusterConfig, secret: str, items: list[int], timeout: float = 90,
+                history: lincheck.History | None = None, admin_token: str | None = None) -> dict[str, Any]:
     """Wait until the replicas agree and stay put for 3 s (the order leader's sweeper finishes
-    intents left by faults within a few seconds), then read every book and order from every replica."""
+    intents left by faults within a few seconds), then read every book and order from every replica.
+    With ``history``, first learn what became of its updates of unknown outcome (``settle_updates``)."""
+    settled = settle_updates(config, history, admin_token or "") if history is not None else {}
     deadline = time.monotonic() + timeout
     last, since = None, time.monotonic()
     while True:
@@ -275,7 +309,7 @@ def final_state(config: ClusterConfig, secret: str, items: list[int],
                     entry["orders"] = {str(n): o for n, o in read_orders(s.get, url, auth).items()}
                 entry["verify"] = s.get(f"{url}/verify", headers=auth, timeout=60).json()
                 replicas[name] = entry
-    return {"converged": True, "replicas": replicas}
+    return {"converged": True, "replicas": replicas, "settled_updates": settled}
 
 
 class _Patient:
@@ -371,7 +405,8 @@ def run(duration: float, seed: int, out: Path, kinds: tuple[str, ...] = nemesis.
                             cluster.restart(name)
                         except AssertionError as exc:  # judged as the nemesis' fault (and unconverged)
                             nem.errors.append(f"restart {name} after the run: {str(exc)[:300]}")
-                final = final_state(config, cluster.secret(), items)
+                final = final_state(config, cluster.secret(), items, history=history,
+                                    admin_token=cluster.admin_token())
             finally:
                 logs = cluster.logs_tail(lines=60)
                 cluster.stop()

@@ -16,7 +16,10 @@ and digest after healing), and checks the guarantees of docs/replication.md:
 - ``doubled-buy``: no order number was given to two buys; per book, no more confirmed orders than
   acknowledged buys plus buys whose outcome is unknown (an unknown buy happened at most once).
 - ``stock-equation``: per book, on every catalog replica, final stock = initial + the updates that took
-  effect - the copies in confirmed orders (decrements equal confirmed orders); never negative.
+  effect - the copies in confirmed orders (decrements equal confirmed orders); never negative. An
+  update of unknown outcome is sent again under its key after the run (``final.json``'s
+  ``settled_updates``), so that its answer says whether it took effect: the equation is exact
+  unless one stays unanswered.
 - ``own-order``: a read of an acknowledged order never answers 404 or another book.
 - ``integrity``: every replica's SQLite files pass ``PRAGMA integrity_check`` after the run.
 - ``nemesis``: every fault was applied and undone (a fault that failed tested nothing).
@@ -204,9 +207,16 @@ def check(run: Path, timeout: float = 300) -> dict[str, Any]:
         sold[o["item_number"]] += o["quantity"]
     added: Counter[int] = Counter()
     maybe: Counter[int] = Counter()
+    # An update of unknown outcome sent again under its key after the run (``chaos.settle_updates``)
+    # took effect once if that answer was 200, never if another; one still unanswered may have.
+    settled = final.get("settled_updates", {})
     for op in ops:
-        if op["kind"] == "update":
-            (added if op["output"] is not None else maybe)[op["item"]] += op["input"]["stock_delta"]
+        if op["kind"] != "update":
+            continue
+        if op["output"] is not None or settled.get(op["input"].get("key")) == 200:
+            added[op["item"]] += op["input"]["stock_delta"]
+        elif settled.get(op["input"].get("key")) is None:
+            maybe[op["item"]] += op["input"]["stock_delta"]
     for name, r in replicas.items():
         if not name.startswith("catalog"):
             continue

@@ -206,7 +206,7 @@ def judge(c: Cluster, load: BackgroundLoad, history: Any, windows: list[dict[str
     run.mkdir()
     history.save(run / "history.json")
     (run / "nemesis.json").write_text(json.dumps({"windows": windows, "errors": []}))
-    final = final_state(c.cluster_config(), c.secret(), ITEMS)
+    final = final_state(c.cluster_config(), c.secret(), ITEMS, history=history, admin_token=c.admin_token())
     (run / "final.json").write_text(json.dumps(final))
     result = chaos_check.check(run, timeout=120)
     print(chaos_check.summary(result))

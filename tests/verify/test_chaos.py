@@ -38,6 +38,11 @@ def test_a_quick_run_with_every_fault_finds_no_anomaly(tmp_path: Path) -> None:
     assert result["by_outcome"].get("buy/out_of_stock", 0) > 0, "two books are meant to sell out"
     final = json.loads((out / "final.json").read_text())
     assert final["converged"] and len(final["integrity"]) == 12  # 6 replicas x (log, state), all checked
+    # Every update of unknown outcome was sent again under its key and answered on the healed
+    # cluster: the stock equation was exact.
+    ops = json.loads((out / "history.json").read_text())["ops"]
+    unknown = {op["input"]["key"] for op in ops if op["kind"] == "update" and op["output"] is None}
+    assert set(final["settled_updates"]) == unknown and None not in final["settled_updates"].values(), final["settled_updates"]
     # Each lost host was replaced: the lost replicas are gone, the new hosts' replicas are the ones
     # read and checked (and their databases), each added, caught up, promoted, then the old removed.
     steps = [w["steps"] for w in json.loads((out / "nemesis.json").read_text())["windows"] if w["kind"] == "host-lost"]

@@ -149,3 +149,31 @@ def test_orders_are_told_apart_by_their_keys(tmp_path: Path) -> None:
     assert not result["ok"] and "doubled-buy" in result["anomalies_by_kind"], result["anomalies"]
     result = judge(tmp_path, keyed(clean_run(), {1: "k:b2", 2: "k:b1", 3: "g:x"}))  # acknowledged under another key
     assert not result["ok"] and "lost-buy" in result["anomalies_by_kind"], result["anomalies"]
+
+
+def test_an_update_of_unknown_outcome_counts_as_its_key_says(tmp_path: Path) -> None:
+    """An update whose answer was lost allowed the stock a range (it did or did not take effect), and
+    a lost decrement of the same size hid in it. Sent again under its key after the run
+    (``settled_updates``), it took effect once if answered 200: the equation is exact again."""
+    def unknown_update(stock: int, settled: dict[str, int | None] | None) -> tuple[dict[str, Any], ...]:
+        run = clean_run()
+        run[0]["ops"].append(op("update", 1, 220, None, None, stock_delta=1, cost=1200, key="u2"))
+        for name, r in run[2]["replicas"].items():
+            if name.startswith("catalog"):
+                r["books"]["1"]["stock"] = stock
+        if settled is not None:
+            run[2]["settled_updates"] = settled
+        return run
+
+    # Not sent again (or no answer to it): 9 or 10 both pass, so a lost decrement (10 without the update) hides.
+    assert judge(tmp_path, unknown_update(10, None))["ok"]
+    assert judge(tmp_path, unknown_update(10, {"u2": None}))["ok"]
+    # Sent again and answered 200: it took effect exactly once, so the stock is 10, and 11 (the
+    # update applied now, on top of a lost decrement) or 9 (applied never) is named.
+    assert judge(tmp_path, unknown_update(10, {"u2": 200}))["ok"]
+    for wrong in (9, 11):
+        result = judge(tmp_path, unknown_update(wrong, {"u2": 200}))
+        assert list(result["anomalies_by_kind"]) == ["stock-equation"], result["anomalies"]
+    # Answered with a refusal (its key's first answer): it never took effect.
+    assert judge(tmp_path, unknown_update(9, {"u2": 404}))["ok"]
+    assert not judge(tmp_path, unknown_update(10, {"u2": 404}))["ok"]

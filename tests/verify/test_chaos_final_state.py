@@ -46,3 +46,39 @@ def test_a_timeout_that_persists_is_raised(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(chaos.time, "sleep", lambda s: None)
     with pytest.raises(requests.Timeout):
         chaos._Patient(_Answers(*[requests.ReadTimeout()] * 5)).get("http://x")  # type: ignore[arg-type]
+
+
+def test_updates_of_unknown_outcome_are_sent_again_under_their_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only updates of unknown outcome, each under its own key and body, through the frontends in
+    turn, until an answer below 500: that answer is what ``chaos_check`` counts it by."""
+    from pygmy.kit.config import ClusterConfig
+    from pygmy.verify.lincheck import History
+
+    history = History({1: {"cost": 1000, "stock": 10}, 2: {"cost": 2000, "stock": 5}})
+    lost = history.invoke(0, "update", 1, {"stock_delta": 2, "cost": 1101, "key": "u-lost"})
+    history.unknown(lost)
+    done = history.invoke(0, "update", 2, {"stock_delta": 1, "cost": 2001, "key": "u-done"})
+    history.ok(done, {"cost": 2001, "stock": 6})
+    never = history.invoke(0, "update", 2, {"stock_delta": 3, "cost": 2002, "key": "u-never"})
+    history.unknown(never)
+    sent: list[tuple[str, dict, str]] = []
+    answers: dict[str, list[int | Exception]] = {"u-lost": [requests.ConnectionError(), 503, 200], "u-never": [404]}
+
+    def post(self: requests.Session, url: str, json: dict, headers: dict, timeout: float) -> requests.Response:
+        sent.append((url, json, headers["Idempotency-Key"]))
+        answer = answers[headers["Idempotency-Key"]].pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        r = requests.Response()
+        r.status_code = answer
+        return r
+
+    monkeypatch.setattr(requests.Session, "post", post)
+    monkeypatch.setattr(chaos.time, "sleep", lambda s: None)
+    config = ClusterConfig(port_base=9000, frontends=2)
+    assert chaos.settle_updates(config, history, "token") == {"u-lost": 200, "u-never": 404}
+    f1, f2 = config.frontend_url(1), config.frontend_url(2)
+    assert sent == [(f"{f1}/update/1", {"stock_delta": 2, "cost": 11.01}, "u-lost"),
+                    (f"{f2}/update/1", {"stock_delta": 2, "cost": 11.01}, "u-lost"),
+                    (f"{f1}/update/1", {"stock_delta": 2, "cost": 11.01}, "u-lost"),
+                    (f"{f1}/update/2", {"stock_delta": 3, "cost": 20.02}, "u-never")]
