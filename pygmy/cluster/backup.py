@@ -27,6 +27,7 @@ with ``--with-secrets`` only, ``secret`` and ``admin-token``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -597,11 +598,21 @@ class Scheduled(Periodic):
         self.config, self.say = config, say
         self.folder = Path(config.backup_dir) if config.backup_dir else config.root / "backups"
 
+    def members_now(self) -> ClusterConfig:
+        """The cluster's settings with each tier's members as ``cluster.json`` says now (``pygmy
+        member`` keeps it in step): a replaced host's replica is asked, not the one it replaced,
+        which serves nothing once removed (every round failed until ``up`` restarted)."""
+        try:
+            now = ClusterConfig.load(self.config.data_dir)
+        except (RuntimeError, OSError, ValueError, TypeError):
+            return self.config
+        return dataclasses.replace(self.config, members=now.members, tier_learners=now.tier_learners)
+
     def work(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         dest = self.folder / f"pygmy-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S%fZ')}.tar"
         try:
-            backup(self.config, dest, stopping=self._stop)
+            backup(self.members_now(), dest, stopping=self._stop)
         except (BackupError, OSError, sqlite3.Error) as exc:
             self.say(f"scheduled backup failed (next in {self.every:g} s): {exc}")
             return

@@ -276,6 +276,30 @@ def test_scheduled_backups_prune_only_their_own_archives_and_never_the_newest(
     assert sorted(p.name for p in folder.glob("pygmy-2999*")) == [ahead[2].name]  # with the new one: 2 kept
 
 
+def test_scheduled_backups_ask_the_members_pygmy_member_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round takes each tier's members from ``cluster.json`` as ``pygmy member`` left it, not as
+    ``pygmy up`` started: after a lost host's replica is replaced, the removed one (which serves
+    nothing) is not what every round asks."""
+    from pygmy.cluster import members
+    from pygmy.kit.config import ClusterConfig
+
+    config = ClusterConfig(data_dir=str(tmp_path / "data"), backup_every=60, backup_dir=str(tmp_path / "b"))
+    config.save()
+    asked: list[dict[str, str]] = []
+    monkeypatch.setattr(backup, "backup", lambda config, dest, *a, **k: asked.append(config.peers("order")))
+    scheduled = backup.Scheduled(config, lambda line: None)
+    scheduled.work()
+    first = config.peers("order")
+    assert asked == [first] and "order-3" in first
+    urls = {**first, "order-4": "http://127.0.0.1:9204"}
+    del urls["order-3"]
+    members.record(ClusterConfig.load(config.data_dir), "order",
+                   {"voters": ["order-1", "order-2", "order-4"], "learners": [], "urls": urls})
+    scheduled.work()
+    assert list(asked[1]) == ["order-1", "order-2", "order-4"] and asked[1]["order-4"] == "http://127.0.0.1:9204"
+    assert config.peers("order") == first  # the settings ``up`` runs with are left as they were
+
+
 def test_a_scheduled_backup_under_way_ends_when_stopped_and_leaves_no_copies(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``pygmy up`` stopping: a backup still asking for its copies (for up to two minutes) ends at
