@@ -493,7 +493,7 @@ def restore(archive: Path, config: ClusterConfig, force: bool = False, say: Say 
 
 def restored_marker(config: ClusterConfig) -> Path:
     """Written by a restore; ``pygmy up`` checks the replicas against it, then removes it."""
-    return config.run_dir() / "restored.json"
+    return config.restored_file()
 
 
 def refuse_unfinished(config: ClusterConfig, reset_state: bool) -> None:
@@ -505,11 +505,7 @@ def refuse_unfinished(config: ClusterConfig, reset_state: bool) -> None:
     if reset_state:
         marker.unlink()
         return
-    try:
-        unfinished = bool(json.loads(marker.read_text()).get("unfinished"))
-    except ValueError:  # cut short while it was written: as unfinished as can be
-        unfinished = True
-    if unfinished:
+    if config.unfinished_restore():
         raise launcher.LaunchError(f"a restore into {config.root} did not finish: run it again with --force "
                                    "(or start afresh with --reset)")
 

@@ -351,10 +351,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.tier != "frontend" and f"{args.tier}-{args.id}" not in config.peers(args.tier):
                 raise SystemExit(f"pygmy: {args.tier}-{args.id} is not a {args.tier} replica: "
                                  f"{', '.join(config.peers(args.tier))} are (pygmy member add)")
-            if args.tier != "frontend":
-                from pygmy.cluster.backup import refuse_unfinished
-
-                refuse_unfinished(config, reset_state=False)  # as ``up`` and ``start``, whoever runs it
+            if args.tier != "frontend" and config.unfinished_restore():  # as ``up`` and ``start`` refuse it
+                raise SystemExit(f"pygmy serve: a restore into {config.root} did not finish: run it again "
+                                 "with --force (or start afresh with pygmy up --reset)")
             config.secret()  # fail early and clearly without one
             if args.tier == "frontend":
                 config.admin_token()  # only the frontend needs it; refused if it equals the secret

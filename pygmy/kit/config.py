@@ -298,6 +298,22 @@ class ClusterConfig:
     def cluster_file(self) -> Path:
         return self.run_dir() / "cluster.json"
 
+    def restored_file(self) -> Path:
+        """Written by ``pygmy restore`` (unfinished first, its checks last); ``pygmy up`` checks the
+        replicas against it, then removes it (``pygmy/cluster/backup.py``)."""
+        return self.run_dir() / "restored.json"
+
+    def unfinished_restore(self) -> bool:
+        """Whether a restore into this data dir was cut short: no replica may run on it. Here, not
+        in the backup module, so that ``pygmy serve`` asks without importing it (and Requests,
+        Flask and prometheus_client before its metrics folder is set)."""
+        try:
+            return bool(json.loads(self.restored_file().read_text()).get("unfinished"))
+        except FileNotFoundError:
+            return False
+        except ValueError:  # cut short while it was written: as unfinished as can be
+            return True
+
     def secret(self, create: bool = False) -> str:
         """The internal secret between services (replication, leases, invalidation pushes, every
         replica endpoint): ``PYGMY_SECRET`` if set, else ``D/secret`` (made when ``create``)."""

@@ -23,3 +23,21 @@ def test_a_service_process_never_imports_requests_or_the_launcher() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_the_serve_command_imports_nothing_before_its_metrics_folder_is_set(tmp_path) -> None:
+    """What ``pygmy serve``'s own checks import runs before ``serve`` sets the folder that the
+    Gunicorn workers' metrics are shared through: prometheus_client fixes how it keeps values
+    when first imported, and a replica's request counters then lived in each worker alone and
+    never reached ``/metrics`` (a restore check that imported the backup module did that)."""
+    code = (
+        "import sys\n"
+        "from pygmy.cluster import cli, serve\n"
+        "serve.serve = lambda *a: print(sorted(m for m in ('prometheus_client', 'requests', 'flask',\n"
+        "    'pygmy.cluster.backup', 'pygmy.cluster.launcher') if m in sys.modules))\n"
+        f"cli.main(['serve', 'order', '--id', '1', '--data-dir', {str(tmp_path)!r}])\n"
+    )
+    env = {"PYGMY_SECRET": "s" * 32, "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
