@@ -243,6 +243,11 @@ def read_orders(get: Any, url: str, headers: dict[str, str], settle: float = 15.
     return found
 
 
+#: The answers that tell an update's outcome by its key: 200 took effect once, 404 and 409 never
+#: (the key's first answer). Any other (a 401 for a wrong token, a 503) tells nothing.
+SETTLED = (200, 404, 409)
+
+
 def settle_updates(config: ClusterConfig, history: lincheck.History, admin_token: str,
                    timeout: float = 60) -> dict[str, int | None]:
     """Each update of unknown outcome sent again under its key, through a frontend, until a
@@ -264,7 +269,7 @@ def settle_updates(config: ClusterConfig, history: lincheck.History, admin_token
                 try:
                     r = s.post(f"{urls[attempt % len(urls)]}/update/{op.item}", json=body, timeout=5,
                                headers={**auth, "Idempotency-Key": key})
-                    if r.status_code < 500:
+                    if r.status_code in SETTLED:
                         out[key] = r.status_code
                         break
                 except requests.RequestException:
@@ -280,7 +285,9 @@ def final_state(config: ClusterConfig, secret: str, items: list[int], timeout: f
     """Wait until the replicas agree and stay put for 3 s (the order leader's sweeper finishes
     intents left by faults within a few seconds), then read every book and order from every replica.
     With ``history``, first learn what became of its updates of unknown outcome (``settle_updates``)."""
-    settled = settle_updates(config, history, admin_token or "") if history is not None else {}
+    if history is not None and not admin_token:
+        raise ValueError("settling a history's updates needs the admin token")
+    settled = settle_updates(config, history, admin_token) if history is not None and admin_token else {}
     deadline = time.monotonic() + timeout
     last, since = None, time.monotonic()
     while True:

@@ -82,3 +82,23 @@ def test_updates_of_unknown_outcome_are_sent_again_under_their_keys(monkeypatch:
                     (f"{f2}/update/1", {"stock_delta": 2, "cost": 11.01}, "u-lost"),
                     (f"{f1}/update/1", {"stock_delta": 2, "cost": 11.01}, "u-lost"),
                     (f"{f1}/update/2", {"stock_delta": 3, "cost": 20.02}, "u-never")]
+
+
+def test_an_answer_that_tells_nothing_leaves_an_update_unknown(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 401 (a wrong token) or a 400 says nothing of the update's outcome: it stays unknown (the
+    stock equation allows it either way), never counted as not done."""
+    from pygmy.kit.config import ClusterConfig
+    from pygmy.verify.lincheck import History
+
+    history = History({1: {"cost": 1000, "stock": 10}})
+    history.unknown(history.invoke(0, "update", 1, {"stock_delta": 2, "cost": 1101, "key": "u-x"}))
+
+    def post(self: requests.Session, url: str, **kw: object) -> requests.Response:
+        r = requests.Response()
+        r.status_code = 401
+        return r
+
+    monkeypatch.setattr(requests.Session, "post", post)
+    assert chaos.settle_updates(ClusterConfig(port_base=9000), history, "wrong", timeout=0) == {"u-x": None}
+    with pytest.raises(ValueError, match="admin token"):
+        chaos.final_state(ClusterConfig(port_base=9000), "s", [1], history=history)
