@@ -1,6 +1,7 @@
 """Test-side names for the local cluster driver (``pygmy.cluster.local``), and the test-only hooks."""
 
 import contextlib
+import json
 import os
 import re
 import socket
@@ -14,11 +15,11 @@ from werkzeug.serving import make_server
 
 from pygmy.cluster.local import LocalCluster as Cluster
 from pygmy.cluster.local import free_port_base, pygmy, start_cluster
-from pygmy.verify import lincheck
-from pygmy.verify.chaos import ChaosWorkload
+from pygmy.verify import chaos_check, lincheck
+from pygmy.verify.chaos import ChaosWorkload, final_state
 
 __all__ = ["CHECKED", "FAULTS_AT_STOP", "MUTATIONS", "BackgroundLoad", "Cluster", "FakeLeadership", "StandIn", "cluster_env",
-           "free_port_base", "hidden_faults", "http_answer", "http_answers", "pygmy", "read_answer", "send_whole_buys", "start_cluster", "stop_checked",
+           "free_port_base", "hidden_faults", "http_answer", "http_answers", "judge_from_outside", "pygmy", "read_answer", "send_whole_buys", "start_cluster", "stop_checked",
            "wait_for"]
 
 #: Test-only faults and mutations (``tests/mutations/sitecustomize.py``), for the processes of a cluster.
@@ -207,3 +208,19 @@ class BackgroundLoad(ChaosWorkload):
         target = len(self.acked) + more
         wait_for(f"{target} buys acknowledged", lambda: len(self.acked) >= target or self._failure, timeout)
         assert self._failure is None, self._failure
+
+
+def judge_from_outside(c: Cluster, run: Path, history: lincheck.History, windows: list[dict[str, Any]],
+                       items: list[int]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``run`` written as a chaos run writes it (the history, the fault windows, the final state of
+    every replica, updates of unknown outcome settled first) and judged by ``chaos_check``: every
+    acknowledged buy an order on every order replica, none doubled, stock adding up, one index and
+    digest per tier, Porcupine. Fails on any anomaly; returns the verdict and the final state."""
+    run.mkdir()
+    history.save(run / "history.json")
+    (run / "nemesis.json").write_text(json.dumps({"windows": windows, "errors": []}))
+    final = final_state(c.cluster_config(), c.secret(), items, history=history, admin_token=c.admin_token())
+    (run / "final.json").write_text(json.dumps(final))
+    result = chaos_check.check(run, timeout=120)
+    assert result["ok"], chaos_check.summary(result)
+    return result, final

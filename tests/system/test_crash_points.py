@@ -20,7 +20,6 @@ build survives.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import threading
@@ -30,11 +29,11 @@ from pathlib import Path
 
 import pytest
 import requests
-from harness import BackgroundLoad, Cluster, cluster_env, free_port_base, wait_for
+from harness import BackgroundLoad, Cluster, cluster_env, free_port_base, judge_from_outside, wait_for
 
 from pygmy.cluster import launcher
-from pygmy.verify import chaos_check, lincheck
-from pygmy.verify.chaos import final_state, leader_of, replica_status
+from pygmy.verify import lincheck
+from pygmy.verify.chaos import leader_of, replica_status
 
 ITEMS = list(range(1, 8))
 
@@ -223,14 +222,7 @@ def check_from_outside(c: Cluster, tmp_path: Path, load: BackgroundLoad, history
     """Every guarantee, judged from outside by ``chaos_check``: acknowledged buys are orders on
     every order replica and none is doubled, stock adds up, each tier has one applied index and
     state digest, and Porcupine finds the history linearizable."""
-    run = tmp_path / "run"
-    run.mkdir()
-    history.save(run / "history.json")
-    (run / "nemesis.json").write_text(json.dumps({"windows": windows, "errors": []}))
-    final = final_state(c.cluster_config(), c.secret(), ITEMS, history=history, admin_token=c.admin_token())
-    (run / "final.json").write_text(json.dumps(final))
-    result = chaos_check.check(run, timeout=120)
-    assert result["ok"], chaos_check.summary(result)
+    result, _ = judge_from_outside(c, tmp_path / "run", history, windows, ITEMS)
     assert load.errors == [], load.errors[:5]
     counts = result["by_outcome"]
     assert counts.get("buy/ok", 0) >= 20 and counts.get("lookup/ok", 0) >= 50, counts

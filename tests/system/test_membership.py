@@ -41,12 +41,12 @@ from typing import Any
 
 import pytest
 import requests
-from harness import BackgroundLoad, Cluster, cluster_env, free_port_base, wait_for
+from harness import BackgroundLoad, Cluster, cluster_env, free_port_base, judge_from_outside, wait_for
 
 from pygmy.cluster import launcher
 from pygmy.order.app import ORPHAN_AGE, SCAN_EVERY
-from pygmy.verify import chaos_check, hosts
-from pygmy.verify.chaos import final_state, leader_of
+from pygmy.verify import hosts
+from pygmy.verify.chaos import leader_of
 
 ITEMS = list(range(1, 8))
 
@@ -203,14 +203,7 @@ def judge(c: Cluster, load: BackgroundLoad, history: Any, windows: list[dict[str
           members: dict[str, set[str]]) -> None:
     """From outside (``chaos_check``): every acknowledged buy an order on every order replica, none
     doubled, stock adding up on every catalog replica, one index and digest per tier, Porcupine."""
-    run.mkdir()
-    history.save(run / "history.json")
-    (run / "nemesis.json").write_text(json.dumps({"windows": windows, "errors": []}))
-    final = final_state(c.cluster_config(), c.secret(), ITEMS, history=history, admin_token=c.admin_token())
-    (run / "final.json").write_text(json.dumps(final))
-    result = chaos_check.check(run, timeout=120)
-    print(chaos_check.summary(result))
-    assert result["ok"], chaos_check.summary(result)
+    result, final = judge_from_outside(c, run, history, windows, ITEMS)
     assert {n for n in final["replicas"]} == members["catalog"] | members["order"]
     assert load.errors == [], load.errors[:5]
     counts = result["by_outcome"]
