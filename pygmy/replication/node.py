@@ -276,7 +276,9 @@ class _Sender:
         node, cfg = self.node, self.node.config
         if node._stopping.is_set():
             return
-        path = node.snapshot_out / f"{self.peer}.db"
+        # A file of its own: a peer removed and added again has a new sender while the old one may
+        # still be writing or deleting its copy (``pin.write`` cannot be cut short).
+        path = node.snapshot_out / f"{self.peer}-{secrets.token_hex(6)}.db"
         try:
             pin, term, membership = node._pin_state()
             try:

@@ -898,3 +898,38 @@ def test_a_leader_past_its_lease_does_not_give_its_view_of_the_members_as_curren
     with pytest.raises(ReadIndexUnavailable):
         leader.members(leased=True)
     assert leader.members()["leader"] == leader.name  # the node's own callers may still look
+
+
+def test_two_senders_to_one_peer_stream_from_files_of_their_own(tmp_path: Path) -> None:
+    """A peer removed and added again gets a new sender while the old one may still be copying or
+    deleting its snapshot file: each stream's copy is a file of its own, never the other's (one
+    shared name let one sender's copy be written over, or deleted, under the other's stream)."""
+    from types import SimpleNamespace
+
+    from pygmy.replication.core import Message
+    from pygmy.replication.node import _Sender
+
+    written: list[Path] = []
+    seen_during: list[list[str]] = []
+
+    class Pin:
+        index = 5
+
+        def write(self, path: Path) -> None:
+            path.write_bytes(b"state at 5")
+            written.append(path)
+
+        def close(self) -> None:
+            pass
+
+    out = tmp_path / "out"
+    out.mkdir()
+    node = SimpleNamespace(secret="s", name="kv-1", url="http://x", config=ReplicationConfig(),
+                           _stopping=threading.Event(), snapshot_out=out,
+                           _pin_state=lambda: (Pin(), 1, Membership(frozenset({"kv-1", "kv-2"}))))
+    senders = [_Sender(node, "kv-2", ("127.0.0.1", 9)) for _ in range(2)]  # type: ignore[arg-type]
+    for s in senders:
+        s.client.send = lambda frame, timeout: seen_during.append(sorted(p.name for p in out.iterdir()))  # type: ignore[method-assign]
+        s._stream_snapshot(Message("snapshot", "kv-1", "kv-2", 1))
+    assert len(written) == 2 and written[0] != written[1] and all(p.name.startswith("kv-2") for p in written)
+    assert seen_during and not list(out.iterdir())  # each deleted its own once streamed
