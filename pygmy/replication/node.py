@@ -481,6 +481,9 @@ class ReplicaNode:
         #: A turn's error, for the loop thread to handle (a fault, then a reload from disk); no other
         #: thread takes a turn while it is set.
         self._broken: BaseException | None = None
+        #: A long piece of work the loop's turn is doing now (a snapshot install: a copy and a sync
+        #: as long as the state is large), and since when: live, however long no turn is taken.
+        self._busy: tuple[str, float] | None = None
         self._next_tick = 0.0  # when (monotonic) the core's next tick falls due
         self._proposals: dict[int, _Proposal] = {}
         self._apply_cond = threading.Condition()
@@ -898,7 +901,8 @@ class ReplicaNode:
 
     def liveness(self, turn_within: float = 2.0) -> str | None:
         """Why this replica is not live (None: it is): its event loop has exited, or takes no turn
-        within ``turn_within`` s (a deadlock; a restart is the cure). A fault the supervisor is
+        within ``turn_within`` s (a deadlock; a restart is the cure) and is not installing a
+        snapshot (a large one takes longer, and a restart would begin it again). A fault the supervisor is
         retrying (a full disk) is live: a restart would not cure it, and the node recovers by itself
         once the cause clears. Asks no other replica."""
         if not self._started or self._stopping.is_set():
@@ -909,6 +913,8 @@ class ReplicaNode:
             try:
                 self.in_turn(lambda core: None, turn_within)
             except ProposalTimeout:
+                if self._busy is not None:  # a restart would only begin it again
+                    return None
                 return f"{self.name}: no replication turn within {turn_within:g} s"
         return None
 
@@ -1279,6 +1285,7 @@ class ReplicaNode:
         if snap is not None:
             if snap.data is None:
                 raise RuntimeError("snapshot message without payload")
+            self._busy = (f"installing a snapshot at index {snap.index}", time.monotonic())
             try:
                 self.store.begin_install(snap.index, snap.term, snap.membership)
                 with self._apply_lock:
@@ -1287,6 +1294,7 @@ class ReplicaNode:
                     self._applied_at = (snap.index, snap.term)
                     self._applied_membership = snap.membership or self.core.snap_membership
             finally:  # installed, or lost with the rest of what the loop held (it reloads from disk)
+                self._busy = None
                 self._incoming.discard(snap.data)
             self.snapshots_installed += 1
             log.info("%s: installed a snapshot at index %d (its log was behind the leader's compaction)",

@@ -933,3 +933,34 @@ def test_two_senders_to_one_peer_stream_from_files_of_their_own(tmp_path: Path) 
         s._stream_snapshot(Message("snapshot", "kv-1", "kv-2", 1))
     assert len(written) == 2 and written[0] != written[1] and all(p.name.startswith("kv-2") for p in written)
     assert seen_during and not list(out.iterdir())  # each deleted its own once streamed
+
+
+def test_a_replica_installing_a_long_snapshot_stays_live(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A snapshot install runs in the loop's turn, as long as the state takes to copy and sync:
+    ``/livez`` (``liveness``) says live meanwhile, or a liveness probe restarted the replica in
+    the middle, and it needed the same snapshot again, and again."""
+    restore = SQLiteStateMachine.restore
+    copying, go_on = threading.Event(), threading.Event()
+
+    def slow_restore(self: SQLiteStateMachine, index: int, source: Path) -> None:
+        copying.set()
+        go_on.wait(10)
+        restore(self, index, source)
+
+    cluster = Harness(tmp_path)
+    try:
+        leader = cluster.leader()
+        away = next(n for n in cluster.nodes if n != leader.name)
+        cluster.stop(away)
+        for _ in range(150):  # past keep_entries + slack: compacted beyond what ``away`` holds
+            leader.propose({"k": "a", "add": 1}, timeout=5)
+        monkeypatch.setattr(SQLiteStateMachine, "restore", slow_restore)
+        back = cluster.start(away)
+        assert copying.wait(10)
+        assert back.liveness(turn_within=0.3) is None
+        go_on.set()
+        cluster.until(lambda: back.snapshots_installed == 1)
+        assert back.liveness(turn_within=2.0) is None
+    finally:
+        go_on.set()
+        cluster.close()
