@@ -100,7 +100,8 @@ class Board:
 
     A cap that follows latency is kept here too, one per class (``cap``, ``set_cap``; 0 until a
     worker sets it): every worker judges the count against the same cap and moves it with its own
-    requests' latency. Two workers closing a window at the same instant may lose one step of it."""
+    requests' latency. A worker writes the cap only when a window of its own moves it, so two
+    workers moving it at the same instant may lose one step of it, and nothing else does."""
 
     def __init__(self, classes: Iterable[str], slots: int) -> None:
         self.classes = list(classes)
@@ -322,8 +323,9 @@ class Gate:
             if shared is not None:  # another worker may have moved the cap since
                 adaptive.value = shared[0].cap(shared[1]) or adaptive.value
             now = time.monotonic()
+            before = adaptive.value
             adaptive.observe(now, now - entered)
-            if shared is not None:
+            if shared is not None and adaptive.value != before:  # a window closed and moved it
                 shared[0].set_cap(shared[1], adaptive.value)
 
 

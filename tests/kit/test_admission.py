@@ -353,3 +353,28 @@ def test_workers_on_one_board_share_one_following_cap(monkeypatch: pytest.Monkey
         body.close()
     rounds(b, 0.01, 60, False)
     assert a.snapshot()["write"]["limit"] == 40, "the other worker's fast buys grew the shared cap back"
+
+
+def test_a_worker_writes_the_shared_cap_only_when_its_own_window_moves_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another worker's step that lands while this one finishes a request (its thread paused
+    between reading the cap and writing it back) is kept: a request that closes no window of
+    this worker's writes nothing (every request wrote the cap it had read back, undoing the step)."""
+    clock = [100.0]
+    monkeypatch.setattr(admission.time, "monotonic", lambda: clock[0])
+    board = Board(["write"], slots=2)
+    a, b = (Admission(Inner(), "svc-o", {"write": 40}, tolerances={"write": 2.0}) for _ in range(2))
+    a.share(board, 0)
+    b.share(board, 1)
+    adaptive = a.gates["write"].adaptive
+    assert adaptive is not None
+    observe = adaptive.observe
+
+    def meanwhile(now: float, latency: float) -> None:
+        board.set_cap("write", 23.0)  # the other worker's window cut it, right now
+        observe(now, latency)
+
+    monkeypatch.setattr(adaptive, "observe", meanwhile)
+    body = call(a, "POST", "/buy/1")[2]
+    clock[0] += 0.01
+    body.close()  # one sample: no window of this worker's closes
+    assert board.cap("write") == 23.0 and b.snapshot()["write"]["limit"] == 23
