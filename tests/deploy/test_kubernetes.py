@@ -72,7 +72,13 @@ def test_the_tiers_are_laid_out_as_the_issue_asks() -> None:
     # The reverse proxy is what clients reach: in front of the frontends' Service, live without them.
     proxy = docs["Deployment", "proxy"]["spec"]["template"]["spec"]["containers"][0]
     assert {"name": "PYGMY_PROXY_UPSTREAMS", "value": "frontend:8000"} in proxy["env"]
-    assert proxy["readinessProbe"]["httpGet"]["path"] == "/readyz" and "tcpSocket" in proxy["livenessProbe"]
+    # Its probes ask no frontend: frontends all unready must not take the proxies out too (503s in
+    # JSON, not refused connections).
+    assert "tcpSocket" in proxy["readinessProbe"] and "tcpSocket" in proxy["livenessProbe"] and "startupProbe" not in proxy
+    # A frontend being stopped leaves the Service's endpoints before Gunicorn closes its listener.
+    front_ctr = front["template"]["spec"]["containers"][0]
+    assert front_ctr["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
+    assert front["template"]["spec"]["terminationGracePeriodSeconds"] >= 5 + 10 + 1
     assert docs["Service", "proxy"]["spec"]["type"] == "LoadBalancer" and docs["Service", "frontend"]["spec"]["type"] == "ClusterIP"
     assert docs["PodDisruptionBudget", "proxy"]["spec"]["minAvailable"] == 1
 
