@@ -59,6 +59,8 @@ from pygmy.replication.transport import BUYS_CHANNEL, SUBSCRIBE_CHANNEL
 READ_DEADLINE = 5.0
 UPDATE_DEADLINE = 5.0
 MAX_KEY = 200
+#: How long a probe's verdict (``/health``, ``/readyz``: questions to the tiers) is reused, in seconds.
+PROBE_AGE = 0.5
 BOOK_FIELDS = ("item_number", "title", "topic", "stock", "cost")
 #: Books per search answer unless ``limit`` says otherwise, and the most ``limit`` may ask for.
 SEARCH_LIMIT, SEARCH_MAX = 100, 1000
@@ -407,10 +409,16 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
     def tier_alive(router: TierRouter) -> bool:
         return first_replica(router, "/health", lambda reply: reply.status == 200) is not None
 
+    # Probes are asked by anyone, as often as they like: each verdict is found by one caller at a
+    # time per worker and reused for ``PROBE_AGE`` s (``StatusView``; callers during a refresh get
+    # the last one), or a flood of them queued behind the two probe threads, held every Gunicorn
+    # thread, and kubelet's ``/readyz`` and then ``/livez`` timed out: a restart of a working frontend.
+    alive_view = StatusView(lambda: {"ok": all(probe.map(tier_alive, (catalog, orders)))}, PROBE_AGE)
+
     @app.get("/health")
     def health() -> Response:
         """Kept for compatibility: a replica of each tier answers. ``/livez`` and ``/readyz`` mean more."""
-        ok = all(probe.map(tier_alive, (catalog, orders)))
+        ok = alive_view.get()[0]["ok"]
         if not ok:
             fail(503, f"{name} cannot reach a catalog and an order replica")
         return jsonify({"name": name, "status": "ok"})
@@ -425,11 +433,14 @@ def create_app(config: ClusterConfig, k: int = 1) -> Flask:
         """The tier's leader, ready (holding its lease) and reachable from here, else None."""
         return first_replica(router, "/readyz", lambda reply: reply.status == 200 and reply.body.get("role") == "leader")
 
+    leaders_view = StatusView(
+        lambda: dict(zip(("catalog", "order"), probe.map(tier_leader, (catalog, orders)), strict=True)), PROBE_AGE)
+
     @app.get("/readyz")
     def readyz() -> Response:
         """This frontend can serve buys and updates now: it reaches a leader of each tier that holds
         its lease. Not while a tier elects, nor while this frontend cannot reach its leader."""
-        leaders = dict(zip(("catalog", "order"), probe.map(tier_leader, (catalog, orders)), strict=True))
+        leaders = dict(leaders_view.get()[0])
         missing = [t for t, leader in leaders.items() if leader is None]
         if missing:
             fail(503, f"{name} reaches no ready {' or '.join(missing)} leader", leaders=leaders)

@@ -9,6 +9,7 @@ import time
 from http.client import HTTPConnection
 from typing import Any
 
+import pytest
 import requests
 from harness import Cluster
 
@@ -382,6 +383,33 @@ def test_many_status_pollers_cost_the_replicas_a_bounded_number_of_rounds(cluste
     assert answers == [200] * 60
     workers = cluster.config()["frontend_workers"]
     assert replica_status_calls() - before <= workers * (took / 0.25 + 1)
+
+
+@pytest.mark.parametrize("probe", ["/readyz", "/health"])
+def test_a_flood_of_probes_costs_the_replicas_a_bounded_number_of_rounds(cluster: Cluster, probe: str) -> None:
+    """Anyone may ask a frontend's probes, as often as they like: each worker asks the tiers at most
+    once per ``PROBE_AGE`` s, so a flood cannot queue behind its probe threads and hold every
+    Gunicorn thread until kubelet's own probes time out."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pygmy.frontend.app import PROBE_AGE
+
+    def asked() -> float:
+        total = 0.0
+        for name in cluster.cluster_config().peers("catalog"):
+            text = cluster.replica_get(name, "/metrics").text
+            total += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                         if line.startswith("pygmy_http_requests_total") and f'route="{probe}"' in line)
+        return total
+
+    before, started = asked(), time.monotonic()
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        answers = list(pool.map(lambda _: requests.get(f"{cluster.url}{probe}", timeout=5).status_code, range(80)))
+    took = time.monotonic() - started
+    assert answers == [200] * 80
+    workers = cluster.config()["frontend_workers"]
+    # A round asks the last leader first, and the others only if it does not answer as one.
+    assert asked() - before <= 3 * workers * (took / PROBE_AGE + 1), (asked() - before, took)
 
 
 def test_idempotent_retry(cluster: Cluster) -> None:
