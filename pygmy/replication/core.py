@@ -489,8 +489,16 @@ class RaftCore:
         #: The election window (ticks) the leader we last heard announced, or we announce as leader;
         #: 0: the configured ``election_ticks_min``. Durable (``HardState.floor``).
         self.floor = hs.floor
+        #: As follower: (term, ``ctx``) of the newest leader message whose window we took. One sent
+        #: earlier (a snapshot sent after its stream, a frame overtaken on another connection or by
+        #: the loop's direct send) may carry a lower window, announced before a higher one whose
+        #: acknowledgement the leader already counts a lease on: its window is not taken.
+        self._leader_sent: tuple[int, int] = (0, 0)
         #: What the driver measured the network to need (``set_timing``).
         self._timing = Timing()
+        #: As leader: the driver has told us its timing since we took office. Until then a window
+        #: is not lowered at heartbeats (``_tick_leader``): the one we took over stands.
+        self._timing_told = False
         #: As leader: (tick, window announced from then on), oldest first; the lease counted on an
         #: acknowledgement uses the least window announced since the message acknowledged was sent.
         self._floors: list[tuple[int, int]] = []
@@ -609,12 +617,16 @@ class RaftCore:
 
     def _set_membership(self, m: Membership, index: int) -> None:
         """Put ``m`` (at log ``index``) in force: who votes, who counts, whom a leader replicates to."""
+        old = self.membership
         self.membership, self._membership_index = m, index
         self.peers = sorted(m.members)
         self.others = sorted(m.voters - {self.id})  # whom a candidate asks for votes
         self._quorum = m.quorum
         if self.role == LEADER:
-            for p in sorted(m.members - {self.id} - self._prs.keys()):
+            # Every member new to the configuration starts afresh, even under a name whose removal
+            # has just committed (its progress kept until ``ready`` prunes it): a new replica there
+            # has none of that one's entries, and must not look caught up on what it never answered.
+            for p in sorted(m.members - {self.id} - (self._prs.keys() & old.members)):
                 self._prs[p] = Progress(next=self.last_index + 1, last_progress=self.now)
             # A server being removed still gets entries (counting for nothing) until its removal
             # commits (``ready``): it then holds it, and knows not to campaign.
@@ -690,6 +702,7 @@ class RaftCore:
         """Follow what the driver measured the network to need. As leader, announce the new window
         at once (the next heartbeat or append carries it); as follower, it counts if we lead."""
         self._timing = timing
+        self._timing_told = True
         if self.role == LEADER:
             self._announce(self._wanted_window())
 
@@ -797,6 +810,7 @@ class RaftCore:
         self.floor = self._as_floor(window)
         self._floors = [(self.now, window)]
         self._lease_reach = 0
+        self._timing_told = False
         self._votes = {}
         self._vote_quiet = {}
         self._election_elapsed = 0
@@ -929,6 +943,12 @@ class RaftCore:
         idle = self._idle()
         if self._heartbeat_elapsed >= self._heartbeat_interval(idle):
             self._heartbeat_elapsed = 0
+            if self._timing_told and self._window() > self._wanted_window():
+                # A lower window is announced only as far as the leases given allow (``_announce``):
+                # the rest of the way as time passes, one heartbeat at a time, without waiting for
+                # the driver to measure anything new (on a steady link it never did, and a window
+                # stretched once stayed stretched, durable, across leaders).
+                self._announce(self._wanted_window())
             targets = list(self._prs.items())
             if idle and targets:
                 # Every follower that has not answered what we last sent it (it may be down: then
@@ -1129,9 +1149,11 @@ class RaftCore:
             self.leader = m.src
             self._quiet = 0
             self._campaigns = 0
-            if m.floor != self.floor:
-                self.floor = m.floor  # durable before we answer (HardState): leases count on it
-                self._reset_timeout()
+            if (m.term, m.ctx) >= self._leader_sent:
+                self._leader_sent = (m.term, m.ctx)
+                if m.floor != self.floor:
+                    self.floor = m.floor  # durable before we answer (HardState): leases count on it
+                    self._reset_timeout()
             self._election_elapsed = 0
             if self.first_leader_commit is None:
                 self.first_leader_commit = m.leader_commit

@@ -69,7 +69,7 @@ from pygmy.replication.log_store import LogStore
 from pygmy.replication.snapshots import Incoming, stream_frames
 from pygmy.replication.statemachine import Pin, StateMachine
 from pygmy.replication.storage import describe, is_storage_fault
-from pygmy.replication.timers import Hold, RttMeter, derive, implied, ticks_due
+from pygmy.replication.timers import HOLD, Hold, RttMeter, derive, implied, ticks_due
 from pygmy.replication.transport import (
     CLIENT_ROLES,
     RAFT_CHANNEL,
@@ -163,6 +163,9 @@ class ReplicationConfig(CoreConfig):
     #: Follow the network: a leader times its heartbeats and stretches heartbeats, election window
     #: and lease to the round trips (``pygmy.replication.timers``); False keeps the configured ones.
     adapt: bool = True
+    #: Seconds a lower timing must have been asked for before it replaces a higher one
+    #: (``timers.Hold``): one quiet minute after a slow one does not shrink the windows back and forth.
+    timing_hold_s: float = HOLD
     #: A learner is promoted only while it holds all but at most this many of the leader's entries
     #: (and answered within an election timeout): caught up, so that as a voter it does not hold
     #: back commits. Entries, not commands: an entry carries a batch, so a learner keeping up under
@@ -462,7 +465,7 @@ class ReplicaNode:
         #: Round trips to each follower (timed on our heartbeats while we lead) and the timing they
         #: ask for (``pygmy.replication.timers``), given to the core every ``RETUNE_EVERY``.
         self._rtt = RttMeter()
-        self._timing_hold = Hold()
+        self._timing_hold = Hold(self.config.timing_hold_s)
         self._timing = Timing()
         self._retune_at = 0.0
         self._timers: dict[str, Any] = {}
@@ -1165,9 +1168,11 @@ class ReplicaNode:
         paced = {p: rtt for p, rtt in rtts.items() if p in voters}
         timing = self._timing_hold.update(now, derive(paced, needed, self.config.tick_ms) if self.config.adapt
                                           else Timing())
+        # Told at every retune, changed or not: a leader lowers a window it took over only once
+        # told (``RaftCore._timing_told``), and then step by step as the leases it gave allow.
+        self.core.set_timing(timing)
         if timing != self._timing:
             self._timing = timing
-            self.core.set_timing(timing)
             log.info("%s: round trips %s ask for %s; in force: %s", self.name,
                      {p: (round(m * 1000, 1), round(t * 1000, 1)) for p, (m, t) in rtts.items()}, timing,
                      self.core.timers())
@@ -1519,7 +1524,7 @@ class ReplicaNode:
             # Each leadership measures its own round trips: those of an earlier one are old, and
             # may have been taken across this process's stall (a paused leader that resumed).
             self._rtt = RttMeter()
-            self._timing_hold = Hold()
+            self._timing_hold = Hold(self.config.timing_hold_s)
             if is_leader:
                 now = time.monotonic()
                 self._leader_since = (core.term, now, core.election_gap)

@@ -792,3 +792,31 @@ def test_a_configuration_just_after_the_snapshot_is_found() -> None:
     assert core.compact(index - 1) is not None and core.snap_index == index - 1
     assert "n4" not in core.snap_membership.members
     assert "n4" in core.membership_at(core.last_index).members and "n4" in core.membership_at(index).members
+
+
+def test_a_name_added_again_in_the_turn_its_removal_commits_starts_afresh() -> None:
+    """A removal's commit and the same name's addition (a new replica, an empty disk) taken in one
+    turn: the old replica's progress is still kept until ``ready`` prunes it, and the new member
+    must not inherit it (caught up on entries it never received, promotable at once)."""
+    from raft_sim import make_leader
+
+    from pygmy.replication.core import APPEND_RESP, CoreConfig, Message, RaftCore
+
+    cfg = CoreConfig(heartbeat_ticks=2, election_ticks_min=10, election_ticks_max=20)
+    a = make_leader(RaftCore("a", list("abcd"), config=cfg, rng=1))
+    for p in "bcd":
+        a.step(Message(APPEND_RESP, p, "a", a.term, index=a.last_index, success=True, ctx=a.now))
+    a.ready()
+    removal = a.remove("d")
+    for p in "bc":
+        a.step(Message(APPEND_RESP, p, "a", a.term, index=removal, success=True, ctx=a.now))
+    assert a.commit >= removal and a.progress("d") is not None  # pruned by the next ``ready``
+    a.add_learner("d", "http://new:1")  # the same turn
+    a.ready()
+    for p in "bc":
+        a.step(Message(APPEND_RESP, p, "a", a.term, index=a.last_index, success=True, ctx=a.now))
+    a.ready()
+    pr = a.progress("d")
+    assert pr is not None and pr.match == 0 and not a.caught_up("d", 64)
+    with pytest.raises(MembershipRefused, match="never answered"):
+        a.promote("d", 64)

@@ -434,3 +434,71 @@ def test_a_stall_counts_the_ticks_up_to_the_next_timer_and_a_little_more() -> No
     assert timers.ticks_due(100.0, 0.01, until_timer=30, slack=120) == 150
     assert timers.ticks_due(7.0, 0.01, until_timer=700, slack=120) == 701
     assert timers.ticks_due(0.055, 0.01, until_timer=700, slack=120) == 6
+
+
+def test_a_lower_window_sent_before_a_higher_one_and_heard_after_it_is_not_taken() -> None:
+    """A follower keeps the window of the newest message its leader sent (by ``ctx``), not of the
+    last one to arrive: an older, lower one (a snapshot message sent after its stream, a frame
+    overtaken on another connection) would shorten the window the leader counts a lease on."""
+    f = RaftCore("b", list("abc"), config=CFG, rng=1)
+    f.step(Message(HEARTBEAT, "a", "b", 1, ctx=20, floor=100))
+    assert f.floor == 100
+    f.step(Message(HEARTBEAT, "a", "b", 1, ctx=15, floor=0))  # sent before the raise, heard after
+    assert f.floor == 100
+    f.step(Message(HEARTBEAT, "a", "b", 1, ctx=30, floor=40))  # a later lowering is taken
+    assert f.floor == 40
+    f.step(Message(HEARTBEAT, "c", "b", 2, ctx=3, floor=0))  # a new leader's clock starts anywhere
+    assert f.floor == 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_reordered_older_window_breaks_no_lease_in_simulation(seed: int) -> None:
+    """The pitfall end to end: the leader raises its window, a follower answers the raise (the
+    leader counts the longer lease on it), then a message sent before the raise reaches that
+    follower, the leader is cut off, and the other follower campaigns. Taking the older window,
+    the follower voted within the shorter one while the lease still ran (``check_lease``)."""
+    from pygmy.replication.core import APPEND
+
+    c = Cluster(3, seed=seed)
+    assert c.wait_for(lambda: c.stable_leader() is not None, 500)
+    leader = c.stable_leader()
+    f1, f2 = [n for n in c.names if n != leader.name]
+    c.tick(30)
+    c.net.groups = [{leader.name, f1}, {f1, f2}]  # f2 no longer hears the leader; f1 hears both
+    c.tick(1)
+    held: list[Message] = []
+    send = c.net.send
+
+    def holding(now: int, m: Message) -> None:
+        if m.src == leader.name and m.dst == f1 and m.type in (HEARTBEAT, APPEND) and not held and m.floor == 0:
+            held.append(m)  # delivered late, below
+            return
+        send(now, m)
+
+    c.net.send = holding  # type: ignore[method-assign]
+    leader.core.propose({"x": 1})
+    c.tick(1)
+    leader.core.set_timing(Timing(election_ticks=100))  # raised at once
+    c.tick(4)  # f1 hears the raise and answers it
+    c.net.groups = [{leader.name}, {f1, f2}]
+    assert held
+    c.nodes[f1].core.step(held[0])
+    c.tick(300)  # SafetyError if f1 voted within the older window while the lease on its answer ran
+    assert set(c.leaders.values()) - {leader.name}, c.leaders  # the others elected one of them
+
+
+def test_a_stretched_window_comes_down_without_new_measurements() -> None:
+    """Told once that the link is fast again, the leader lowers its window as far as the leases
+    given allow, then the rest of the way at its heartbeats: a driver on a steady link measures
+    nothing new (it called ``set_timing`` once), and the window stayed stretched, durable, across
+    leaders, so failovers took that long."""
+    c = Cluster(3, seed=1)
+    assert c.wait_for(lambda: c.stable_leader() is not None, 500)
+    leader = c.stable_leader()
+    leader.core.set_timing(Timing(election_ticks=100))
+    c.tick(300)
+    assert {n.core.floor for n in c.nodes.values()} == {100}
+    leader.core.set_timing(Timing(election_ticks=10))
+    c.tick(300)
+    assert c.stable_leader() is leader
+    assert leader.core.timers()["election"] == 10 and {n.core.floor for n in c.nodes.values()} == {0}

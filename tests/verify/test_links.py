@@ -204,6 +204,34 @@ def test_replicas_dial_the_given_addresses_and_a_proxied_tier_elects_and_commits
     assert not _port_open(net.base + links.MAX_LINKS)  # the proxy's API is gone with it
 
 
+def test_windows_stretched_by_a_slow_link_come_back_down_once_it_is_fast_again(tmp_path: Path) -> None:
+    """Over 150 ms links the timers stretch the election window and lease; once the links are
+    loopback again (and the lower timing has been asked for as long as ``timing_hold_s``), every
+    replica's window comes back to the configured one. It stayed stretched for good: the leader was
+    told the lower timing once and lowered only as far as the leases it had given allowed then, and
+    the stretched window is durable and taken over by the next leader, so failovers stayed slow."""
+    base = free_port_base()
+    with links.ClusterLinks(ClusterConfig(port_base=base), tiers=("catalog",)) as net:
+        c = LocalCluster(tmp_path / "data", base, [], env={**net.env(), "PYGMY_RAFT_TIMING_HOLD_S": "3"})
+        c.start(reset=True)
+        try:
+            names = list(c.cluster_config().peers("catalog"))
+
+            def windows() -> list[float]:
+                return [c.replica_get(n, "/status", timeout=2).json()["timers"]["election_ms"] for n in names]
+
+            assert _until(lambda: _catalog_leader(c) is not None, 15)
+            configured = max(windows())
+            net.shape(links.Shape(one_way_ms=150), "catalog")
+            assert _until(lambda: min(windows()) >= 4 * configured and _catalog_leader(c) is not None, 90), windows()
+            net.shape(links.LOOPBACK, "catalog")
+            assert _until(lambda: max(windows()) <= configured, 60), (windows(), configured)
+            with c.client(timeout=10) as cl:
+                assert cl.update(1, stock_delta=1)["stock"] > 0
+        finally:
+            c.stop()
+
+
 def _port_open(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
