@@ -1168,9 +1168,14 @@ class ReplicaNode:
         paced = {p: rtt for p, rtt in rtts.items() if p in voters}
         timing = self._timing_hold.update(now, derive(paced, needed, self.config.tick_ms) if self.config.adapt
                                           else Timing())
-        # Told at every retune, changed or not: a leader lowers a window it took over only once
-        # told (``RaftCore._timing_told``), and then step by step as the leases it gave allow.
-        self.core.set_timing(timing)
+        # Told at every retune, changed or not (a leader lowers a window it took over only once
+        # told, ``RaftCore._timing_told``, then step by step as the leases it gave allow), but only
+        # what was measured: not before this leadership's hold is seeded (``_refresh_view``, after
+        # this in a turn that won an election), nor without round trips of a majority (``derive``
+        # asks nothing then, and "nothing" would undo a slow link's window).
+        measured = not self.config.adapt or len(paced) >= needed
+        if measured and self.core.is_leader() == self._was_leader:
+            self.core.set_timing(timing)
         if timing != self._timing:
             self._timing = timing
             log.info("%s: round trips %s ask for %s; in force: %s", self.name,

@@ -8,6 +8,7 @@ import socket
 import sqlite3
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -964,3 +965,33 @@ def test_a_replica_installing_a_long_snapshot_stays_live(tmp_path: Path, monkeyp
     finally:
         go_on.set()
         cluster.close()
+
+
+@pytest.mark.parametrize(("leads", "was_leader", "samples", "told"), [
+    (True, True, 2, True),    # a leader measuring its voters: told, changed or not
+    (True, False, 2, False),  # the turn that won the election: the hold is not seeded yet
+    (True, True, 0, False),   # no round trips of a majority: nothing to tell
+])
+def test_the_core_is_told_only_measured_timings_of_the_leadership_in_force(
+        leads: bool, was_leader: bool, samples: int, told: bool) -> None:
+    """``_retune`` tells the core the held timing at every retune, so that a leader lowers a window
+    it took over; but not in the turn an election was won (before ``_refresh_view`` seeds the hold
+    with the window taken over: the old hold and an empty meter said "the default", and the new
+    leader dropped a slow link's window at once), nor what no measurement asked for."""
+    from types import SimpleNamespace
+
+    from pygmy.replication.core import Membership
+    from pygmy.replication.timers import Hold, RttMeter
+
+    calls: list[object] = []
+    core = SimpleNamespace(membership=Membership(frozenset({"kv-1", "kv-2", "kv-3"})), is_leader=lambda: leads,
+                           set_timing=calls.append, timers=lambda: {})
+    meter = RttMeter()
+    now = time.monotonic()
+    for peer in ["kv-2", "kv-3"][:samples]:
+        meter.samples[peer] = deque([(now, 0.001)] * 5)
+    node = SimpleNamespace(name="kv-1", core=core, _rtt=meter, _timing_hold=Hold(), config=ReplicationConfig(),
+                           _timing=None, _senders={}, _was_leader=was_leader, _retune_at=0.0,
+                           _timers_view=lambda rtts: {})
+    ReplicaNode._retune(node, now)  # type: ignore[arg-type]
+    assert bool(calls) == told, calls
