@@ -97,6 +97,10 @@ class HardState:
     #: The election window (ticks) the last leader heard announced: a restarted follower still keeps
     #: out of elections that long, as the leases counted on its acknowledgements assumed.
     floor: int = 0
+    #: The term and ``ctx`` of the leader message that announced ``floor``: after a restart, a
+    #: message sent before it (queued for us while we were down) does not undo it.
+    floor_term: int = 0
+    floor_ctx: int = 0
 
 
 #: ``op`` of the log entry that holds a configuration (``Membership.command``); the driver hands
@@ -493,7 +497,9 @@ class RaftCore:
         #: earlier (a snapshot sent after its stream, a frame overtaken on another connection or by
         #: the loop's direct send) may carry a lower window, announced before a higher one whose
         #: acknowledgement the leader already counts a lease on: its window is not taken.
-        self._leader_sent: tuple[int, int] = (0, 0)
+        self._leader_sent: tuple[int, int] = (hs.floor_term, hs.floor_ctx)
+        #: (term, ctx) of the message whose window ``floor`` is: durable with it (``HardState``).
+        self._floor_at: tuple[int, int] = (hs.floor_term, hs.floor_ctx)
         #: What the driver measured the network to need (``set_timing``).
         self._timing = Timing()
         #: As leader: the driver has told us its timing since we took office. Until then a window
@@ -538,7 +544,7 @@ class RaftCore:
         self._persist_from = self.last_index + 1
         self._truncated = False
         self._snapshot_in: Snapshot | None = None
-        self._prev_hs = HardState(self.term, self.vote, self.commit, self.floor)
+        self._prev_hs = HardState(self.term, self.vote, self.commit, self.floor, *self._floor_at)
         #: The first leader commit index this node heard of since it started (None: none yet).
         self.first_leader_commit: int | None = None
         #: Index of this leader's no-op; reads are only safe once it is applied.
@@ -1153,6 +1159,7 @@ class RaftCore:
                 self._leader_sent = (m.term, m.ctx)
                 if m.floor != self.floor:
                     self.floor = m.floor  # durable before we answer (HardState): leases count on it
+                    self._floor_at = (m.term, m.ctx)
                     self._reset_timeout()
             self._election_elapsed = 0
             if self.first_leader_commit is None:
@@ -1440,7 +1447,7 @@ class RaftCore:
                 if not self.is_voter():
                     self._hand_over_removed()
         rd = Ready()
-        hs = HardState(self.term, self.vote, self.commit, self.floor)
+        hs = HardState(self.term, self.vote, self.commit, self.floor, *self._floor_at)
         vote_kept = (hs.term, hs.vote) == (self._prev_hs.term, self._prev_hs.vote)
         if hs != self._prev_hs:
             rd.hard_state = hs

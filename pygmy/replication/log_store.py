@@ -68,7 +68,7 @@ class LogStore:
         meta = self._meta()
         vote = meta.get("vote")
         hs = HardState(int(meta.get("term") or 0), vote or None, int(meta.get("commit") or 0),
-                       int(meta.get("floor") or 0))
+                       int(meta.get("floor") or 0), int(meta.get("floor_term") or 0), int(meta.get("floor_ctx") or 0))
         snap = (int(meta.get("snapshot_index") or 0), int(meta.get("snapshot_term") or 0))
         installing = None
         if meta.get("installing_index"):
@@ -124,7 +124,7 @@ class LogStore:
             c.executemany("INSERT OR REPLACE INTO raft_log(idx, term, command) VALUES (?, ?, ?)", rows)
             if hard_state is not None:
                 self._set(term=hard_state.term, vote=hard_state.vote or "", commit=hard_state.commit,
-                          floor=hard_state.floor)
+                          floor=hard_state.floor, floor_term=hard_state.floor_term, floor_ctx=hard_state.floor_ctx)
         # Sizes only once the transaction is in: a failed save leaves them as the disk is.
         if snapshot is not None:
             self._sizes.clear()

@@ -502,3 +502,27 @@ def test_a_stretched_window_comes_down_without_new_measurements() -> None:
     c.tick(300)
     assert c.stable_leader() is leader
     assert leader.core.timers()["election"] == 10 and {n.core.floor for n in c.nodes.values()} == {0}
+
+
+def test_a_restarted_follower_still_ignores_a_window_sent_before_the_one_it_holds(tmp_path) -> None:
+    """What message announced the window is durable with it (``HardState.floor_term``,
+    ``floor_ctx``): a message queued for the follower while it was down, sent before that one,
+    reaches it first after a restart and must not lower its window either."""
+    from pygmy.replication.log_store import LogStore
+
+    f = RaftCore("b", list("abc"), config=CFG, rng=1)
+    f.step(Message(HEARTBEAT, "a", "b", 1, ctx=20, floor=100))
+    hs = f.ready().hard_state
+    assert hs is not None and (hs.floor, hs.floor_term, hs.floor_ctx) == (100, 1, 20)
+    store = LogStore(tmp_path / "raft.db")
+    try:
+        store.save(hard_state=hs)
+        loaded = store.load().hard_state
+    finally:
+        store.close()
+    assert loaded == hs
+    again = RaftCore("b", list("abc"), hard_state=loaded, config=CFG, rng=1)
+    again.step(Message(HEARTBEAT, "a", "b", 1, ctx=15, floor=0))  # queued before the restart
+    assert again.floor == 100
+    again.step(Message(HEARTBEAT, "a", "b", 1, ctx=25, floor=40))
+    assert again.floor == 40
