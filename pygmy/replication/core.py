@@ -502,6 +502,10 @@ class RaftCore:
         self._floor_at: tuple[int, int] = (hs.floor_term, hs.floor_ctx)
         #: What the driver measured the network to need (``set_timing``).
         self._timing = Timing()
+        #: As leader: a raised window is to be told to every follower at the next tick, not at the
+        #: next heartbeat of the raised window's (longer) idle pace: a follower still holding the
+        #: lower one would time out first and campaign.
+        self._raised = False
         #: As leader: the driver has told us its timing since we took office. Until then a window
         #: is not lowered at heartbeats (``_tick_leader``): the one we took over stands.
         self._timing_told = False
@@ -728,6 +732,7 @@ class RaftCore:
                 window += 1
         if window == self._window():
             return
+        self._raised = window > self._window()
         self.floor = self._as_floor(window)
         self._floors.append((self.now, window))
         # Windows older than every acknowledgement we count no longer matter, nor do any older than
@@ -816,7 +821,7 @@ class RaftCore:
         self.floor = self._as_floor(window)
         self._floors = [(self.now, window)]
         self._lease_reach = 0
-        self._timing_told = False
+        self._timing_told = self._raised = False
         self._votes = {}
         self._vote_quiet = {}
         self._election_elapsed = 0
@@ -903,8 +908,8 @@ class RaftCore:
         heartbeat, a quorum check, an election): a driver may sleep that long and then tick that
         many times at once, so an idle replica wakes at its heartbeats, not at every tick."""
         if self.role == LEADER:
-            if any(pr.state == SNAPSHOTTING for pr in self._prs.values()):
-                return 1  # a snapshot's resend timer counts every tick
+            if self._raised or any(pr.state == SNAPSHOTTING for pr in self._prs.values()):
+                return 1  # a raised window's round, a snapshot's resend timer: the next tick
             n = min(self._heartbeat_interval(self._idle()) - self._heartbeat_elapsed,
                     self._window() - self._election_elapsed)
             for pr in self._prs.values():
@@ -947,7 +952,9 @@ class RaftCore:
                 if pr.snapshot_elapsed >= self.cfg.snapshot_timeout_ticks:
                     self._to_probe(pr, pr.match + 1)
         idle = self._idle()
-        if self._heartbeat_elapsed >= self._heartbeat_interval(idle):
+        if self._raised or self._heartbeat_elapsed >= self._heartbeat_interval(idle):
+            if self._raised:
+                self._raised, idle = False, False  # a round to every follower
             self._heartbeat_elapsed = 0
             if self._timing_told and self._window() > self._wanted_window():
                 # A lower window is announced only as far as the leases given allow (``_announce``):
@@ -1157,10 +1164,13 @@ class RaftCore:
             self._campaigns = 0
             if (m.term, m.ctx) >= self._leader_sent:
                 self._leader_sent = (m.term, m.ctx)
-                if m.floor != self.floor:
-                    self.floor = m.floor  # durable before we answer (HardState): leases count on it
-                    self._floor_at = (m.term, m.ctx)
-                    self._reset_timeout()
+                if m.floor != self.floor or m.term > self._floor_at[0]:
+                    # Durable before we answer (HardState): leases count on it. A new term's leader
+                    # may announce the window we hold: its first message is recorded all the same,
+                    # or after a restart one it sent earlier, with a lower window, would be taken.
+                    changed, self.floor, self._floor_at = m.floor != self.floor, m.floor, (m.term, m.ctx)
+                    if changed:
+                        self._reset_timeout()  # stretched as the window now is
             self._election_elapsed = 0
             if self.first_leader_commit is None:
                 self.first_leader_commit = m.leader_commit

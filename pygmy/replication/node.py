@@ -573,7 +573,7 @@ class ReplicaNode:
                                f"{persisted.snapshot[0]}: replace this replica (pygmy member remove, delete its "
                                "data directory, pygmy member add, start, promote: docs/operations.md)")
         hs = persisted.hard_state
-        self._durable_vote = (hs.term, hs.vote, hs.floor)
+        self._durable_vote = (hs.term, hs.vote, hs.floor, hs.floor_term, hs.floor_ctx)
         core = RaftCore(
             self.name,
             list(self._boot_peers),
@@ -1315,16 +1315,16 @@ class ReplicaNode:
                     del self._proposals[index]
             self._set_applied(snap.index)
         hs = rd.hard_state
-        if hs is not None and (hs.term, hs.vote, hs.floor) == self._durable_vote and not (
+        if hs is not None and (hs.term, hs.vote, hs.floor, hs.floor_term, hs.floor_ctx) == self._durable_vote and not (
                 rd.entries or rd.truncate_from is not None or snap is not None):
-            # Only the commit index moved. Raft needs term, vote and floor durable, not commit (a
+            # Only the commit index moved. Raft needs term, vote and floor (with what announced it) durable, not commit (a
             # restarted replica relearns it from the leader), so this costs no synced transaction in
             # the middle of every round; it is written whenever the hard state goes out with entries.
             hs = None
         self.store.save(hs, rd.entries, rd.truncate_from, None if snap is None else (snap.index, snap.term),
                         None if snap is None else snap.membership)
         if hs is not None:
-            self._durable_vote = (hs.term, hs.vote, hs.floor)
+            self._durable_vote = (hs.term, hs.vote, hs.floor, hs.floor_term, hs.floor_ctx)
         if rd.truncate_from is not None:
             # Our uncommitted suffix was replaced by another leader's: lost here, but not surely
             # everywhere. With five voters, two others may hold an entry and, with a third that
@@ -1540,6 +1540,11 @@ class ReplicaNode:
                 log.info("%s: leads in term %d (timers in ticks of %g ms: %s)", self.name, core.term,
                          self.config.tick_ms, core.timers())
             else:
+                # What we measured as leader is of that leadership: a follower measures nothing, so
+                # it would otherwise keep it (and announce it, with its heartbeat and probe, if it
+                # led again; a new leader keeps the window it hears anyway).
+                self._timing = Timing()
+                core.set_timing(self._timing)
                 log.info("%s: no longer leads (term %d, leader %s)", self.name, core.term, core.leader)
             self._notify.put((is_leader, core.term))
 

@@ -819,7 +819,8 @@ def test_hard_state_is_handed_over_once_per_change() -> None:
     b = follower(log(1), term=1, commit=1)
     b.ready()
     b.step(Message(APPEND, "a", "b", 1, index=1, log_term=1, entries=log(1, start=2), commit=2))
-    assert b.ready().hard_state == HardState(1, None, 2)
+    # The term's first leader message is the announcer of the window held (``floor_term``).
+    assert b.ready().hard_state == HardState(1, None, 2, 0, 1, 0)
     assert b.ready().hard_state is None
 
 

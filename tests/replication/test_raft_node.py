@@ -995,3 +995,15 @@ def test_the_core_is_told_only_measured_timings_of_the_leadership_in_force(
                            _timers_view=lambda rtts: {})
     ReplicaNode._retune(node, now)  # type: ignore[arg-type]
     assert bool(calls) == told, calls
+
+
+def test_a_replica_that_no_longer_leads_forgets_the_timing_it_measured_as_leader(cluster: Harness) -> None:
+    """A follower measures no round trips, so the timing it was told as leader would stay, and be
+    announced (window, heartbeat, probe) if it led again; it goes back to the configured one."""
+    from pygmy.replication.core import Timing
+
+    leader = cluster.leader()
+    leader.in_turn(lambda core: core.set_timing(Timing(heartbeat_ticks=9, election_ticks=60)))
+    target = next(n for n in cluster.nodes if n != leader.name)
+    assert leader.transfer_leadership(target, 5.0) == target
+    cluster.until(lambda: leader.in_turn(lambda core: core._timing) == Timing())

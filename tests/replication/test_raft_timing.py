@@ -526,3 +526,51 @@ def test_a_restarted_follower_still_ignores_a_window_sent_before_the_one_it_hold
     assert again.floor == 100
     again.step(Message(HEARTBEAT, "a", "b", 1, ctx=25, floor=40))
     assert again.floor == 40
+
+
+def test_a_new_terms_leader_announcing_the_window_held_is_recorded_as_its_announcer(tmp_path) -> None:
+    """A window held since term 1 is announced again by term 2's leader: its message becomes the
+    durable announcer (``floor_term``, ``floor_ctx``), or after a restart an earlier term-2
+    message with a lower window, queued meanwhile, would be newer than term 1's and taken."""
+    f = RaftCore("b", list("abc"), config=CFG, rng=1)
+    f.step(Message(HEARTBEAT, "a", "b", 1, ctx=10, floor=100))
+    f.ready()
+    f.step(Message(HEARTBEAT, "c", "b", 2, ctx=50, floor=100))  # same window, new term: ctx 40 still queued
+    hs = f.ready().hard_state
+    assert hs is not None and (hs.floor, hs.floor_term, hs.floor_ctx) == (100, 2, 50)
+    again = RaftCore("b", list("abc"), hard_state=hs, config=CFG, rng=1)
+    again.step(Message(HEARTBEAT, "c", "b", 2, ctx=40, floor=0))
+    assert again.floor == 100
+
+
+def test_the_node_writes_a_new_announcer_of_the_window_held(tmp_path) -> None:
+    """The node skips the synced write of a hard state whose durable parts did not change (only the
+    commit moved): a new announcer of the same window is one of them."""
+    from types import SimpleNamespace
+
+    from pygmy.replication.core import Ready
+    from pygmy.replication.node import ReplicaNode
+
+    saved: list[object] = []
+    node = SimpleNamespace(_durable_vote=(2, None, 100, 1, 10), _incoming=set(), _proposals={},
+                           store=SimpleNamespace(save=lambda hs, *a: saved.append(hs)))
+    rd = Ready()
+    rd.hard_state = HardState(2, None, 7, 100, 2, 50)
+    ReplicaNode._persist(node, rd)  # type: ignore[arg-type]
+    assert saved == [rd.hard_state] and node._durable_vote == (2, None, 100, 2, 50)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_an_idle_leader_raising_its_window_tells_every_follower_at_once(seed: int) -> None:
+    """A raised window lengthens an idle leader's heartbeat pace at once; its followers learn of
+    the raise only from its next message. That message goes to every follower at the next tick,
+    or they, still on the lower window, timed out first and campaigned, again at every raise."""
+    c = Cluster(3, seed=seed)
+    assert c.wait_for(lambda: c.stable_leader() is not None, 500)
+    leader = c.stable_leader()
+    c.tick(200)  # idle: heartbeats at the idle pace, one follower a round
+    term = leader.core.term
+    leader.core.set_timing(Timing(election_ticks=100))
+    c.tick(600)
+    assert c.stable_leader() is leader and leader.core.term == term
+    assert {n.core.floor for n in c.nodes.values()} == {100}
