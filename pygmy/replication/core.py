@@ -732,7 +732,8 @@ class RaftCore:
                 window += 1
         if window == self._window():
             return
-        self._raised = window > self._window()
+        if window > self._window():  # (a lowering in the same tick leaves the round owed)
+            self._raised = True
         self.floor = self._as_floor(window)
         self._floors.append((self.now, window))
         # Windows older than every acknowledgement we count no longer matter, nor do any older than

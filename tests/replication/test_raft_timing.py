@@ -574,3 +574,15 @@ def test_an_idle_leader_raising_its_window_tells_every_follower_at_once(seed: in
     c.tick(600)
     assert c.stable_leader() is leader and leader.core.term == term
     assert {n.core.floor for n in c.nodes.values()} == {100}
+
+
+def test_a_raise_lowered_again_before_the_next_tick_still_tells_every_follower() -> None:
+    """The round owed to a raise stays owed when a lowering (to a window still above the
+    followers') comes before the next tick."""
+    core = make_leader(RaftCore("a", list("abc"), config=CFG, rng=1))
+    core.ready()
+    core.set_timing(Timing(election_ticks=100))
+    core.set_timing(Timing(election_ticks=60))
+    core.tick(1)
+    sent = {m.dst for m in core.ready().messages if m.type == HEARTBEAT}
+    assert sent == {"b", "c"}
