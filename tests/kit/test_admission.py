@@ -320,15 +320,22 @@ def test_taking_the_last_place_or_being_refused_marks_the_cap_reached() -> None:
     second.close()
 
 
-def test_workers_on_one_board_share_one_following_cap(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A cap one worker's slow buys cut is the other's too, and the other's fast buys grow it back:
-    no worker keeps refusing on a cap of its own that nothing of its own moves."""
+def two_workers_on_a_board(monkeypatch: pytest.MonkeyPatch) -> tuple[list[float], Board, Admission, Admission]:
+    """A clock the test moves, and two workers' ``Admission`` of one write class (an adaptive cap
+    of 40) sharing one board: (clock, board, first, second)."""
     clock = [100.0]
     monkeypatch.setattr(admission.time, "monotonic", lambda: clock[0])
     board = Board(["write"], slots=2)
     a, b = (Admission(Inner(), "svc-o", {"write": 40}, tolerances={"write": 2.0}) for _ in range(2))
     a.share(board, 0)
     b.share(board, 1)
+    return clock, board, a, b
+
+
+def test_workers_on_one_board_share_one_following_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cap one worker's slow buys cut is the other's too, and the other's fast buys grow it back:
+    no worker keeps refusing on a cap of its own that nothing of its own moves."""
+    clock, board, a, b = two_workers_on_a_board(monkeypatch)
     assert board.cap("write") == 40
 
     def rounds(app: Admission, latency: float, windows: int, at_cap: bool) -> None:
@@ -359,12 +366,7 @@ def test_a_worker_writes_the_shared_cap_only_when_its_own_window_moves_it(monkey
     """Another worker's step that lands while this one finishes a request (its thread paused
     between reading the cap and writing it back) is kept: a request that closes no window of
     this worker's writes nothing (every request wrote the cap it had read back, undoing the step)."""
-    clock = [100.0]
-    monkeypatch.setattr(admission.time, "monotonic", lambda: clock[0])
-    board = Board(["write"], slots=2)
-    a, b = (Admission(Inner(), "svc-o", {"write": 40}, tolerances={"write": 2.0}) for _ in range(2))
-    a.share(board, 0)
-    b.share(board, 1)
+    clock, board, a, b = two_workers_on_a_board(monkeypatch)
     adaptive = a.gates["write"].adaptive
     assert adaptive is not None
     observe = adaptive.observe

@@ -950,11 +950,7 @@ def test_a_replica_installing_a_long_snapshot_stays_live(tmp_path: Path, monkeyp
 
     cluster = Harness(tmp_path)
     try:
-        leader = cluster.leader()
-        away = next(n for n in cluster.nodes if n != leader.name)
-        cluster.stop(away)
-        for _ in range(150):  # past keep_entries + slack: compacted beyond what ``away`` holds
-            leader.propose({"k": "a", "add": 1}, timeout=5)
+        away = miss_commands(cluster, 150)  # past keep_entries + slack: compacted beyond what it holds
         monkeypatch.setattr(SQLiteStateMachine, "restore", slow_restore)
         back = cluster.start(away)
         assert copying.wait(10)
