@@ -1103,7 +1103,7 @@ class ReplicaNode:
             self._was_leader = False
             # As a step-down in ``_refresh_view``: what it measured as leader is of that leadership
             # (the core reloaded after the fault would be given it, and announce it if it led again).
-            self._timing, self._rtt = Timing(), RttMeter()
+            self._timing, self._rtt, self._timing_hold = Timing(), RttMeter(), Hold(self.config.timing_hold_s)
             self._notify.put((False, int(self._view.get("term", 0))))
 
     def _loop(self) -> None:

@@ -473,9 +473,14 @@ def write_somewhere(cluster: Harness, k: str) -> None:
 def test_a_full_disk_on_the_leader_is_a_state_it_recovers_from(cluster: Harness) -> None:
     """The leader's log store fills: it steps down, reports it, serves nothing, and rejoins on its
     own once there is room again; no write acknowledged meanwhile is lost (#16)."""
+    from pygmy.replication.core import Timing
+
     old = cluster.leader()
     for _ in range(5):
         old.propose({"k": "a", "add": 1}, timeout=2)
+    measured = Timing(heartbeat_ticks=9, election_ticks=60)  # as if its round trips had asked for it
+    old.in_turn(lambda core: (core.set_timing(measured), old._timing_hold.update(time.monotonic(), measured)))
+    old._timing = measured
     conn = old.store._conn
     conn.execute(f"PRAGMA max_page_count={conn.execute('PRAGMA page_count').fetchone()[0]}")
     with pytest.raises(Exception):  # noqa: B017 (NotLeader or ProposalTimeout: not acknowledged)
@@ -488,6 +493,9 @@ def test_a_full_disk_on_the_leader_is_a_state_it_recovers_from(cluster: Harness)
         write_somewhere(cluster, f"during-{i}")
     conn.execute("PRAGMA max_page_count=1073741823")  # space returns
     wait_for(lambda: old.fault is None, 10, "the replica works again")
+    # Stepped down by the fault, it forgot what it measured as leader (the reloaded core was given
+    # it, and would have announced it if it led again).
+    assert old._timing == Timing() and (old.is_leader() or old.in_turn(lambda core: core._timing) == Timing())
     cluster.converge(timeout=10)
     assert cluster.sms[old.name].read("SELECT v FROM kv WHERE k='a'")[0][0] == 5
     assert old.faults > 0 and conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
