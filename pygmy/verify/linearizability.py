@@ -21,6 +21,7 @@ import tempfile
 import threading
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,7 +140,6 @@ class Workload:
     def _writer(self, k: int) -> None:
         item = self.items[k % len(self.items)]
         client = next(self._clients)
-        auth = {"Authorization": f"Bearer {self.token}"}
         # Writers sharing a book write costs of their own (k apart), so every value names its write.
         cost = self.history.initial[item]["cost"] + (k // len(self.items)) * 100_000
         with requests.Session() as s:
@@ -147,43 +147,53 @@ class Workload:
                 if self._stop.wait(self.write_pause if i else 0):
                     return
                 cost += 1
-                delta, key = self._delta(item, i), f"lin-{uuid.uuid4().hex}"
-                body = {"stock_delta": delta, "cost": cost / 100}
-                op = self.history.invoke(client, "update", item, {"stock_delta": delta, "cost": cost, "key": key})
-                r = self._send(lambda a, body=body, key=key, i=i: self._call(
-                    s, "POST", f"{self._url(k, i + a)}/update/{item}", json=body,
-                    headers={**auth, "Idempotency-Key": key}))
-                if r is not None and shed(r):
-                    self.history.drop(op)
-                    self.shed["update"] += 1
-                elif r is None or r.status_code >= 500:
-                    self.history.unknown(op)
-                elif r.status_code == 200:
-                    book = r.json()
-                    self.history.ok(op, {"cost": cents(book["cost"]), "stock": book["stock"]})
-                elif r.status_code in DEFINITE_FAILURES:
-                    self.history.drop(op)
-                    self.errors.append(f"update {item}: {r.status_code} {r.text[:200]}")
-                else:
-                    self.history.unknown(op)
+                self._update(s, client, item, cost, self._delta(item, i), lambda a, i=i: self._url(k, i + a))
+
+    def _update(self, s: requests.Session, client: int, item: int, cost: int, delta: int,
+                url: Callable[[int], str]) -> requests.Response | None:
+        """One recorded update of ``item`` to ``cost`` (cents) and by ``delta``, sent (and maybe
+        sent again, ``_send``) to ``url(attempt)`` under one key; its last answer."""
+        auth = {"Authorization": f"Bearer {self.token}"}
+        key = f"lin-{uuid.uuid4().hex}"
+        body = {"stock_delta": delta, "cost": cost / 100}
+        op = self.history.invoke(client, "update", item, {"stock_delta": delta, "cost": cost, "key": key})
+        r = self._send(lambda a: self._call(s, "POST", f"{url(a)}/update/{item}", json=body,
+                                            headers={**auth, "Idempotency-Key": key}))
+        if r is not None and shed(r):
+            self.history.drop(op)
+            self.shed["update"] += 1
+        elif r is None or r.status_code >= 500:
+            self.history.unknown(op)
+        elif r.status_code == 200:
+            book = r.json()
+            self.history.ok(op, {"cost": cents(book["cost"]), "stock": book["stock"]})
+        elif r.status_code in DEFINITE_FAILURES:
+            self.history.drop(op)
+            self.errors.append(f"update {item}: {r.status_code} {r.text[:200]}")
+        else:
+            self.history.unknown(op)
+        return r
 
     def _reader(self, k: int) -> None:
         client = next(self._clients)
         for i in itertools.count():
             if self._stop.is_set():
                 return
-            item = self.items[(i * 3 + k) % len(self.items)]
-            op = self.history.invoke(client, "lookup", item)
-            # A new connection each time, so the kernel spreads reads over every worker.
-            r = self._call(requests, "GET", f"{self._url(k, i)}/lookup/{item}", headers={"Connection": "close"})
-            if r is None or r.status_code != 200:
-                self.history.drop(op)  # a failed read changes nothing
-                if r is not None and r.status_code in DEFINITE_FAILURES:
-                    self.errors.append(f"lookup {item}: {r.status_code} {r.text[:200]}")
-                continue
-            book = r.json()
-            self.history.ok(op, {"cost": cents(book["cost"]), "stock": book["stock"]})
-            self.cache[r.headers.get("X-Cache", "?")] += 1
+            self._lookup(client, self._url(k, i), self.items[(i * 3 + k) % len(self.items)])
+
+    def _lookup(self, client: int, url: str, item: int) -> None:
+        """One recorded lookup of ``item`` through the frontend at ``url``."""
+        op = self.history.invoke(client, "lookup", item)
+        # A new connection each time, so the kernel spreads reads over every worker.
+        r = self._call(requests, "GET", f"{url}/lookup/{item}", headers={"Connection": "close"})
+        if r is None or r.status_code != 200:
+            self.history.drop(op)  # a failed read changes nothing
+            if r is not None and r.status_code in DEFINITE_FAILURES:
+                self.errors.append(f"lookup {item}: {r.status_code} {r.text[:200]}")
+            return
+        book = r.json()
+        self.history.ok(op, {"cost": cents(book["cost"]), "stock": book["stock"]})
+        self.cache[r.headers.get("X-Cache", "?")] += 1
 
     def _buyer(self, k: int) -> None:
         client = next(self._clients)
@@ -244,10 +254,11 @@ class Verdict:
 
 
 def run_and_check(urls: list[str], token: str, seconds: float, out: Path, items: list[int] | None = None,
-                  **sizes: Any) -> Verdict:
+                  load_class: Callable[..., Workload] = Workload, **sizes: Any) -> Verdict:
     """One run: load for ``seconds``, save the history to ``out``, check it (HTML beside it).
-    With fewer ``items`` than writers, several writers share a book (each still raises its cost)."""
-    load = Workload(urls, token, items or list(range(1, 8)), **sizes)
+    With fewer ``items`` than writers, several writers share a book (each still raises its cost).
+    ``load_class``: a Workload with clients of its own (a test's)."""
+    load = load_class(urls, token, items or list(range(1, 8)), **sizes)
     history = load.run(seconds)
     history.save(out)
     result = lincheck.check(out, html_dir=out.parent / f"{out.stem}-html", timeout=120)

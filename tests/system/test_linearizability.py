@@ -10,19 +10,24 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
+import requests
 from harness import Cluster, cluster_env, start_cluster
 
 from pygmy.cluster import launcher
 from pygmy.experiments import harness as h
 from pygmy.verify import lincheck
-from pygmy.verify.linearizability import Verdict, run_and_check
+from pygmy.verify.linearizability import Verdict, Workload, run_and_check
 
 TWO_BY_TWO = ("--frontends", "2", "--frontend-workers", "2")
 
@@ -213,12 +218,14 @@ def catalog_term(c: Cluster) -> int:
 
 
 def catalog_leader_pauses(c: Cluster, flag: Path, pauses: int, stop: threading.Event, pause: float = 1.2,
-                          gap: float = 0.6) -> threading.Thread:
+                          gap: float = 0.6, paused: Callable[[str], None] = lambda name: None) -> threading.Thread:
     """SIGSTOP the catalog leader's process group for ``pause`` s, ``pauses`` times, with ``flag``
-    there meanwhile; every stopped group is continued and the flag removed."""
+    there meanwhile (``paused`` is told the leader's name); every stopped group is continued and the
+    flag removed."""
 
     def begin() -> Callable[[], None]:
-        group = c.process_groups()[h.leader(c, "catalog")]
+        name = h.leader(c, "catalog")
+        group = c.process_groups()[name]
 
         def end() -> None:
             os.killpg(group, signal.SIGCONT)
@@ -227,6 +234,7 @@ def catalog_leader_pauses(c: Cluster, flag: Path, pauses: int, stop: threading.E
         try:
             launcher.pause(group)
             flag.touch()
+            paused(name)
         except BaseException:
             end()
             raise
@@ -235,20 +243,77 @@ def catalog_leader_pauses(c: Cluster, flag: Path, pauses: int, stop: threading.E
     return fault_windows(pauses, begin, pause, gap, stop)
 
 
+#: The book only the failover prober writes (FAILOVER_LOAD's writers write books 1 to 3).
+PROBED = 4
+
+
+@dataclass
+class ProbedFailovers(Workload):
+    """The load plus a prober: each time the catalog leader is paused (its name put on ``paused``),
+    it waits for a new leader, updates book PROBED through frontend-0 at once and then reads it
+    through frontend-1, whose workers cannot renew and have it cached from the readers. A new
+    leader that writes before the old leader's cache leases are over lets those reads show the old
+    value at every pause, not only when some writer's update happens to fall in that window."""
+
+    cluster: Cluster | None = None
+    paused: queue.Queue[str] = field(default_factory=queue.Queue)
+    #: The costs of the probe updates answered with 200.
+    probes: list[int] = field(default_factory=list)
+
+    def targets(self) -> list[Any]:
+        return super().targets() + [self._prober]
+
+    def _prober(self, k: int) -> None:
+        assert self.cluster is not None
+        writer, reader = next(self._clients), next(self._clients)
+        cost = self.history.initial[PROBED]["cost"]
+        with requests.Session() as s:
+            while not self._stop.is_set():
+                try:
+                    old = self.paused.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if not self._new_leader(old):
+                    continue
+                cost += 1
+                r = self._update(s, writer, PROBED, cost, 1, lambda attempt: self.urls[0])
+                if r is not None and r.status_code == 200:
+                    self.probes.append(cost)
+                for _ in range(6):
+                    self._lookup(reader, self.urls[1], PROBED)
+
+    def _new_leader(self, old: str, within: float = 1.2) -> bool:
+        """Whether a catalog replica other than ``old`` leads within ``within`` s (asked every 10 ms)."""
+        assert self.cluster is not None
+        others = [n for n in self.cluster.cluster_config().peers("catalog") if n != old]
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline and not self._stop.is_set():
+            for name in others:
+                status = h.replica_status(self.cluster, name, timeout=0.2)
+                if status is not None and status.get("role") == "leader":
+                    return True
+            time.sleep(0.01)
+        return False
+
+
 @pytest.mark.parametrize("mutation", [None, "no-lease-wait"])
 def test_a_new_catalog_leader_writes_only_once_old_cache_leases_are_over(make_cluster, tmp_path: Path,
                                                                          mutation: str | None) -> None:
     """The catalog leader is SIGSTOPped eight times under load, and each time a new one is elected
     while frontend-1's workers, which cannot renew meanwhile (as if cut off from the new leader),
-    still hold the old leader's leases and serve their caches. The new leader's wait
-    (docs/architecture.md, case 3) keeps every read linearizable; a build that skips it is caught."""
+    still hold the old leader's leases and serve their caches. At each pause a prober writes a book
+    as soon as a new leader leads and reads it through frontend-1 (``ProbedFailovers``). The new
+    leader's wait (docs/architecture.md, case 3) keeps every read linearizable; a build that skips
+    it is caught, at every pause rather than by luck."""
     flag = tmp_path / "renew-fault"
     env = dict(LONG_LEASES, PYGMY_TEST_RENEW_FAULT=str(flag), **({"PYGMY_MUTATION": mutation} if mutation else {}))
     c = make_cluster(**env)
-    term, stop = catalog_term(c), threading.Event()
-    pauses = catalog_leader_pauses(c, flag, pauses=8, stop=stop)
+    term, stop, paused, probes = catalog_term(c), threading.Event(), queue.Queue[str](), list[int]()
+    pauses = catalog_leader_pauses(c, flag, pauses=8, stop=stop, paused=paused.put)
+    load = partial(ProbedFailovers, cluster=c, paused=paused, probes=probes)
     try:
-        v = run_and_check(urls(c), c.admin_token(), 16, tmp_path / "history.json", **FAILOVER_LOAD)
+        v = run_and_check(urls(c), c.admin_token(), 16, tmp_path / "history.json", load_class=load,
+                          **{**FAILOVER_LOAD, "items": [*FAILOVER_LOAD["items"], PROBED]})
         pauses.join(30)
     finally:
         stop.set()
@@ -256,11 +321,13 @@ def test_a_new_catalog_leader_writes_only_once_old_cache_leases_are_over(make_cl
     assert not pauses.is_alive()
     # Each pause outlasts an election: eight new catalog leaders at least, or the run proved little.
     assert catalog_term(c) >= term + 8, f"catalog term {term} -> {catalog_term(c)}: too few failovers"
+    assert len(probes) >= 4, f"only {len(probes)} probe updates answered in 8 pauses: {v.summary()}"
     if mutation is None:
         assert_enough_work(v, reads=150, updates=20, buys=5)
         assert v.ok, v.summary() + "\n" + v.result.output
     else:
         assert_caught(v, f"{mutation}: stale reads across catalog failovers not caught")
+        assert PROBED in v.result.illegal, f"the prober's book was not caught: {v.summary()}"
 
 
 #: Many buyers and writers against a frontend cap of 4 writes in flight that follows their latency
