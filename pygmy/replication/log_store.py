@@ -10,6 +10,7 @@ log no longer holds once compacted) is kept beside it, ``snapshot_membership`` i
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -44,18 +45,32 @@ class LogStore:
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._conn = sqlite3.connect(
-            str(self.path), isolation_level=None, check_same_thread=False, timeout=10
-        )
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=FULL")
-        for stmt in SCHEMA:
-            self._conn.execute(stmt)
-        #: Each entry's size as stored (its JSON command), oldest first, and their sum: what the
-        #: node compacts by besides the count (``ReplicationConfig.keep_bytes``).
-        self._sizes: dict[int, int] = {
-            idx: n for idx, n in self._conn.execute("SELECT idx, COALESCE(LENGTH(command), 0) FROM raft_log ORDER BY idx")}
-        self.log_bytes = sum(self._sizes.values())
+        self._conn = self._open()
+
+    def _open(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False, timeout=10)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+            for stmt in SCHEMA:
+                conn.execute(stmt)
+            #: Each entry's size as stored (its JSON command), oldest first, and their sum: what the
+            #: node compacts by besides the count (``ReplicationConfig.keep_bytes``).
+            self._sizes: dict[int, int] = {idx: n for idx, n in conn.execute(
+                "SELECT idx, COALESCE(LENGTH(command), 0) FROM raft_log ORDER BY idx")}
+            self.log_bytes = sum(self._sizes.values())
+            return conn
+        except BaseException:
+            conn.close()
+            raise
+
+    def reopen(self) -> None:
+        """A new connection for the one a fault may have left broken, as after a restart (a node
+        reloading after a storage fault): nothing of the old one's state is trusted."""
+        new = self._open()  # if this fails too, the old one stays and the node's next reload tries again
+        old, self._conn = self._conn, new
+        with contextlib.suppress(sqlite3.Error):
+            old.close()  # a broken connection may fail to close; it is dropped either way
 
     def close(self) -> None:
         self._conn.close()

@@ -1072,6 +1072,10 @@ class ReplicaNode:
                 self._fault_backoff = min(self._fault_backoff * 2, 1.0)
                 try:
                     with self._core_lock:
+                        # As a restart would: a connection the fault left broken (SQLite's "disk I/O
+                        # error" for good after a full disk, seen once under the nemesis) is not reused.
+                        self.store.reopen()
+                        self.sm.reopen()
                         self.core = self._load_core()
                         self._caught_up = False
                         self._refresh_view()

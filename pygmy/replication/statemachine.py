@@ -16,6 +16,7 @@ recomputes it from the rows, as verification (``pygmy verify``).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sqlite3
@@ -163,6 +164,11 @@ class StateMachine(ABC):
         """Release what the state holds open, once nothing uses it (a stopping service)."""
         return  # nothing by default
 
+    def reopen(self) -> None:
+        """Trust no connection opened before now (a node reloading after a storage fault, as a
+        restart would): each thread opens a new one at its next use."""
+        return  # nothing by default
+
 
 class SQLiteStateMachine(StateMachine):
     """Generic SQLite plumbing; subclasses give the schema, the commands and what the digest covers."""
@@ -180,6 +186,8 @@ class SQLiteStateMachine(StateMachine):
         #: Every live thread's connection, for ``close_all``; a dead thread's is closed when the next opens.
         self._opened: dict[threading.Thread, sqlite3.Connection] = {}
         self._opened_lock = threading.Lock()
+        #: Bumped by ``reopen``: a thread whose connection is older opens a new one.
+        self._generation = 0
         with self._write_lock:
             conn = self._conn()
             conn.execute(META_SCHEMA)
@@ -239,7 +247,14 @@ class SQLiteStateMachine(StateMachine):
     def _conn(self) -> sqlite3.Connection:
         """One connection per thread: readers never block the applier (WAL)."""
         conn = getattr(self._local, "conn", None)
+        if conn is not None and self._local.generation != self._generation:
+            with self._opened_lock:
+                self._opened.pop(threading.current_thread(), None)
+            with contextlib.suppress(sqlite3.Error):
+                conn.close()  # a broken connection may fail to close; it is dropped either way
+            conn = None
         if conn is None:
+            generation = self._generation  # read first: a reopen meanwhile makes this one old too
             conn = sqlite3.connect(self.path, timeout=10, isolation_level=None, check_same_thread=False)
             conn.row_factory = sqlite3.Row
             conn.execute("PRAGMA journal_mode=WAL")
@@ -252,7 +267,7 @@ class SQLiteStateMachine(StateMachine):
             conn.create_function("pygmy_digest_mix", -1, _mix, deterministic=True)
             change = _DigestChange()
             conn.create_function("pygmy_digest_note", -1, change.note)  # not deterministic: it adds up
-            self._local.conn, self._local.change = conn, change
+            self._local.conn, self._local.change, self._local.generation = conn, change, generation
             with self._opened_lock:
                 # Threads come and go with connections (a frame connection has one): those that ended
                 # are closed here, not kept open until stop, nor left to a later garbage collection.
@@ -443,6 +458,9 @@ class SQLiteStateMachine(StateMachine):
             self._local.conn = None
             with self._opened_lock:
                 self._opened.pop(threading.current_thread(), None)
+
+    def reopen(self) -> None:
+        self._generation += 1  # each thread closes its own: another's may be in use right now
 
     def close_all(self) -> None:
         """Close every thread's connection, once no thread uses them (a stopping service). A

@@ -9,6 +9,7 @@ import sqlite3
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -469,8 +470,29 @@ def write_somewhere(cluster: Harness, k: str) -> None:
     raise AssertionError("no write got through")
 
 
+def fill_log_store(node: ReplicaNode, monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+    """Make ``node``'s log store full (no page beyond those it has, on every connection it opens:
+    a reload opens new ones); the function returned makes room again."""
+    full, real_open = [True], node.store._open
+
+    def opened() -> sqlite3.Connection:
+        conn = real_open()
+        if full[0]:
+            conn.execute(f"PRAGMA max_page_count={conn.execute('PRAGMA page_count').fetchone()[0]}")
+        return conn
+
+    def room() -> None:
+        full[0] = False
+        node.store._conn.execute("PRAGMA max_page_count=1073741823")
+
+    monkeypatch.setattr(node.store, "_open", opened)
+    conn = node.store._conn
+    conn.execute(f"PRAGMA max_page_count={conn.execute('PRAGMA page_count').fetchone()[0]}")
+    return room
+
+
 @pytest.mark.allow_faults("storage")
-def test_a_full_disk_on_the_leader_is_a_state_it_recovers_from(cluster: Harness) -> None:
+def test_a_full_disk_on_the_leader_is_a_state_it_recovers_from(cluster: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
     """The leader's log store fills: it steps down, reports it, serves nothing, and rejoins on its
     own once there is room again; no write acknowledged meanwhile is lost (#16)."""
     from pygmy.replication.core import Timing
@@ -481,8 +503,7 @@ def test_a_full_disk_on_the_leader_is_a_state_it_recovers_from(cluster: Harness)
     measured = Timing(heartbeat_ticks=9, election_ticks=60)  # as if its round trips had asked for it
     old.in_turn(lambda core: (core.set_timing(measured), old._timing_hold.update(time.monotonic(), measured)))
     old._timing = measured
-    conn = old.store._conn
-    conn.execute(f"PRAGMA max_page_count={conn.execute('PRAGMA page_count').fetchone()[0]}")
+    room = fill_log_store(old, monkeypatch)
     with pytest.raises(Exception):  # noqa: B017 (NotLeader or ProposalTimeout: not acknowledged)
         old.propose({"k": "big", "add": 1, "pad": "x" * 50_000}, timeout=2)
     wait_for(lambda: (old.fault or "").startswith("disk full"), 5, "the full replica reports it")
@@ -491,14 +512,81 @@ def test_a_full_disk_on_the_leader_is_a_state_it_recovers_from(cluster: Harness)
     assert not old.can_serve_reads()
     for i in range(10):  # writes go on (on another leader, or on this one if small writes still fit)
         write_somewhere(cluster, f"during-{i}")
-    conn.execute("PRAGMA max_page_count=1073741823")  # space returns
+    room()
     wait_for(lambda: old.fault is None, 10, "the replica works again")
     # Stepped down by the fault, it forgot what it measured as leader (the reloaded core was given
     # it, and would have announced it if it led again).
     assert old._timing == Timing() and (old.is_leader() or old.in_turn(lambda core: core._timing) == Timing())
     cluster.converge(timeout=10)
     assert cluster.sms[old.name].read("SELECT v FROM kv WHERE k='a'")[0][0] == 5
-    assert old.faults > 0 and conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    assert old.faults > 0 and old.store._conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+class BrokenConnection:
+    """A SQLite connection a fault left broken for good: every statement fails with SQLite's
+    "disk I/O error", space or not (one replica's log store after a full tmpfs, under the nemesis)."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._real = conn
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("execute", "executemany", "commit", "rollback", "backup"):
+            def fail(*args: Any, **kw: Any) -> Any:
+                raise sqlite3.OperationalError("disk I/O error")
+            return fail
+        return getattr(self._real, name)
+
+
+@pytest.mark.allow_faults("storage")
+@pytest.mark.parametrize("broken", ["log store", "state"])
+def test_a_connection_a_fault_broke_is_not_reused_by_the_reload(cluster: Harness, monkeypatch: pytest.MonkeyPatch,
+                                                               broken: str) -> None:
+    """The node reloads after a storage fault as a restart would, on new connections: before, it
+    reused the broken one, failed every reload the same way and never served again."""
+    leader = cluster.leader()
+    follower = next(n for n in cluster.nodes.values() if n is not leader)
+    if broken == "log store":
+        follower.store._conn = BrokenConnection(follower.store._conn)  # type: ignore[assignment]
+    else:
+        sm = cluster.sms[follower.name]
+        opened, before = sm._conn, sm._generation
+        monkeypatch.setattr(sm, "_conn", lambda: BrokenConnection(opened()) if sm._generation == before else opened())
+    for _ in range(5):
+        leader.propose({"k": "c", "add": 1}, timeout=2)
+    wait_for(lambda: follower.faults > 0, 5, "the broken connection hit the loop")
+    wait_for(lambda: follower.fault is None, 10, "the replica reloaded and works again")
+    cluster.converge(timeout=10)
+    assert cluster.sms[follower.name].read("SELECT v FROM kv WHERE k='c'")[0][0] == 5
+
+
+def test_a_state_reopened_gives_each_thread_a_new_connection_at_its_next_use(tmp_path: Path) -> None:
+    """``reopen`` does not close another thread's connection under it (it may be reading): each
+    thread drops its own, at its next use, and the old one is closed."""
+    sm = KV(tmp_path / "s.db")
+    mine = sm._conn()
+    other: list[sqlite3.Connection] = []
+    in_use, go_on = threading.Event(), threading.Event()
+
+    def reader() -> None:
+        other.append(sm._conn())
+        in_use.set()
+        go_on.wait(5)
+        other[0].execute("SELECT 1").fetchone()  # still open: reopen closed nothing of ours
+        other.append(sm._conn())
+
+    t = threading.Thread(target=reader)
+    t.start()
+    in_use.wait(5)
+    sm.reopen()
+    go_on.set()
+    t.join(5)
+    assert other[1] is not other[0]
+    with pytest.raises(sqlite3.ProgrammingError):
+        other[0].execute("SELECT 1")  # closed by its own thread, at its next use
+    assert sm._conn() is not mine and sm.read("SELECT 1")[0][0] == 1
+    with pytest.raises(sqlite3.ProgrammingError):
+        mine.execute("SELECT 1")
+    sm.close_all()
 
 
 class _NotAnException(BaseException):
