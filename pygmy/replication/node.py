@@ -58,6 +58,7 @@ from pygmy.replication.core import (
     VOTE,
     CoreConfig,
     Entry,
+    HardState,
     Membership,
     MembershipRefused,
     Message,
@@ -406,6 +407,12 @@ class _ReadIndexBatcher:
             return 0, f"{name} gave no read index: {type(exc).__name__}"
 
 
+def durable(hs: HardState) -> tuple[int, str | None, int, int, int]:
+    """What of a hard state must be on disk before a message built on it goes out: term, vote and
+    the announced window with what announced it (not commit: a restarted replica relearns it)."""
+    return hs.term, hs.vote, hs.floor, hs.floor_term, hs.floor_ctx
+
+
 class ReplicaNode:
     """One replica of a Raft group; see the module docstring for its threads."""
 
@@ -464,9 +471,7 @@ class ReplicaNode:
         self._seed = seed
         #: Round trips to each follower (timed on our heartbeats while we lead) and the timing they
         #: ask for (``pygmy.replication.timers``), given to the core every ``RETUNE_EVERY``.
-        self._rtt = RttMeter()
-        self._timing_hold = Hold(self.config.timing_hold_s)
-        self._timing = Timing()
+        self._forget_timing()
         self._retune_at = 0.0
         self._timers: dict[str, Any] = {}
         self.core = self._load_core()
@@ -484,9 +489,9 @@ class ReplicaNode:
         #: A turn's error, for the loop thread to handle (a fault, then a reload from disk); no other
         #: thread takes a turn while it is set.
         self._broken: BaseException | None = None
-        #: A long piece of work the loop's turn is doing now (a snapshot install: a copy and a sync
-        #: as long as the state is large), and since when: live, however long no turn is taken.
-        self._busy: tuple[str, float] | None = None
+        #: The loop's turn is installing a snapshot (a copy and a sync as long as the state is
+        #: large): live, however long no turn is taken.
+        self._installing = False
         self._next_tick = 0.0  # when (monotonic) the core's next tick falls due
         self._proposals: dict[int, _Proposal] = {}
         self._apply_cond = threading.Condition()
@@ -573,7 +578,7 @@ class ReplicaNode:
                                f"{persisted.snapshot[0]}: replace this replica (pygmy member remove, delete its "
                                "data directory, pygmy member add, start, promote: docs/operations.md)")
         hs = persisted.hard_state
-        self._durable_vote = (hs.term, hs.vote, hs.floor, hs.floor_term, hs.floor_ctx)
+        self._durable_vote = durable(hs)
         core = RaftCore(
             self.name,
             list(self._boot_peers),
@@ -916,7 +921,7 @@ class ReplicaNode:
             try:
                 self.in_turn(lambda core: None, turn_within)
             except ProposalTimeout:
-                if self._busy is not None:  # a restart would only begin it again
+                if self._installing:  # a restart would only begin it again
                     return None
                 return f"{self.name}: no replication turn within {turn_within:g} s"
         return None
@@ -1107,7 +1112,7 @@ class ReplicaNode:
             self._was_leader = False
             # As a step-down in ``_refresh_view``: what it measured as leader is of that leadership
             # (the core reloaded after the fault would be given it, and announce it if it led again).
-            self._timing, self._rtt, self._timing_hold = Timing(), RttMeter(), Hold(self.config.timing_hold_s)
+            self._forget_timing()
             self._notify.put((False, int(self._view.get("term", 0))))
 
     def _loop(self) -> None:
@@ -1302,7 +1307,7 @@ class ReplicaNode:
         if snap is not None:
             if snap.data is None:
                 raise RuntimeError("snapshot message without payload")
-            self._busy = (f"installing a snapshot at index {snap.index}", time.monotonic())
+            self._installing = True
             try:
                 self.store.begin_install(snap.index, snap.term, snap.membership)
                 with self._apply_lock:
@@ -1311,7 +1316,7 @@ class ReplicaNode:
                     self._applied_at = (snap.index, snap.term)
                     self._applied_membership = snap.membership or self.core.snap_membership
             finally:  # installed, or lost with the rest of what the loop held (it reloads from disk)
-                self._busy = None
+                self._installing = False
                 self._incoming.discard(snap.data)
             self.snapshots_installed += 1
             log.info("%s: installed a snapshot at index %d (its log was behind the leader's compaction)",
@@ -1322,7 +1327,7 @@ class ReplicaNode:
                     del self._proposals[index]
             self._set_applied(snap.index)
         hs = rd.hard_state
-        if hs is not None and (hs.term, hs.vote, hs.floor, hs.floor_term, hs.floor_ctx) == self._durable_vote and not (
+        if hs is not None and durable(hs) == self._durable_vote and not (
                 rd.entries or rd.truncate_from is not None or snap is not None):
             # Only the commit index moved. Raft needs term, vote and floor (with what announced it) durable, not commit (a
             # restarted replica relearns it from the leader), so this costs no synced transaction in
@@ -1331,7 +1336,7 @@ class ReplicaNode:
         self.store.save(hs, rd.entries, rd.truncate_from, None if snap is None else (snap.index, snap.term),
                         None if snap is None else snap.membership)
         if hs is not None:
-            self._durable_vote = (hs.term, hs.vote, hs.floor, hs.floor_term, hs.floor_ctx)
+            self._durable_vote = durable(hs)
         if rd.truncate_from is not None:
             # Our uncommitted suffix was replaced by another leader's: lost here, but not surely
             # everywhere. With five voters, two others may hold an entry and, with a third that
@@ -1533,10 +1538,7 @@ class ReplicaNode:
         }
         if is_leader != self._was_leader:
             self._was_leader = is_leader
-            # Each leadership measures its own round trips: those of an earlier one are old, and
-            # may have been taken across this process's stall (a paused leader that resumed).
-            self._rtt = RttMeter()
-            self._timing_hold = Hold(self.config.timing_hold_s)
+            self._forget_timing()
             if is_leader:
                 now = time.monotonic()
                 self._leader_since = (core.term, now, core.election_gap)
@@ -1550,10 +1552,15 @@ class ReplicaNode:
                 # What we measured as leader is of that leadership: a follower measures nothing, so
                 # it would otherwise keep it (and announce it, with its heartbeat and probe, if it
                 # led again; a new leader keeps the window it hears anyway).
-                self._timing = Timing()
                 core.set_timing(self._timing)
                 log.info("%s: no longer leads (term %d, leader %s)", self.name, core.term, core.leader)
             self._notify.put((is_leader, core.term))
+
+    def _forget_timing(self) -> None:
+        """Each leadership measures its own round trips and the timing they ask for: those of an
+        earlier one are old (and may have been taken across this process's stall), and one a
+        follower kept would be announced if it led again."""
+        self._rtt, self._timing_hold, self._timing = RttMeter(), Hold(self.config.timing_hold_s), Timing()
 
     def _timers_view(self, rtts: dict[str, float]) -> dict[str, Any]:
         """For /status, made at each retune (not every turn: the view is refreshed on every one)."""
