@@ -231,7 +231,7 @@ class _Sender:
         self.node, self.peer, self.address = node, peer, address
         self.queue: queue.Queue[Message | None] = queue.Queue()
         self.client = FrameClient(address, node.secret, node.name, RAFT_CHANNEL, node.config.connect_timeout,
-                                  extra={"url": node.url})
+                                  extra={"url": node.url}, server=peer)
         self.thread = threading.Thread(target=self._run, name=f"raft-send-{node.name}->{peer}", daemon=True)
         self._stop = False
 

@@ -454,8 +454,8 @@ class ChannelRouter(_LeaderSeeker):
     def __init__(self, tier: str, peers: dict[str, str], secret: str, name: str, channel: str,
                  sightings: Sightings | None = None) -> None:
         super().__init__(tier, peers, sightings)
-        self._clients = {n: FrameClient(raft_address(url), secret, name, channel, connect_timeout=CONNECT_TIMEOUT)
-                         for n, url in peers.items()}
+        self._clients = {n: FrameClient(raft_address(url), secret, name, channel, connect_timeout=CONNECT_TIMEOUT,
+                                        server=n) for n, url in peers.items()}
         self._headers = {"Authorization": f"Bearer {secret}"}
         self._status_pools = {n: urllib3.connection_from_url(tls.fit(url), maxsize=1, block=False, retries=False,
                                                              **tls.pool_options())
@@ -472,7 +472,7 @@ class ChannelRouter(_LeaderSeeker):
         for n, url in peers.items():
             if n not in clients or self.peers.get(n) != url:
                 clients[n] = FrameClient(raft_address(url), self._secret, self._name, self._channel,
-                                         connect_timeout=CONNECT_TIMEOUT)
+                                         connect_timeout=CONNECT_TIMEOUT, server=n)
                 pools[n] = urllib3.connection_from_url(tls.fit(url), maxsize=1, block=False, retries=False, **tls.pool_options())
         self._clients, self._status_pools = clients, pools
         super()._set_peers(peers)

@@ -439,10 +439,12 @@ class FrameClient:
 
     def __init__(self, address: tuple[str, int], secret: str, name: str, channel: str,
                  connect_timeout: float = 0.2, extra: Mapping[str, Any] | None = None,
-                 identity: tls.Identity | None = None) -> None:
+                 identity: tls.Identity | None = None, server: str | None = None) -> None:
         """``extra``: more fields of the hello (a replica's ``url``); ``identity``: the certificate
-        to show (mutual TLS), default the process's (``tls.active``)."""
-        self.address, self.name = address, name
+        to show (mutual TLS), default the process's (``tls.active``); ``server``: with TLS, the name
+        the server's certificate must carry besides its role (a replica we dial by name: another
+        replica of its tier must not stand in for it)."""
+        self.address, self.name, self.server = address, name, server
         self.identity = identity or tls.active()
         #: With TLS, the role the server must have: the channel's, or (Raft) the caller's own tier.
         self.server_role = SERVER_ROLE.get(channel, self.identity.role if self.identity else "")
@@ -488,7 +490,10 @@ class FrameClient:
                     sock = self.identity.client_context(hostnames=not self.server_role).wrap_socket(
                         sock, server_hostname=self.address[0])
                     if self.server_role:  # the server's role, not its host name (``Identity.client_context``)
-                        tls.check(sock, (self.server_role,))
+                        peer = tls.check(sock, (self.server_role,))
+                        if self.server is not None and not peer.named(self.server):
+                            raise tls.PeerRefused(f"we dialled {self.server}, and its certificate names "
+                                                  f"{', '.join(sorted(peer.names))}")
                 sock.sendall(self._hello)
                 stream = sock.makefile("rb")
                 answer = read_frame(stream)  # within the connect budget: a stopped peer is found here

@@ -82,6 +82,26 @@ def test_a_name_not_in_the_certificate_is_refused(catalog_1: FrameServer, ca: Pa
         client.call({"x": 1}, 2.0)
 
 
+def test_a_replica_of_the_tier_is_not_taken_for_another(ca: Path) -> None:
+    """A client that dials a replica by name takes only that replica's certificate: another of the
+    same tier listening at its address (a stolen address, a misconfigured host) is refused, though
+    its role would do."""
+    impostor = FrameServer("127.0.0.1", 0, SECRET, {RAFT_CHANNEL: Channel(lambda p, f: f, roles=frozenset({"catalog"}))},
+                           name="catalog-2", identity=me(ca, "catalog-2"))
+    impostor.start()
+    try:
+        client = FrameClient(impostor.address, SECRET, "catalog-1", RAFT_CHANNEL, 1.0, identity=me(ca, "catalog-1"),
+                             server="catalog-3")
+        with pytest.raises(FrameError, match="we dialled catalog-3, and its certificate names"):
+            client.call({"x": 1}, 2.0)
+        right = FrameClient(impostor.address, SECRET, "catalog-1", RAFT_CHANNEL, 1.0, identity=me(ca, "catalog-1"),
+                            server="catalog-2")
+        assert right.call({"x": 1}, 2.0) == {"x": 1}
+        right.close()
+    finally:
+        impostor.stop()
+
+
 def test_another_cas_replica_is_refused(catalog_1: FrameServer, other_ca: Path) -> None:
     client = FrameClient(catalog_1.address, SECRET, "catalog-2", RAFT_CHANNEL, 1.0, identity=me(other_ca, "catalog-2"))
     with pytest.raises(FrameError):
