@@ -489,7 +489,7 @@ class ReplicaNode:
         #: A turn's error, for the loop thread to handle (a fault, then a reload from disk); no other
         #: thread takes a turn while it is set.
         self._broken: BaseException | None = None
-        #: The loop's turn is installing a snapshot (a copy and a sync as long as the state is
+        #: A turn (on whichever thread) is installing a snapshot (a copy and a sync as long as the state is
         #: large): live, however long no turn is taken.
         self._installing = False
         self._next_tick = 0.0  # when (monotonic) the core's next tick falls due

@@ -284,16 +284,24 @@ class SQLiteStateMachine(StateMachine):
         change: _DigestChange = self._local.change
         if change.open:
             raise RuntimeError("a digest-keeping transaction is already open on this thread")
-        with transaction(conn):
-            change.total, change.open = 0, True
-            try:
-                yield conn
-                if change.total % _MODULUS:  # (no trigger has fired before the digest row exists)
-                    kept = conn.execute("SELECT value FROM digest WHERE id=0").fetchone()[0]
-                    value = format((int(kept, 16) + change.total) % _MODULUS, "064x")
-                    conn.execute("UPDATE digest SET value=? WHERE id=0", (value,))
-            finally:
-                change.total, change.open = 0, False
+        try:
+            with transaction(conn):
+                change.total, change.open = 0, True
+                try:
+                    yield conn
+                    if change.total % _MODULUS:  # (no trigger has fired before the digest row exists)
+                        kept = conn.execute("SELECT value FROM digest WHERE id=0").fetchone()[0]
+                        value = format((int(kept, 16) + change.total) % _MODULUS, "064x")
+                        conn.execute("UPDATE digest SET value=? WHERE id=0", (value,))
+                finally:
+                    change.total, change.open = 0, False
+        except Exception as exc:
+            if is_storage_fault(exc):
+                # Closed now, on its own thread: a rollback that failed too would leave it holding the
+                # write lock until this thread's next use (``reopen`` is lazy), and every other
+                # thread's write would wait for it; its next use opens a new one.
+                self.close()
+            raise
 
     @contextmanager
     def amend(self) -> Iterator[sqlite3.Connection]:

@@ -497,6 +497,9 @@ class FrameClient:
                 sock.sendall(self._hello)
                 stream = sock.makefile("rb")
                 answer = read_frame(stream)  # within the connect budget: a stopped peer is found here
+            except tls.PeerRefused as exc:  # not a missing answer: the wrong peer answered
+                sock.close()
+                raise FrameError(f"{self.address}: {exc}") from None
             except (OSError, ValueError) as exc:
                 sock.close()
                 if isinstance(exc, TimeoutError) and learning:

@@ -9,7 +9,7 @@ import sqlite3
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -557,6 +557,34 @@ def test_a_connection_a_fault_broke_is_not_reused_by_the_reload(cluster: Harness
     wait_for(lambda: follower.fault is None, 10, "the replica reloaded and works again")
     cluster.converge(timeout=10)
     assert cluster.sms[follower.name].read("SELECT v FROM kv WHERE k='c'")[0][0] == 5
+
+
+def test_a_write_that_failed_on_storage_lets_the_database_go_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A state write that failed with a storage fault, whose rollback failed too, closes its
+    connection there and then: before, it kept the write lock until its thread used the state
+    again, and the next apply, on another thread, waited 10 s and failed "database is locked"."""
+    from contextlib import contextmanager
+
+    from pygmy.replication import statemachine
+
+    @contextmanager
+    def rollback_fails(conn: sqlite3.Connection, mode: str = "IMMEDIATE") -> Iterator[sqlite3.Connection]:
+        conn.execute(f"BEGIN {mode}")
+        yield conn  # the error goes up with the transaction still open, as after a failed ROLLBACK
+        conn.execute("COMMIT")
+
+    sm = KV(tmp_path / "s.db")
+    monkeypatch.setattr(statemachine, "transaction", rollback_fails)
+    with pytest.raises(sqlite3.OperationalError, match="disk I/O error"), sm._write_lock, sm._writing() as conn:
+        conn.execute("INSERT INTO kv(k, v) VALUES ('x', 1)")
+        raise sqlite3.OperationalError("disk I/O error")
+    monkeypatch.undo()
+    other = sqlite3.connect(sm.path, timeout=0.5, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # the write lock is free: "database is locked" otherwise
+    other.execute("ROLLBACK")
+    other.close()
+    assert sm.apply_many([(1, {"k": "y", "add": 2})]) == [(2, None)]  # on a new connection
+    sm.close_all()
 
 
 def test_a_state_reopened_gives_each_thread_a_new_connection_at_its_next_use(tmp_path: Path) -> None:
