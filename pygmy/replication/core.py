@@ -454,6 +454,10 @@ class Progress:
     #: None once it was sent the commit, or while entries are on their way (they carry it).
     #: ``hurry_commit`` dates it back, so that the next ``ready`` sends the commit.
     commit_owed_since: int | None = None
+    #: Answers to messages sent before this tick (their ``ctx``) are not this follower's: a member
+    #: added under the name of one removed is another replica (an empty disk), and what its
+    #: predecessor answered late must not count as its progress.
+    since: int = -(10**9)
 
 
 class RaftCore:
@@ -637,7 +641,8 @@ class RaftCore:
             # has just committed (its progress kept until ``ready`` prunes it): a new replica there
             # has none of that one's entries, and must not look caught up on what it never answered.
             for p in sorted(m.members - {self.id} - (self._prs.keys() & old.members)):
-                self._prs[p] = Progress(next=self.last_index + 1, last_progress=self.now)
+                # After this tick: messages of this very tick may have gone to the old one.
+                self._prs[p] = Progress(next=self.last_index + 1, last_progress=self.now, since=self.now + 1)
             # A server being removed still gets entries (counting for nothing) until its removal
             # commits (``ready``): it then holds it, and knows not to campaign.
             if self.lead_transferee is not None and self.lead_transferee not in m.voters:
@@ -1288,8 +1293,8 @@ class RaftCore:
 
     def _handle_append_resp(self, m: Message) -> None:
         pr = self._prs.get(m.src)
-        if pr is None:
-            return  # removed from the configuration since
+        if pr is None or m.ctx < pr.since:
+            return  # removed from the configuration since, or an answer of a removed replica of that name
         self._heard(pr, m)
         if not m.success:
             if m.index <= pr.match or pr.state == SNAPSHOTTING:
@@ -1320,7 +1325,7 @@ class RaftCore:
 
     def _handle_heartbeat_resp(self, m: Message) -> None:
         pr = self._prs.get(m.src)
-        if pr is None:
+        if pr is None or m.ctx < pr.since:
             return
         self._heard(pr, m)
         pr.paused = False

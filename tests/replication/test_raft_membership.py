@@ -820,3 +820,46 @@ def test_a_name_added_again_in_the_turn_its_removal_commits_starts_afresh() -> N
     assert pr is not None and pr.match == 0 and not a.caught_up("d", 64)
     with pytest.raises(MembershipRefused, match="never answered"):
         a.promote("d", 64)
+
+
+@pytest.mark.parametrize("late", ["append", "heartbeat"])
+def test_a_late_answer_of_a_removed_replica_says_nothing_of_its_successor_under_that_name(late: str) -> None:
+    """Remove ``d``, wipe it, add a new replica under the name ``d``: an answer the old one sent
+    before its removal, arriving only now (a slow link), must not count as the new one's: it would
+    look caught up on entries its empty disk never held, be promoted, and count towards a majority
+    for them."""
+    from raft_sim import make_leader
+
+    from pygmy.replication.core import APPEND_RESP, HEARTBEAT_RESP, CoreConfig, Message, RaftCore
+
+    cfg = CoreConfig(heartbeat_ticks=2, election_ticks_min=10, election_ticks_max=20)
+    a = make_leader(RaftCore("a", list("abcd"), config=cfg, rng=1))
+    for p in "bcd":
+        a.step(Message(APPEND_RESP, p, "a", a.term, index=a.last_index, success=True, ctx=a.now))
+    a.ready()
+    for _ in range(5):
+        a.propose({"k": 1})
+    a.ready()
+    sent_at, held = a.now, a.last_index  # the old d's answer to these, delayed on its way
+    removal = a.remove("d")
+    for p in "bc":
+        a.step(Message(APPEND_RESP, p, "a", a.term, index=removal, success=True, ctx=a.now))
+    a.ready()
+    assert a.progress("d") is None  # pruned
+    for _ in range(3):
+        a.tick()
+    a.ready()
+    a.add_learner("d", "http://new:1")
+    a.ready()
+    answer = (Message(APPEND_RESP, "d", "a", a.term, index=held, success=True, ctx=sent_at) if late == "append" else
+              Message(HEARTBEAT_RESP, "d", "a", a.term, index=held, conflict_index=held + 1, ctx=sent_at))
+    a.step(answer)
+    for _ in range(3):
+        a.tick()
+    for p in "bc":  # the addition commits
+        a.step(Message(APPEND_RESP, p, "a", a.term, index=a.last_index, success=True, ctx=a.now))
+    a.ready()
+    pr = a.progress("d")
+    assert pr is not None and pr.match == 0, pr
+    with pytest.raises(MembershipRefused, match="never answered"):
+        a.promote("d", 64)
