@@ -469,6 +469,10 @@ class SQLiteStateMachine(StateMachine):
 
     def reopen(self) -> None:
         self._generation += 1  # each thread closes its own: another's may be in use right now
+        # As at a start: a restore that failed between its copy and its digest's triggers (a fault,
+        # not a crash, which would pass through ``__init__``) left the snapshot's own.
+        with self._write_lock:
+            self._install_digest(self._conn())
 
     def close_all(self) -> None:
         """Close every thread's connection, once no thread uses them (a stopping service). A

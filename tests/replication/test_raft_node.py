@@ -587,6 +587,22 @@ def test_a_write_that_failed_on_storage_lets_the_database_go_at_once(tmp_path: P
     sm.close_all()
 
 
+def test_a_reopened_state_keeps_its_digest_as_a_started_one_does(tmp_path: Path) -> None:
+    """A restore that failed after its copy and before its digest's triggers were put back (a full
+    disk) left the snapshot's triggers (here: none, as from a version before them); the node's reload
+    (``reopen``) puts them back as a restart would, so the digest follows the rows again."""
+    sm = KV(tmp_path / "s.db")
+    sm.apply_many([(1, {"k": "a", "add": 1})])
+    with sm._write_lock:
+        for (name,) in sm.read("SELECT name FROM sqlite_master WHERE type='trigger'"):
+            sm._conn().execute(f"DROP TRIGGER {name}")
+    sm.reopen()
+    sm.apply_many([(2, {"k": "b", "add": 2})])
+    applied, kept, recomputed = sm.full_digest()
+    assert applied == 2 and kept == recomputed
+    sm.close_all()
+
+
 def test_a_state_reopened_gives_each_thread_a_new_connection_at_its_next_use(tmp_path: Path) -> None:
     """``reopen`` does not close another thread's connection under it (it may be reading): each
     thread drops its own, at its next use, and the old one is closed."""
