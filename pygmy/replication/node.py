@@ -62,6 +62,7 @@ from pygmy.replication.core import (
     Membership,
     MembershipRefused,
     Message,
+    Progress,
     RaftCore,
     Ready,
     Timing,
@@ -1352,6 +1353,8 @@ class ReplicaNode:
         for m in msgs:
             if m.type == HEARTBEAT:
                 pr = self.core.progress(m.dst)
+                if pr is not None:
+                    self._timed_progress[m.dst] = pr
                 self._rtt.sent(m.dst, m.ctx, now, caught_up=pr is not None
                                and pr.match >= self.core.commit - self.config.promote_max_lag)
             sender = self._senders.get(m.dst) or self._sender(m.dst)
@@ -1393,6 +1396,12 @@ class ReplicaNode:
         # back to life should the configuration give that URL again).
         self._told_urls = {n: told for n, told in self._told_urls.items() if m.urls.get(n) == told[1]}
         keep = m.members | set(self.core.replicating_to()) | ({self.core.leader} if self.core.leader else set())
+        for name, timed in list(self._timed_progress.items()):
+            if self.core.progress(name) is not timed:
+                # Gone, or started afresh: another replica under a removed one's name (another host,
+                # maybe another link), whose predecessor's round trips are not its own.
+                self._rtt.forget(name)
+                del self._timed_progress[name]
         with self._peers_lock:  # a replica still sent to (its removal not yet committed) keeps its URL
             kept = {n: u for n, u in self.peers.items() if n in keep}
             peers = {**self._heard_urls, **self._boot_peers, **kept, **m.urls}
@@ -1561,6 +1570,9 @@ class ReplicaNode:
         earlier one are old (and may have been taken across this process's stall), and one a
         follower kept would be announced if it led again."""
         self._rtt, self._timing_hold, self._timing = RttMeter(), Hold(self.config.timing_hold_s), Timing()
+        #: The core's progress of each follower timed, as its last heartbeat found it (``_sync_members``
+        #: forgets the round trips of one whose progress is gone or new).
+        self._timed_progress: dict[str, Progress] = {}
 
     def _timers_view(self, rtts: dict[str, float]) -> dict[str, Any]:
         """For /status, made at each retune (not every turn: the view is refreshed on every one)."""

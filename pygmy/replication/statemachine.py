@@ -188,6 +188,12 @@ class SQLiteStateMachine(StateMachine):
         self._opened_lock = threading.Lock()
         #: Bumped by ``reopen``: a thread whose connection is older opens a new one.
         self._generation = 0
+        self._prepare()
+
+    def _prepare(self) -> None:
+        """What a start does before the state is used, and a reload after a fault (``reopen``) again:
+        the tables, the applied index's row, an older version's rows migrated, the digest's
+        triggers (a restore that failed part way may have left a snapshot's)."""
         with self._write_lock:
             conn = self._conn()
             conn.execute(META_SCHEMA)
@@ -295,8 +301,8 @@ class SQLiteStateMachine(StateMachine):
                         conn.execute("UPDATE digest SET value=? WHERE id=0", (value,))
                 finally:
                     change.total, change.open = 0, False
-        except Exception as exc:
-            if is_storage_fault(exc):
+        except BaseException as exc:
+            if conn.in_transaction or is_storage_fault(exc):
                 # Closed now, on its own thread: a rollback that failed too would leave it holding the
                 # write lock until this thread's next use (``reopen`` is lazy), and every other
                 # thread's write would wait for it; its next use opens a new one.
@@ -440,7 +446,7 @@ class SQLiteStateMachine(StateMachine):
             with self._writing() as conn:  # a snapshot from an older version: brought up to this schema
                 conn.execute("UPDATE meta SET value=? WHERE key='applied_index'", (index,))
                 self.migrate(conn)
-        self._install_digest(conn)
+            self._install_digest(conn)
 
     def digest(self) -> str:
         """O(1): the maintained sum, not a scan."""
@@ -460,19 +466,18 @@ class SQLiteStateMachine(StateMachine):
             return int(applied), _show(kept), _show(self._sum_rows(conn))
 
     def close(self) -> None:
+        """This thread's connection (a broken one may fail to close: it is dropped all the same)."""
         conn = getattr(self._local, "conn", None)
         if conn is not None:
-            conn.close()
             self._local.conn = None
             with self._opened_lock:
                 self._opened.pop(threading.current_thread(), None)
+            with contextlib.suppress(sqlite3.Error):
+                conn.close()
 
     def reopen(self) -> None:
         self._generation += 1  # each thread closes its own: another's may be in use right now
-        # As at a start: a restore that failed between its copy and its digest's triggers (a fault,
-        # not a crash, which would pass through ``__init__``) left the snapshot's own.
-        with self._write_lock:
-            self._install_digest(self._conn())
+        self._prepare()  # as at a start: a fault (not a crash) never passed through ``__init__``
 
     def close_all(self) -> None:
         """Close every thread's connection, once no thread uses them (a stopping service). A

@@ -110,6 +110,14 @@ class RttMeter:
         if at is not None:
             self.samples.setdefault(peer, deque(maxlen=SAMPLES)).append((now, now - at))
 
+    def forget(self, peer: str) -> None:
+        """``peer`` left the configuration: a replica added later under its name is another, on
+        another link, and is timed only once it has caught up (``sent``)."""
+        self.samples.pop(peer, None)
+        self._timed.discard(peer)
+        for key in [k for k in self._sent if k[0] == peer]:
+            del self._sent[key]
+
     def forget_pending(self) -> None:
         """Drop the heartbeats still unanswered: their answers would time a stall of our own."""
         self._sent.clear()

@@ -9,6 +9,7 @@ import random
 import shutil
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -286,3 +287,21 @@ def test_a_learner_that_never_started_is_removed(group: Group) -> None:
     group.write(3)
     group.converge()
     assert all(n.loop_faults == {"storage": 0, "error": 0, "sender": 0} for n in group.nodes.values())
+
+
+def test_a_name_added_again_is_timed_afresh(group: Group) -> None:
+    """Round trips the leader measured to a removed replica say nothing of another added later
+    under its name (another host, maybe another link): they are forgotten, and the new one is timed
+    only once it has caught up, as any joining replica."""
+    group.write(3)
+    leader = group.leader()
+    victim = next(n for n in group.nodes if n != leader.name)
+    group.until(lambda: victim in leader.in_turn(lambda core: leader._rtt.rtts(time.monotonic())))
+    leader.remove(victim, 5.0)
+    group.until(lambda: group.nodes[victim].status()["role"] == "removed")
+    group.stop(victim)
+    group.write(2)
+    url = group.new_replica(victim)  # a new host under the old name, not started yet
+    leader.add_learner(victim, url, 5.0)
+    # Forgotten at the first heartbeat to the new replica (its predecessor's samples stay a minute otherwise).
+    group.until(lambda: leader.in_turn(lambda core: victim not in leader._rtt.samples and victim not in leader._rtt._timed))
