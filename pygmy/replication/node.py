@@ -918,11 +918,11 @@ class ReplicaNode:
             return f"{self.name} is not running"
         if not self._loop_thread.is_alive():
             return f"{self.name}: its replication loop has exited"
-        if self._broken is None:
+        if self._broken is None and not self._installing:  # installing: at once (a probe times out too)
             try:
                 self.in_turn(lambda core: None, turn_within)
             except ProposalTimeout:
-                if self._installing:  # a restart would only begin it again
+                if self._installing:  # begun meanwhile: a restart would only begin it again
                     return None
                 return f"{self.name}: no replication turn within {turn_within:g} s"
         return None

@@ -54,6 +54,9 @@ Without the variables below it does nothing.
   ``<tier> sender`` (or ``<tier> receiver``), the first replica of that tier to have sent (received)
   three chunks of a snapshot stream deletes the file and SIGKILLs its own process group right
   there: a stream cut short at either end, a partial file left on the receiver.
+- ``PYGMY_TEST_SLOW_INSTALL=<file>``: when the file says ``<tier> <seconds>``, the first replica of
+  that tier to restore its state from a snapshot deletes the file and takes that long more to do
+  it, in its turn, as a large state's copy and sync would.
 - ``PYGMY_TEST_CRASH_INSTALL=<file>``: when the file names a tier, the first replica of that tier to
   restore its state from a snapshot it was sent deletes the file and SIGKILLs its own process group
   right after the restore, before its log store records the install: at start it must finish it.
@@ -391,6 +394,26 @@ def _crash_install(flag: str) -> None:
     SQLiteStateMachine.restore = crashing
 
 
+def _slow_install(flag: str) -> None:
+    import time
+
+    from pygmy.replication.statemachine import SQLiteStateMachine
+
+    restore = SQLiteStateMachine.restore
+
+    def slow(self, index, path):  # type: ignore[no-untyped-def]
+        try:
+            tier, _, seconds = open(flag).read().strip().partition(" ")  # noqa: SIM115
+        except OSError:
+            tier, seconds = "", "0"
+        if tier and os.path.basename(os.path.dirname(self.path)).startswith(tier + "-"):  # <data>/<name>/state.db
+            os.unlink(flag)
+            time.sleep(float(seconds))
+        restore(self, index, path)
+
+    SQLiteStateMachine.restore = slow
+
+
 def _crash_unpersisted(flag: str) -> None:
     from pygmy.replication.node import ReplicaNode
 
@@ -615,6 +638,8 @@ if os.environ.get("PYGMY_TEST_CRASH_MID_BATCH"):
     _crash_mid_batch(os.environ["PYGMY_TEST_CRASH_MID_BATCH"])
 if os.environ.get("PYGMY_TEST_CRASH_MID_SNAPSHOT"):
     _crash_mid_snapshot(os.environ["PYGMY_TEST_CRASH_MID_SNAPSHOT"])
+if os.environ.get("PYGMY_TEST_SLOW_INSTALL"):
+    _slow_install(os.environ["PYGMY_TEST_SLOW_INSTALL"])
 if os.environ.get("PYGMY_TEST_CRASH_INSTALL"):
     _crash_install(os.environ["PYGMY_TEST_CRASH_INSTALL"])
 if os.environ.get("PYGMY_TEST_CRASH_APPLIED_UNANNOUNCED"):

@@ -1,20 +1,25 @@
 """``/livez`` and ``/readyz`` on real processes (#39): every service is live and ready on a working
 cluster; with two catalog replicas killed the catalog tier has no leader, and then the frontend and
 the last catalog replica stay live while neither is ready (a liveness probe must not restart them
-while their tier fails over); the killed replicas restarted, every service is ready again. (That a
-replica still catching up is not ready is `tests/replication/test_node_probes.py`'s.)"""
+while their tier fails over); the killed replicas restarted, every service is ready again. A
+replica installing a snapshot longer than a turn may take is live, and not ready, throughout.
+(That a replica still catching up is not ready is `tests/replication/test_node_probes.py`'s.)"""
 
 from __future__ import annotations
 
+import threading
+import time
+from pathlib import Path
+
 import requests
-from harness import Cluster, wait_for
+from harness import Cluster, cluster_env, free_port_base, wait_for
 
 from pygmy.verify.chaos import leader_of
 
 
-def code(url: str) -> int:
+def code(url: str, timeout: float = 3) -> int:
     try:
-        return requests.get(url, timeout=3).status_code
+        return requests.get(url, timeout=timeout).status_code
     except requests.RequestException:
         return 0
 
@@ -56,3 +61,41 @@ def test_live_while_the_catalog_elects_ready_only_with_leaders(fresh_cluster: Cl
     for name in gone:
         c.restart(name)
     wait_for("every service ready again", lambda: all_ready(c), 60)
+
+
+def test_a_replica_installing_a_long_snapshot_is_live_and_not_ready(tmp_path: Path) -> None:
+    """A catalog follower comes back past what its leader keeps and installs a snapshot that takes
+    4 s (a hook: as a large state's copy and sync would), twice the 2 s within which a live replica
+    takes a turn: a liveness probe restarting it then would only begin the install again. Each
+    ``/livez`` answers 200 within a kubelet's default timeout (before: after 2 s, the turn it waited
+    for in vain)."""
+    flag = tmp_path / "slow-install"
+    env = cluster_env(PYGMY_TEST_SLOW_INSTALL=str(flag), PYGMY_RAFT_KEEP_ENTRIES="10", PYGMY_RAFT_COMPACT_SLACK="5")
+    c = Cluster(tmp_path / "d", free_port_base(), [], env).start(reset=True)
+    try:
+        cfg = c.cluster_config()
+        leader = str(wait_for("a catalog leader", lambda: leader_of(cfg, "catalog")))
+        victim = next(n for n in cfg.peers("catalog") if n != leader)
+        c.kill(victim)
+        auth = {"Authorization": f"Bearer {c.admin_token()}"}
+        for _ in range(30):  # past what the leader keeps: only a snapshot brings it back
+            r = requests.post(f"{c.url}/update/1", json={"stock_delta": 1}, headers=auth, timeout=10)
+            assert r.status_code == 200, r.text
+        flag.write_text("catalog 4")
+        restarted = threading.Thread(target=c.restart, args=(victim,))
+        restarted.start()
+        seen: list[tuple[int, int]] = []  # (livez, readyz) while the install is under way
+        deadline = time.monotonic() + 60
+        while code(c.replica_url(victim) + "/readyz") != 200:
+            assert time.monotonic() < deadline, f"{victim} never ready: {seen[-5:]}"
+            if not flag.exists():  # taken: the install is under way (or over)
+                # Within a kubelet's default probe timeout, 1 s (a probe that times out fails).
+                seen.append((code(c.replica_url(victim) + "/livez", 1.0), code(c.replica_url(victim) + "/readyz", 1.0)))
+            time.sleep(0.1)
+        restarted.join(60)
+        during = [s for s in seen if s[1] != 200]
+        assert len(during) >= 10, f"too few looks during the install: {seen}"
+        assert all(live == 200 for live, _ in during), f"not live while installing: {during}"
+        assert c.client().lookup(1)["stock"] >= 30
+    finally:
+        c.stop()
