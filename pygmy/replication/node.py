@@ -89,6 +89,9 @@ _SAYS_WHERE = frozenset({APPEND, HEARTBEAT, SNAPSHOT, TIMEOUT_NOW, VOTE})
 log = logging.getLogger("pygmy.replication")
 #: Longest a leader not yet sure of its lease waits for it before refusing a read index.
 LEADER_READ_WAIT = 0.25
+#: A replica failing this long on errors other than storage's (a bug: every reload fails the same
+#: way) is not live, so that an orchestrator restarts it; one whose disk is full stays live.
+STUCK_FAULT_S = 60.0
 #: First wait before reloading after a fault; doubles up to 1 s, back to this once working again.
 _FAULT_BACKOFF_MIN = 0.05
 #: Turns one thread takes in a row for inputs that keep arriving before it leaves the rest to the
@@ -515,6 +518,8 @@ class ReplicaNode:
         #: The last fault's description, kept after the node works again (``fault`` is cleared).
         self.last_loop_fault: str | None = None
         self._fault_at = 0.0
+        #: When the faults in force began, and whether the last was of storage (``liveness``).
+        self._faulty_since, self._fault_is_storage = 0.0, True
         self._fault_backoff = _FAULT_BACKOFF_MIN
         self.snapshots_installed = 0
         self._caught_up = False
@@ -911,13 +916,19 @@ class ReplicaNode:
     def liveness(self, turn_within: float = 2.0) -> str | None:
         """Why this replica is not live (None: it is): its event loop has exited, or takes no turn
         within ``turn_within`` s (a deadlock; a restart is the cure) and is not installing a
-        snapshot (a large one takes longer, and a restart would begin it again). A fault the supervisor is
-        retrying (a full disk) is live: a restart would not cure it, and the node recovers by itself
-        once the cause clears. Asks no other replica."""
+        snapshot (a large one takes longer, and a restart would begin it again). A storage fault the
+        supervisor is retrying (a full disk) is live: a restart would not cure it, and the node
+        recovers by itself once the cause clears; any other error that every reload meets for
+        ``STUCK_FAULT_S`` is not. Asks no other replica."""
         if not self._started or self._stopping.is_set():
             return f"{self.name} is not running"
         if not self._loop_thread.is_alive():
             return f"{self.name}: its replication loop has exited"
+        if self.fault is not None and not self._fault_is_storage and (
+                time.monotonic() - self._faulty_since > STUCK_FAULT_S):
+            # A bug's error on every reload for that long (a storage fault is the disk's, which a
+            # restart would not cure): what a restart may cure, and an orchestrator should see.
+            return f"{self.name}: failing for over {STUCK_FAULT_S:g} s: {self.fault}"
         if self._broken is None and not self._installing:  # installing: at once (a probe times out too)
             try:
                 self.in_turn(lambda core: None, turn_within)
@@ -1098,6 +1109,9 @@ class ReplicaNode:
     def _enter_fault(self, exc: BaseException) -> None:
         first = self.fault is None
         storage = is_storage_fault(exc)
+        if first:
+            self._faulty_since = time.monotonic()
+        self._fault_is_storage = storage
         self.fault = describe(exc) if storage else f"replication loop error: {type(exc).__name__}: {exc}"
         self.loop_faults["storage" if storage else "error"] += 1
         self.last_loop_fault = self.fault
@@ -1304,6 +1318,12 @@ class ReplicaNode:
         self._refresh_view(tick_wall)
 
     def _persist(self, rd: Ready) -> None:
+        try:
+            self._write(rd)
+        finally:  # an install is over once the log store has recorded it (or lost, with what the loop held)
+            self._installing = False
+
+    def _write(self, rd: Ready) -> None:
         snap = rd.snapshot
         if snap is not None:
             if snap.data is None:
@@ -1317,7 +1337,6 @@ class ReplicaNode:
                     self._applied_at = (snap.index, snap.term)
                     self._applied_membership = snap.membership or self.core.snap_membership
             finally:  # installed, or lost with the rest of what the loop held (it reloads from disk)
-                self._installing = False
                 self._incoming.discard(snap.data)
             self.snapshots_installed += 1
             log.info("%s: installed a snapshot at index %d (its log was behind the leader's compaction)",

@@ -55,8 +55,8 @@ Without the variables below it does nothing.
   three chunks of a snapshot stream deletes the file and SIGKILLs its own process group right
   there: a stream cut short at either end, a partial file left on the receiver.
 - ``PYGMY_TEST_SLOW_INSTALL=<file>``: when the file says ``<tier> <seconds>``, the first replica of
-  that tier to restore its state from a snapshot deletes the file and takes that long more to do
-  it, in its turn, as a large state's copy and sync would.
+  that tier to restore its state from a snapshot deletes the file and waits that long in its turn
+  before the copy (as a large state's copy would take), then creates ``<file>.restored``.
 - ``PYGMY_TEST_CRASH_INSTALL=<file>``: when the file names a tier, the first replica of that tier to
   restore its state from a snapshot it was sent deletes the file and SIGKILLs its own process group
   right after the restore, before its log store records the install: at start it must finish it.
@@ -406,10 +406,13 @@ def _slow_install(flag: str) -> None:
             tier, _, seconds = open(flag).read().strip().partition(" ")  # noqa: SIM115
         except OSError:
             tier, seconds = "", "0"
-        if tier and os.path.basename(os.path.dirname(self.path)).startswith(tier + "-"):  # <data>/<name>/state.db
+        mine = tier and os.path.basename(os.path.dirname(self.path)).startswith(tier + "-")  # <data>/<name>/state.db
+        if mine:
             os.unlink(flag)
             time.sleep(float(seconds))
         restore(self, index, path)
+        if mine:
+            open(flag + ".restored", "w").close()  # noqa: SIM115
 
     SQLiteStateMachine.restore = slow
 

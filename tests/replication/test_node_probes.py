@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 from test_raft_node import Harness
 
 
@@ -59,4 +60,41 @@ def test_a_loop_that_takes_no_turn_is_not_live_and_a_stopped_node_neither(tmp_pa
         h.stop(name)
         assert "not running" in (node.liveness() or "")
     finally:
+        h.close()
+
+
+@pytest.mark.allow_faults("storage", "error")
+@pytest.mark.parametrize("storage", [True, False], ids=["storage", "bug"])
+def test_a_replica_failing_on_every_reload_is_live_only_while_its_disk_is_at_fault(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, storage: bool) -> None:
+    """Every reload fails: on a full disk a restart would cure nothing and the replica stays live
+    (it recovers once space returns); on any other error (a bug, such as a migration that raises)
+    it is not live after ``STUCK_FAULT_S``, so an orchestrator restarts it and the failure shows."""
+    import sqlite3
+
+    from pygmy.replication import node as node_module
+
+    monkeypatch.setattr(node_module, "STUCK_FAULT_S", 0.5)
+    h = Harness(tmp_path)
+    try:
+        node = next(n for n in h.nodes.values() if not n.is_leader())
+        error = sqlite3.OperationalError("database or disk is full") if storage else ValueError("a bug")
+
+        def failing() -> None:
+            raise error
+
+        monkeypatch.setattr(node, "_load_core", failing)
+        monkeypatch.setattr(node, "_process_ready", lambda tick_wall: failing())
+        deadline = time.monotonic() + 5
+        while node.fault is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert node.fault is not None
+        time.sleep(1.0)
+        why = node.liveness()
+        if storage:
+            assert why is None, why
+        else:
+            assert why is not None and "failing for over" in why and "a bug" in why, why
+    finally:
+        monkeypatch.undo()
         h.close()
