@@ -556,7 +556,7 @@ def test_the_node_writes_a_new_announcer_of_the_window_held(tmp_path) -> None:
                            store=SimpleNamespace(save=lambda hs, *a: saved.append(hs)))
     rd = Ready()
     rd.hard_state = HardState(2, None, 7, 100, 2, 50)
-    ReplicaNode._persist(node, rd)  # type: ignore[arg-type]
+    ReplicaNode._write(node, rd)  # type: ignore[arg-type]
     assert saved == [rd.hard_state] and node._durable_vote == (2, None, 100, 2, 50)
 
 
