@@ -518,7 +518,7 @@ class ReplicaNode:
         #: The last fault's description, kept after the node works again (``fault`` is cleared).
         self.last_loop_fault: str | None = None
         self._fault_at = 0.0
-        #: When the faults in force began, and whether the last was of storage (``liveness``).
+        #: Since when the faults in force have been of the last one's kind, and whether that is storage (``liveness``).
         self._faulty_since, self._fault_is_storage = 0.0, True
         self._fault_backoff = _FAULT_BACKOFF_MIN
         self.snapshots_installed = 0
@@ -1109,7 +1109,7 @@ class ReplicaNode:
     def _enter_fault(self, exc: BaseException) -> None:
         first = self.fault is None
         storage = is_storage_fault(exc)
-        if first:
+        if first or storage != self._fault_is_storage:  # a streak of one kind (a full disk, then a bug)
             self._faulty_since = time.monotonic()
         self._fault_is_storage = storage
         self.fault = describe(exc) if storage else f"replication loop error: {type(exc).__name__}: {exc}"
