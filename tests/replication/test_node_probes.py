@@ -98,3 +98,41 @@ def test_a_replica_failing_on_every_reload_is_live_only_while_its_disk_is_at_fau
     finally:
         monkeypatch.undo()
         h.close()
+
+
+@pytest.mark.allow_faults("storage", "error")
+def test_a_bug_after_a_long_full_disk_is_timed_from_its_own_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disk full for longer than ``STUCK_FAULT_S``, then a bug on every reload: the bug's streak
+    counts from its own first error, not from the disk's (which would fail liveness at once)."""
+    import sqlite3
+
+    from pygmy.replication import node as node_module
+
+    monkeypatch.setattr(node_module, "STUCK_FAULT_S", 1.0)
+    h = Harness(tmp_path)
+    try:
+        node = next(n for n in h.nodes.values() if not n.is_leader())
+        errors: list[Exception] = [sqlite3.OperationalError("database or disk is full")]
+
+        def failing(*args: object) -> None:
+            raise errors[0]
+
+        monkeypatch.setattr(node, "_load_core", failing)
+        monkeypatch.setattr(node, "_process_ready", failing)
+        deadline = time.monotonic() + 5
+        while node.fault is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(1.5)
+        assert node.liveness() is None  # a full disk: live however long
+        errors[0] = ValueError("a bug")
+        while node._fault_is_storage and time.monotonic() < deadline + 5:
+            time.sleep(0.005)
+        assert not node._fault_is_storage
+        assert node.liveness() is None  # the bug's streak has just begun
+        deadline = time.monotonic() + 5
+        while node.liveness() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "failing for over" in (node.liveness() or "")
+    finally:
+        monkeypatch.undo()
+        h.close()
