@@ -518,8 +518,10 @@ class ReplicaNode:
         #: The last fault's description, kept after the node works again (``fault`` is cleared).
         self.last_loop_fault: str | None = None
         self._fault_at = 0.0
-        #: Since when the faults in force have been of the last one's kind, and whether that is storage (``liveness``).
-        self._faulty_since, self._fault_is_storage = 0.0, True
+        #: Since when every reload has failed with faults of the last one's kind (None: the last
+        #: reload worked, or none was needed), and whether that kind is storage (``liveness``).
+        self._stuck_since: float | None = None
+        self._fault_is_storage = True
         self._fault_backoff = _FAULT_BACKOFF_MIN
         self.snapshots_installed = 0
         self._caught_up = False
@@ -924,8 +926,8 @@ class ReplicaNode:
             return f"{self.name} is not running"
         if not self._loop_thread.is_alive():
             return f"{self.name}: its replication loop has exited"
-        if self.fault is not None and not self._fault_is_storage and (
-                time.monotonic() - self._faulty_since > STUCK_FAULT_S):
+        stuck = self._stuck_since
+        if stuck is not None and not self._fault_is_storage and time.monotonic() - stuck > STUCK_FAULT_S:
             # A bug's error on every reload for that long (a storage fault is the disk's, which a
             # restart would not cure): what a restart may cure, and an orchestrator should see.
             return f"{self.name}: failing for over {STUCK_FAULT_S:g} s: {self.fault}"
@@ -1100,6 +1102,7 @@ class ReplicaNode:
                         # new core (an election at once).
                         self._count_ticks_from_now()
                         self._broken = None
+                        self._stuck_since = None  # reloaded: a tier without a leader after it is not stuck
                     break
                 except Exception as exc:
                     with self._core_lock:
@@ -1109,8 +1112,8 @@ class ReplicaNode:
     def _enter_fault(self, exc: BaseException) -> None:
         first = self.fault is None
         storage = is_storage_fault(exc)
-        if first or storage != self._fault_is_storage:  # a streak of one kind (a full disk, then a bug)
-            self._faulty_since = time.monotonic()
+        if self._stuck_since is None or storage != self._fault_is_storage:  # a streak of one kind (a full disk, then a bug)
+            self._stuck_since = time.monotonic()
         self._fault_is_storage = storage
         self.fault = describe(exc) if storage else f"replication loop error: {type(exc).__name__}: {exc}"
         self.loop_faults["storage" if storage else "error"] += 1

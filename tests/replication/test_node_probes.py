@@ -136,3 +136,37 @@ def test_a_bug_after_a_long_full_disk_is_timed_from_its_own_start(tmp_path: Path
     finally:
         monkeypatch.undo()
         h.close()
+
+
+@pytest.mark.allow_faults("error")
+def test_a_replica_that_reloaded_after_a_bug_is_live_while_its_tier_has_no_leader(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One error in a turn, a reload that works, then no leader to catch up with: the replica stays
+    ``failed`` (not caught up), but it is not stuck, and a liveness probe must not restart it while
+    its tier elects."""
+    from pygmy.replication import node as node_module
+
+    monkeypatch.setattr(node_module, "STUCK_FAULT_S", 0.5)
+    h = Harness(tmp_path)
+    try:
+        node = next(n for n in h.nodes.values() if not n.is_leader())
+        for name in [n for n in h.nodes if n != node.name]:
+            h.stop(name)
+        real, calls = node._process_ready, [0]
+
+        def once(tick_wall: float) -> None:
+            calls[0] += 1
+            if calls[0] == 1:
+                raise RuntimeError("one bug")
+            real(tick_wall)
+
+        monkeypatch.setattr(node, "_process_ready", once)
+        deadline = time.monotonic() + 5
+        while not (node.fault is not None and node._broken is None) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert node.fault is not None and node._broken is None  # reloaded, still failed: no leader
+        time.sleep(1.0)
+        assert node.fault is not None and node.liveness() is None
+    finally:
+        monkeypatch.undo()
+        h.close()
