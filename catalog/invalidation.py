@@ -332,10 +332,7 @@ class Invalidator:
                     if self._channels[old].close_if_idle():
                         del self._channels[old]
                         self._rtts.pop(old, None)
-                # With TLS the worker's listener must show the certificate of the frontend that
-                # subscribed with this URL (authenticated by its own certificate), not any frontend's.
-                owner = next((sid for sid, (u, _) in self._subs.items() if u == url), None)
-                channel = self._channels[url] = _Channel(url, self._secret, self.node.name, owner)
+                channel = self._channels[url] = _Channel(url, self._secret, self.node.name)
             return channel, self.push_timeout(url)
 
 
@@ -364,10 +361,8 @@ class _Channel:
     frame carries the holds and releases of every write waiting for this worker, and the worker's
     one acknowledgement answers them all."""
 
-    def __init__(self, url: str, secret: str, name: str, owner: str | None = None) -> None:
-        """``owner``: the subscription (``frontend-1/<pid>``) that gave ``url``."""
-        self.client = FrameClient(subscriber_address(url), secret, name, PUSH_CHANNEL, connect_timeout=0.1,
-                                  server=owner)
+    def __init__(self, url: str, secret: str, name: str) -> None:
+        self.client = FrameClient(subscriber_address(url), secret, name, PUSH_CHANNEL, connect_timeout=0.1)
         self._combiner: Combiner[dict[str, Any], bool] = Combiner(self._send)
         self.timeout = PUSH_TIMEOUT  # the latest push's (the worker's round trip may change)
 

@@ -230,16 +230,6 @@ def test_a_push_to_a_far_worker_is_given_time_for_its_round_trip(env: Env) -> No
     assert inv.push_timeout("tcp://far:1") == inv_mod.PUSH_TIMEOUT_MAX
 
 
-def test_a_push_goes_only_to_the_frontend_that_subscribed_with_that_address(env: Env) -> None:
-    """With TLS, the connection to a worker's listener takes only a certificate naming the frontend
-    whose subscription gave that address (its own certificate checked when it subscribed): another
-    frontend's listener found there gets none of its holds."""
-    _clock, _node, inv, _pushes = env
-    inv.subscribe("frontend-2/77", "tcp://127.0.0.1:1", rtt=0.001)
-    channel, _ = inv._channel("tcp://127.0.0.1:1")
-    assert channel.client.server == "frontend-2/77"
-
-
 # -- releases -----------------------------------------------------------------------------------------
 def test_a_release_is_pushed_with_its_index_to_live_workers_only(env: Env) -> None:
     clock, _node, inv, pushes = env
