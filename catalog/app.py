@@ -116,6 +116,11 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         sub_id, url = (body.get("id"), body.get("url")) if isinstance(body, dict) else (None, None)
         if not isinstance(sub_id, str) or not isinstance(url, str):
             return answer(400, "id and url (tcp://host:port, where the worker takes pushes) are required")
+        if sub_id.partition("/")[0] != worker.partition("/")[0]:
+            # A worker subscribes as its own frontend (its hello's name, which a certificate must
+            # name under TLS): one subscribing under another's id would take over that worker's
+            # entry, and its pushes, while that worker went on serving its cache under its lease.
+            return answer(403, f"{worker} may not subscribe as {sub_id.partition('/')[0]}")
         try:
             subscriber_address(url)
         except ValueError as exc:
