@@ -116,11 +116,6 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         sub_id, url = (body.get("id"), body.get("url")) if isinstance(body, dict) else (None, None)
         if not isinstance(sub_id, str) or not isinstance(url, str):
             return answer(400, "id and url (tcp://host:port, where the worker takes pushes) are required")
-        if sub_id.partition("/")[0] != worker.partition("/")[0]:
-            # A worker subscribes as its own frontend (its hello's name, which a certificate must
-            # name under TLS): one subscribing under another's id would take over that worker's
-            # entry, and its pushes, while that worker went on serving its cache under its lease.
-            return answer(403, f"{worker} may not subscribe as {sub_id.partition('/')[0]}")
         try:
             subscriber_address(url)
         except ValueError as exc:
@@ -128,6 +123,11 @@ def create_app(config: ClusterConfig, k: int) -> Flask:
         rtt = body.get("rtt", 0.0)
         if isinstance(rtt, bool) or not isinstance(rtt, int | float) or not 0 <= rtt <= 60:
             return answer(400, "rtt, if given, is the worker's renewal round trip in seconds (0 to 60)")
+        if sub_id.partition("/")[0] != worker.partition("/")[0]:
+            # A worker subscribes as its own frontend (its hello's name, which a certificate must
+            # name under TLS): one subscribing under another's id would take over that worker's
+            # entry, and its pushes, while that worker went on serving its cache under its lease.
+            return answer(403, f"{worker} may not subscribe as {sub_id.partition('/')[0]}")
         if not rt.node.is_leader():
             leader = rt.node.leader()
             return answer(421, f"{rt.name} is not the catalog leader", leader=leader[0] if leader else None)

@@ -137,8 +137,8 @@ def test_raft_messages_not_from_the_connected_member_are_ignored(hard_cluster: C
 
 def test_lease_renewals_need_the_secret_and_a_well_formed_request(hard_cluster: Cluster) -> None:
     """The subscribe channel (frontend workers' cache leases) is open to any name with the secret,
-    refuses everyone without it, answers 400 to a malformed request and 421 (naming the leader) off
-    the leader."""
+    for a subscription under that name (``tests/catalog/test_app.py``), refuses everyone without it,
+    answers 400 to a malformed request and 421 (naming the leader) off the leader."""
     c = hard_cluster
     lead = leader(c, "catalog")
     follower = next(n for n in NAMES if n.startswith("catalog") and n != lead)
@@ -148,15 +148,15 @@ def test_lease_renewals_need_the_secret_and_a_well_formed_request(hard_cluster: 
         stream = s.makefile("rb")
         s.sendall(encode({"hello": "probe", "secret": c.secret(), "channel": "subscribe"}))
         assert read_frame(stream) == {"ok": True}
-        for bad in ({"id": "i"}, {"id": "i", "url": "http://127.0.0.1:9"}, [1, 2],
-                    *({"id": "i", "url": "tcp://127.0.0.1:9", "rtt": rtt} for rtt in (-1, 61, "1", True, None))):
+        for bad in ({"id": "probe/1"}, {"id": "probe/1", "url": "http://127.0.0.1:9"}, [1, 2],
+                    *({"id": "probe/1", "url": "tcp://127.0.0.1:9", "rtt": rtt} for rtt in (-1, 61, "1", True, None))):
             s.sendall(encode(bad))
             assert read_frame(stream)["status"] == 400, bad
     with socket.create_connection(raft_address(c.replica_url(follower)), timeout=5) as s:
         stream = s.makefile("rb")
         s.sendall(encode({"hello": "probe", "secret": c.secret(), "channel": "subscribe"}))
         assert read_frame(stream) == {"ok": True}
-        s.sendall(encode({"id": "i", "url": "tcp://127.0.0.1:9"}))
+        s.sendall(encode({"id": "probe/1", "url": "tcp://127.0.0.1:9"}))
         answer = read_frame(stream)
         assert answer["status"] == 421 and answer["body"]["error"]["leader"] == lead
 
