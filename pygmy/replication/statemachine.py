@@ -254,10 +254,7 @@ class SQLiteStateMachine(StateMachine):
         """One connection per thread: readers never block the applier (WAL)."""
         conn = getattr(self._local, "conn", None)
         if conn is not None and self._local.generation != self._generation:
-            with self._opened_lock:
-                self._opened.pop(threading.current_thread(), None)
-            with contextlib.suppress(sqlite3.Error):
-                conn.close()  # a broken connection may fail to close; it is dropped either way
+            self.close()  # opened before a ``reopen``: not trusted
             conn = None
         if conn is None:
             generation = self._generation  # read first: a reopen meanwhile makes this one old too
